@@ -1,0 +1,44 @@
+"""torchnext: fault tolerance and low precision as default infrastructure for PyTorch.
+
+Subpackages:
+
+* :mod:`torchnext.comms`   -- a Communicator over any torch.distributed backend (Gloo, NCCL, custom).
+* :mod:`torchnext.lowp`    -- block-scaled formats (NVFP4, MXFP8, MXFP4) and scaled matmuls.
+* :mod:`torchnext.control` -- compiler control flow (switch, while_loop, dynamic_spec, complex -> real).
+
+``import torchnext`` is lean: it imports torch, but it does not initialise CUDA, compile anything or open sockets.
+Subpackages are imported on first attribute access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_SUBMODULES = ("comms", "lowp", "control", "testing")
+
+# Curated top-level re-exports: public name -> (module, attribute). Filled in as the areas land.
+_REEXPORTS: dict[str, tuple[str, str]] = {}
+
+__all__ = ["__version__", *_SUBMODULES]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torchnext import comms as comms
+    from torchnext import control as control
+    from torchnext import lowp as lowp
+    from torchnext import testing as testing
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"torchnext.{name}")
+    if name in _REEXPORTS:
+        module, attr = _REEXPORTS[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'torchnext' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__) | set(_REEXPORTS))

@@ -1,0 +1,5 @@
+import sys
+
+from torchnext.cli import main
+
+sys.exit(main())

@@ -1,0 +1,72 @@
+"""The one place where torchnext reads ``TORCHNEXT_*`` environment variables.
+
+Every knob has a field with a docstring in :class:`EnvConfig`; :func:`env_config` reads the environment each time
+it is called (cheap), so tests can monkeypatch variables.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+__all__ = ["EnvConfig", "env_config", "ENV_VARS"]
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _str(name: str, default: str | None) -> str | None:
+    raw = os.environ.get(name)
+    return default if raw is None or raw == "" else raw
+
+
+@dataclass(kw_only=True, frozen=True)
+class EnvConfig:
+    """Settings read from the environment."""
+
+    fr_buffer_size: int = 2000
+    """``TORCHNEXT_FR_BUFFER_SIZE``: Flight Recorder ring capacity; 0 disables recording."""
+
+    fr_dump_dir: str | None = None
+    """``TORCHNEXT_FR_DUMP_DIR``: folder for automatic Flight Recorder dumps (None: no automatic dumps)."""
+
+    autotune: str = "1"
+    """``TORCHNEXT_AUTOTUNE``: ``0`` (never time, use the static preference), ``1`` (time and cache), ``readonly``."""
+
+    autotune_cache: str = str(Path.home() / ".cache" / "torchnext" / "autotune.json")
+    """``TORCHNEXT_AUTOTUNE_CACHE``: path of the on-disk autotuner cache (JSON)."""
+
+
+ENV_VARS = {
+    "fr_buffer_size": "TORCHNEXT_FR_BUFFER_SIZE",
+    "fr_dump_dir": "TORCHNEXT_FR_DUMP_DIR",
+    "autotune": "TORCHNEXT_AUTOTUNE",
+    "autotune_cache": "TORCHNEXT_AUTOTUNE_CACHE",
+}
+
+
+def env_config() -> EnvConfig:
+    """Read the ``TORCHNEXT_*`` variables into an :class:`EnvConfig` (defaults where unset)."""
+    defaults = EnvConfig()
+    values: dict[str, object] = {}
+    for f in fields(EnvConfig):
+        var = ENV_VARS[f.name]
+        default = getattr(defaults, f.name)
+        if isinstance(default, int):
+            values[f.name] = _int(var, default)
+        else:
+            values[f.name] = _str(var, default)
+    autotune = values["autotune"]
+    if autotune not in ("0", "1", "readonly"):
+        raise ValueError(f"TORCHNEXT_AUTOTUNE={autotune!r}: expected one of '0', '1', 'readonly'")
+    if int(values["fr_buffer_size"]) < 0:  # type: ignore[call-overload]
+        raise ValueError(f"TORCHNEXT_FR_BUFFER_SIZE={values['fr_buffer_size']!r} must be >= 0")
+    return EnvConfig(**values)  # type: ignore[arg-type]

@@ -1,0 +1,1 @@
+"""torchnext.control."""
