@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-__all__ = ["EnvConfig", "env_config", "ENV_VARS"]
+__all__ = ["ENV_VARS", "EnvConfig", "env_config", "relevant_environment"]
 
 
 def _int(name: str, default: int) -> int:
@@ -70,3 +70,38 @@ def env_config() -> EnvConfig:
     if int(values["fr_buffer_size"]) < 0:  # type: ignore[call-overload]
         raise ValueError(f"TORCHNEXT_FR_BUFFER_SIZE={values['fr_buffer_size']!r} must be >= 0")
     return EnvConfig(**values)  # type: ignore[arg-type]
+
+
+RELEVANT_ENV_PREFIXES: tuple[str, ...] = ("TORCHNEXT_", "TORCH_NCCL_", "NCCL_", "NVSHMEM_", "TORCH_FR_")
+"""Prefixes of the variables ``torchnext doctor`` reports (read-only)."""
+
+RELEVANT_ENV_NAMES: tuple[str, ...] = (
+    "NVIDIA_IMEX_CHANNELS",
+    "NVIDIA_PYTORCH_VERSION",
+    "NVIDIA_VISIBLE_DEVICES",
+    "CUDA_VISIBLE_DEVICES",
+    "PYTORCH_CUDA_ALLOC_CONF",
+)
+"""Individual variables ``torchnext doctor`` reports (read-only)."""
+
+_SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "KEY")
+
+
+def relevant_environment() -> dict[str, str]:
+    """The environment variables that matter to torchnext and its hazards, sorted by name.
+
+    Semantics::
+
+        {k: v for k, v in os.environ.items()
+         if (k in RELEVANT_ENV_NAMES or k.startswith(RELEVANT_ENV_PREFIXES)) and no secret marker in k}
+
+    Names containing TOKEN/SECRET/PASSWORD/KEY are never returned, so a report can be pasted into an issue.
+    """
+    out: dict[str, str] = {}
+    for name, value in os.environ.items():
+        if name not in RELEVANT_ENV_NAMES and not name.startswith(RELEVANT_ENV_PREFIXES):
+            continue
+        if any(marker in name.upper() for marker in _SECRET_MARKERS):
+            continue
+        out[name] = value
+    return dict(sorted(out.items()))

@@ -40,7 +40,13 @@ def register_subcommand(cmd: Subcommand) -> None:
     SUBCOMMANDS[cmd.name] = cmd
 
 
-_BUILTIN: tuple[Subcommand, ...] = ()
+_BUILTIN: tuple[Subcommand, ...] = (
+    Subcommand(
+        name="doctor",
+        module="torchnext.doctor.command",
+        help="Show the environment, which torchnext backends can run here, and known hazards (--json, --strict).",
+    ),
+)
 for _cmd in _BUILTIN:
     register_subcommand(_cmd)
 
