@@ -545,3 +545,14 @@ def test_import_doctor_is_lean() -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_docs_list_every_rule_and_the_api_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    text = (REPO_ROOT / "docs" / "doctor.md").read_text()
+    assert "## torchnext doctor" in text
+    for rule in RULES:
+        assert f"`{rule.id}`" in text, f"docs/doctor.md does not describe {rule.id}"
+    example = text.split("### Python API", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    exec(compile(example, "docs/doctor.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "fp4-mx-needs-sm100" in out and "flex-attention-ima" in out and "hazards_applying" in out

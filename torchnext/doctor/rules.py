@@ -245,7 +245,7 @@ RULES: tuple[Rule, ...] = (
         meaning="TE 2.14.0's fused MXFP8 quantization + bias-gradient (dbias) kernel can silently produce wrong "
         "results, differently from run to run, when training with an MXFP8 recipe and bias=True.",
         what_to_do="Upgrade to transformer-engine >= 2.14.1, or train those layers without bias / without MXFP8.",
-        source="NVIDIA container release notes; fixed in Transformer Engine v2.14.1 (NVIDIA/TransformerEngine#2921)",
+        source="NVIDIA 26.08 container release notes; fixed in Transformer Engine v2.14.1 (NVIDIA/TransformerEngine#2921)",
         detect=_te_214_mxfp8_dbias,
     ),
     Rule(
@@ -266,7 +266,7 @@ RULES: tuple[Rule, ...] = (
         meaning="NVSHMEM initialisation (torch symmetric memory, NVSHMEM-based kernels) can segfault when no IMEX "
         "channel is selected.",
         what_to_do="export NVIDIA_IMEX_CHANNELS=0 (or pass -e NVIDIA_IMEX_CHANNELS=0 to the container).",
-        source="NVIDIA PyTorch container release notes (26.08)",
+        source="NVIDIA 26.08 PyTorch container release notes",
         detect=_nvshmem_imex,
     ),
     Rule(
@@ -287,7 +287,7 @@ RULES: tuple[Rule, ...] = (
         "(dequantize + high-precision GEMM): numerically equivalent, without the speed or memory win.",
         what_to_do="Run block-scaled training or inference on Blackwell-class GPUs (sm_100+) for speed; use the "
         "emulated path elsewhere for correctness checks only.",
-        source="NVIDIA container release notes; cuBLAS block-scaled GEMM requirements",
+        source="PyTorch 2.14 / NVIDIA 26.08 container release notes; cuBLAS block-scaled GEMM requirements",
         detect=_fp4_mx_needs_sm100,
     ),
     Rule(
