@@ -24,8 +24,7 @@ def test_help_lists_every_subcommand() -> None:
 
 
 def test_duplicate_subcommand_rejected() -> None:
-    if not SUBCOMMANDS:
-        pytest.skip("no subcommand registered yet")
+    assert SUBCOMMANDS, "the CLI registers built-in subcommands"
     name = next(iter(SUBCOMMANDS))
     with pytest.raises(ValueError, match="already registered"):
         register_subcommand(Subcommand(name=name, module="x", help="x"))
