@@ -125,7 +125,7 @@ def test_avg_emulated_when_backend_lacks_it() -> None:
 
 
 def test_backend_registry_errors() -> None:
-    with pytest.raises(ValueError, match="unknown backend 'nope'.*gloo"):
+    with pytest.raises(ValueError, match=r"unknown backend 'nope'.*gloo"):
         get_backend("nope")
     with pytest.raises(ValueError, match="already registered"):
         register_backend("gloo", _no_avg_factory)
@@ -136,7 +136,7 @@ def test_backend_registry_errors() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised on a machine without CUDA")
 def test_nccl_backend_on_cpu_machine_raises_clearly() -> None:
     cfg = BackendConfig(store=dist.HashStore(), rank=0, size=1, timeout=timedelta(seconds=5), device=None, name="n")
-    with pytest.raises(RuntimeError, match="NCCL|CUDA"):
+    with pytest.raises(RuntimeError, match=r"NCCL|CUDA"):
         get_backend("nccl")(cfg)
 
 
