@@ -187,6 +187,9 @@ def _lifecycle(ctx: RankContext) -> None:
     comm = Communicator(ctx.store, ctx.rank, 2, name="life")
     assert (comm.rank, comm.size, comm.ranks, comm.backend, str(comm.device)) == (ctx.rank, 2, [0, 1], "gloo", "cpu")
     assert "life" in repr(comm)
+    assert comm.backend_handle.pg is not None and comm.timeout == timedelta(seconds=300)
+    comm.store.set("probe", "1")  # namespaced: visible under torchnext/life/ in the shared store
+    assert ctx.store.get("torchnext/life/probe") == b"1"
     comm.barrier()
     comm.shutdown()
     comm.shutdown()

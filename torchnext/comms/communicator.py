@@ -200,6 +200,19 @@ class Communicator(CollectiveOps):
         """Default op timeout."""
         return self._timeout
 
+    @property
+    def store(self) -> dist.Store:
+        """This communicator's namespaced store (keys under ``torchnext/<name>/``; a split child's under its own
+        sub-prefix). Components built on a communicator (windows, recovery) put their keys under a sub-prefix of it:
+        ``PrefixStore("mine", comm.store)``."""
+        return self._store
+
+    @property
+    def backend_handle(self) -> BackendHandle:
+        """The connected backend (``.pg`` is the c10d object). Issuing on it directly bypasses op ids, hooks and
+        abort: use it only for what the Communicator does not offer."""
+        return self._backend
+
     def __repr__(self) -> str:
         state = "aborted" if self._aborted else "errored" if self._error else "closed" if self._closed else "ok"
         return f"Communicator(name={self._name!r}, rank={self._rank}, size={self._size}, backend={self._backend_name!r}, {state})"
@@ -263,7 +276,8 @@ class Communicator(CollectiveOps):
             raise hook_error
 
     def shutdown(self) -> None:
-        """Release the backend cleanly (idempotent). Waits for ops still in flight (each bounded by its timeout).
+        """Release the backend cleanly (idempotent). Waits for async ops still in flight (each bounded by its
+        timeout); a synchronous op running in another thread makes it raise ``RuntimeError`` instead.
 
         An errored or aborted communicator's backend is abandoned instead of destroyed (its threads may be blocked).
         Later ops raise ``CommError`` (``CommAborted`` if aborted).
@@ -271,7 +285,10 @@ class Communicator(CollectiveOps):
         with self._lock:
             if self._closed:
                 return
-            pending = [w for w in (*self._in_flight.values(), self._sync_work) if w is not None]
+            if self._sync_work is not None:
+                raise RuntimeError(f"shutdown() of {self._name!r} while another thread is in a synchronous "
+                                   f"{self._sync_work.op}; wait for it to return (or abort())")
+            pending = list(self._in_flight.values())
         for work in pending:
             try:
                 work.wait()
