@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-import weakref
 import zlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -19,7 +18,7 @@ from torchnext.comms.backends import BackendConfig, BackendHandle, get_backend
 from torchnext.comms.errors import CommAborted, CommError
 from torchnext.comms.hooks import AbortHookArgs, HookList, OpInfo, PostHookArgs, RemovableHandle
 from torchnext.comms.reduce_op import ReduceOp
-from torchnext.comms.work import CompletionWaiter, Work, WorkStatus
+from torchnext.comms.work import CompletionWaiter, Work, WorkStatus, future_callback
 
 __all__ = ["Communicator", "P2POp"]
 
@@ -397,8 +396,10 @@ class Communicator(CollectiveOps):
                 work._finish(WorkStatus.ERROR, wrapped, breaks_comm=type(wrapped) is not CommError)
                 raise wrapped from exc
             if sliced:
-                work._wait_sync(backend_works)
-                return None
+                if len(backend_works) == 1:
+                    work._wait_sync(backend_works[0])
+                    return None
+                work._done = _locked()  # (no such op today) several backend works: wait as below
             if len(backend_works) != 1:
                 work._pending = len(backend_works)
             for bw in backend_works:
@@ -408,7 +409,7 @@ class Communicator(CollectiveOps):
                     except RuntimeError:
                         self._wait_in_thread(bw, work, td)
                     else:
-                        fut.add_done_callback(_future_callback(work))
+                        fut.add_done_callback(future_callback(work))
                 else:
                     self._wait_in_thread(bw, work, td)
             if async_op:
@@ -497,22 +498,12 @@ class Communicator(CollectiveOps):
 _SUM_ARGS = (ReduceOp.SUM, dist.ReduceOp.SUM, False)
 
 
-def _future_callback(work: Work) -> Callable[[Any], None]:
-    """A backend-future callback holding only a weak reference to ``work``.
 
-    A strong one would make the backend's future own work -> communicator -> backend: when a Gloo worker thread then
-    drops the last reference, the backend's destructor runs on its own worker thread and the process aborts
-    ("terminate called without an active exception", seen at exit). The Work stays alive while in flight anyway
-    (the communicator's ``_in_flight`` holds it).
-    """
-    ref = weakref.ref(work)
 
-    def on_done(fut: Any) -> None:
-        w = ref()
-        if w is not None:
-            w._on_future(fut)
-
-    return on_done
+def _locked() -> Any:
+    lock = threading.Lock()
+    lock.acquire()
+    return lock
 
 
 def _is_int(x: object) -> bool:
