@@ -10,19 +10,23 @@ after the creation barrier), so nothing is left in ``/dev/shm`` even if every pr
 lives while some process still maps it.
 
 Accumulate atomicity: :meth:`Segment.lock` holds a ``threading.Lock`` (POSIX record locks belong to the process,
-so they do not exclude threads of one process) and ``fcntl.lockf(fd, LOCK_EX, 1, 0)`` on the file (excludes other
-processes). Every accumulate and signal on a target -- by a same-host peer, by the target's own TCP service
-thread, or by the target itself -- takes the target segment's lock, so accumulates never lose an update.
+so they do not exclude threads of one process) and an exclusive ``fcntl`` byte-range lock on the file (excludes
+other processes; an open-file-description lock on Linux, see ``_file_lock``). Every accumulate and signal on a
+target -- by a same-host peer, by the target's own TCP service thread, or by the target itself -- takes the target
+segment's lock, so accumulates never lose an update.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import mmap
 import os
 import secrets
+import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -88,7 +92,8 @@ class Segment:
         self.dtype = dtype
         self.world = world
         self._fd = fd
-        self._thread_lock = threading.Lock()
+        st = os.fstat(fd)
+        self._thread_lock = _inode_lock((st.st_dev, st.st_ino))
         ctrl = ctrl_bytes(world)
         size = ctrl + max(numel * _itemsize(dtype), 1)
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -131,11 +136,11 @@ class Segment:
         """Exclusive access to this segment for read-modify-write ops (accumulate, signal), across threads and
         processes. The lock syscalls are also full memory barriers."""
         with self._thread_lock:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, 0)
+            _file_lock(self._fd, True)
             try:
                 yield
             finally:
-                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, 0)
+                _file_lock(self._fd, False)
 
     def add_signal(self, origin: int, value: int) -> None:
         """``signals[origin] += value`` under the lock."""
@@ -153,8 +158,46 @@ class Segment:
         fd, self._fd = self._fd, -1
         if fd >= 0:
             with self._thread_lock:
+                # closing any fd of the file drops this process's record locks on it; the thread lock is held, so
+                # no thread of this process is inside a locked section
                 os.close(fd)
         self.unlink()
+
+
+# Open-file-description locks (Linux >= 3.15): owned by the open file, not the process, so the kernel's
+# process-level deadlock detector (which reports false EDEADLK when threads of several processes hold different
+# segments' locks) does not apply. Elsewhere: classic record locks, retried on EDEADLK.
+_OFD_SETLKW: int | None = getattr(fcntl, "F_OFD_SETLKW", None)
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on LP64 Linux: l_type, l_whence, l_start, l_len, l_pid
+
+
+def _file_lock(fd: int, acquire: bool) -> None:
+    if _OFD_SETLKW is not None:
+        kind = fcntl.F_WRLCK if acquire else fcntl.F_UNLCK
+        fcntl.fcntl(fd, _OFD_SETLKW, _FLOCK.pack(kind, os.SEEK_SET, 0, 1, 0))
+        return
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX if acquire else fcntl.LOCK_UN, 1, 0)
+            return
+        except OSError as exc:
+            if exc.errno != errno.EDEADLK:
+                raise
+            time.sleep(1e-4)
+
+
+_INODE_LOCKS: dict[tuple[int, int], threading.Lock] = {}
+_INODE_LOCKS_GUARD = threading.Lock()
+
+
+def _inode_lock(key: tuple[int, int]) -> threading.Lock:
+    """One thread lock per segment file per process: POSIX record locks do not exclude threads of one process, and
+    several ``Segment`` objects of one process may map the same file (ranks run as threads)."""
+    with _INODE_LOCKS_GUARD:
+        lock = _INODE_LOCKS.get(key)
+        if lock is None:
+            lock = _INODE_LOCKS[key] = threading.Lock()
+        return lock
 
 
 def ctrl_bytes(world: int) -> int:
