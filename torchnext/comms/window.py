@@ -396,10 +396,11 @@ class Window:
         connections and mappings. Ops issued later raise :class:`WindowClosed`. ``win.tensor`` stays a valid local
         tensor. Idempotent; after ``invalidate`` it only releases locally (no collective)."""
         with self._lock:
-            if self._closed or self._invalid is not None:
-                self._shutdown_local()
-                return
+            local_only = self._closed or self._invalid is not None
             self._closed = True  # refuse new ops from now on
+        if local_only:
+            self._shutdown_local()
+            return
         try:
             for r in range(self.size):
                 self._drain(r)
