@@ -53,7 +53,8 @@ def _rank_main(ctx: RankContext, sizes: list[int], budget_s: float, min_pairs: i
     raw = dist.ProcessGroupGloo(dist.PrefixStore("bench_raw", ctx.store), ctx.rank, ctx.world_size, timedelta(seconds=120))
     # The Communicator runs on that very ProcessGroupGloo (a registered backend factory hands it over), so the
     # comparison isolates torchnext's layer: two separately created Gloo groups differ by up to 5x at 4 B here.
-    register_backend("bench-gloo", lambda cfg: BackendHandle(pg=raw, device=torch.device("cpu")), replace=True)
+    register_backend("bench-gloo", lambda cfg: BackendHandle(pg=raw, device=torch.device("cpu"), interruptible_wait=True),
+                     replace=True)
     comm = Communicator(ctx.store, ctx.rank, ctx.world_size, backend="bench-gloo", timeout=timedelta(seconds=120),
                         name="bench")
     counter = [0, 0]

@@ -6,9 +6,11 @@ A :class:`Work` reaches exactly one terminal state, once::
 
 How completion is observed (this fixes the thread that runs post hooks, see :mod:`torchnext.comms.hooks`):
 
-* synchronous ops: the issuing thread waits on the backend Work in slices of ``SYNC_WAIT_SLICE`` (10 ms), checking
+* synchronous ops on backends whose timed wait is only a wait (``BackendHandle.interruptible_wait``: Gloo
+  collectives): the issuing thread waits on the backend Work in slices of ``SYNC_WAIT_SLICE`` (10 ms), checking
   between slices for an abort or the op's deadline -- the lowest-latency wait, still interruptible by ``abort()``;
-* async ops: the backend Work's future callback (Gloo collectives, NCCL), or, for backend Works without a future
+* all other ops (async ops; sync send/recv, whose timed wait on Gloo would *be* the op's timeout): the backend
+  Work's future callback (Gloo collectives, NCCL), or, for backend Works without a future
   (Gloo send/recv), one waiter thread per communicator. ``Work.wait()`` blocks on our own lock, not on the backend,
   so ``abort()`` wakes it at once.
 """
@@ -102,7 +104,7 @@ class Work:
         outputs: Sequence[torch.Tensor],
         timeout_s: float,
         peer: int | None,
-        async_op: bool,
+        needs_lock: bool,
     ) -> None:
         self._comm = comm
         self.op = op
@@ -119,7 +121,7 @@ class Work:
         self._t_end = 0.0
         self._deadline = self._t0 + timeout_s
         self._done: _thread.LockType | None = None
-        if async_op:
+        if needs_lock:
             lock = _thread.allocate_lock()
             lock.acquire()
             self._done = lock  # released once when terminal; every waiter re-releases it (baton)
@@ -269,6 +271,9 @@ class Work:
                         break
                     if self.status in _TERMINAL:  # aborted meanwhile
                         return self._outcome()
+                    if self._comm._aborted is not None:  # belt and braces: abort() cancels this op itself
+                        self._finish(WorkStatus.ABORTED, self._comm._aborted)
+                        return self._outcome()
                     if time.perf_counter() >= self._deadline:
                         self._time_out()
                         return self._outcome()
@@ -318,3 +323,4 @@ class CompletionWaiter:
                 work._part_done(exc)
             else:
                 work._part_done(None)
+            del item, backend_work, work  # hold no reference while idle (it would keep the communicator alive)
