@@ -175,7 +175,7 @@ class Window:
         self._service: Any = None
         seq = getattr(comm, "_window_seq", 0)
         comm._window_seq = seq + 1  # type: ignore[attr-defined]
-        store = dist.PrefixStore(f"window{seq}", comm._store)
+        store = dist.PrefixStore(f"window{seq}", comm.store)
         store_timeout = timedelta(seconds=timeout_s)
 
         self._segment = Segment.create(tensor.numel(), tensor.dtype, self.size)
@@ -217,7 +217,7 @@ class Window:
         if serves:
             from torchnext.comms.window_transport.tcp import TcpService
 
-            bind = host or _default_host(comm._store)
+            bind = host or _default_host(comm.store)
             self._service = TcpService(self._segment, token, bind, tuple(tensor.shape), size)
             store.set(f"tcp/{rank}", json.dumps(list(self._service.address)))
         tcp_peers = [r for r in range(size) if self._kinds[r] is WindowTransport.TCP]
