@@ -118,7 +118,7 @@ def _rank_main(ctx: RankContext, rows: int, reps: int) -> dict[str, Any]:
         src = torch.randn(numel)
         dst = torch.empty(numel)
         get_t, copy_t = [], []
-        for _ in range(max(reps, 5)):  # interleaved so load hits both alike
+        for _ in range(max(4 * reps, 20)):  # interleaved so load hits both alike
             t0 = time.perf_counter()
             win.get(1, 0, numel, out=out)
             get_t.append(time.perf_counter() - t0)

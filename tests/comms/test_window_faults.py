@@ -28,7 +28,7 @@ def _wrong_token(ctx: RankContext) -> dict[str, Any]:
     comm = Communicator(ctx.store, ctx.rank, 2, timeout=timedelta(seconds=30), name="tok")
     win = comm.new_window(torch.zeros(8), transport="tcp")
     addr = win._service.address
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"bound_to": addr[0]}  # the store's interface (127.0.0.1 here), not 0.0.0.0
     with pytest.raises(WindowAuthError, match="refused the connection"):
         TcpChannel(0, ctx.rank, addr, b"\x00" * 32, 5.0, {}, {})
     # a raw client: right magic, wrong token; then garbage -> refused and closed before any request is read
@@ -52,6 +52,7 @@ def _wrong_token(ctx: RankContext) -> dict[str, Any]:
 def test_connection_with_wrong_token_is_refused() -> None:
     for res in run_ranks(_wrong_token, 2, timeout=60):
         assert res["verdicts"] == [(b"\x01", b""), (b"\x01", b"")]
+        assert res["bound_to"] == "127.0.0.1"
         assert res["mine"] == [0.0] * 8
 
 

@@ -360,6 +360,8 @@ class Window:
         while True:
             got = int(counter[peer])
             if got >= expected:
+                with self._segment.lock():  # acquire side: a full barrier before the caller reads the data
+                    pass
                 return got
             now = time.perf_counter()
             if now >= next_check:
