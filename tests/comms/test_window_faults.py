@@ -200,3 +200,31 @@ def test_invalidate_makes_every_later_op_raise() -> None:
     # ops queued behind the invalidation fail with WindowInvalidated; none is left hanging
     assert WorkStatus.ERROR.name in out["statuses"], out
     assert out["statuses"] <= {WorkStatus.COMPLETED.name, WorkStatus.ERROR.name}, out
+
+
+def _invalidate_blocked(ctx: RankContext) -> dict[str, Any]:
+    comm = Communicator(ctx.store, ctx.rank, 2, timeout=timedelta(seconds=60), name="invb")
+    win = comm.new_window(torch.zeros(1024), transport="tcp", timeout=60)
+    win.fence()
+    if ctx.rank == 1:
+        ctx.store.set("pid1", str(os.getpid()))
+        freeze_self()
+        time.sleep(60)
+        return {}
+    pid1 = int(ctx.store.get("pid1"))
+    time.sleep(0.3)
+    w = win.get(1, async_op=True)
+    assert not isinstance(w, torch.Tensor)
+    out: dict[str, Any] = {"in_flight": w.wait(timeout=0.3)}
+    t0 = time.perf_counter()
+    win.invalidate("reconfigured")  # does not wait for the blocked request's 60 s timeout
+    out["invalidate_s"] = time.perf_counter() - t0
+    with pytest.raises(WindowInvalidated, match="create a new one"):
+        w.wait(timeout=5)
+    kill(pid1)
+    return out
+
+
+def test_invalidate_fails_an_op_blocked_on_a_frozen_peer_at_once() -> None:
+    res = run_ranks(_invalidate_blocked, 2, timeout=60, allow_exit=[1])
+    assert res[0]["in_flight"] is False and res[0]["invalidate_s"] < 3.0, res[0]

@@ -306,7 +306,7 @@ class Window:
         shape = self.shapes[src_rank]
         if len(shape) != 2:
             raise ValueError(f"window.get_rows: rank {src_rank} registered shape {list(shape)}, not a 2-D tensor")
-        idx = torch.as_tensor(indices)
+        idx = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(list(indices), dtype=torch.int64)
         if idx.dim() != 1 or idx.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
             raise TypeError(f"window.get_rows: indices must be a 1-D integer tensor, got {idx.dtype} of shape "
                             f"{list(idx.shape)}")
@@ -427,8 +427,11 @@ class Window:
             worker, self._worker = self._worker, None
         if q is not None:
             q.put(None)
+        # Release transports first: an op the worker is blocked in (a TCP request to a frozen peer) fails at once
+        # instead of delaying invalidate() by up to its timeout.
+        self._release()
         if worker is not None and worker is not threading.current_thread():
-            worker.join(timeout=self._timeout_s + 5)
+            worker.join(timeout=5)
         if q is not None:  # ops still queued (invalidate): fail them
             while True:
                 try:
@@ -436,10 +439,10 @@ class Window:
                 except queue.Empty:
                     break
                 if item is not None:
-                    item[0]._finish(WorkStatus.ERROR, self._refusal(item[0].op))
-        self._release()
+                    item[0]._finish(WorkStatus.ERROR, self._refusal(item[0].op.removeprefix("window.")))
 
     def _release(self) -> None:
+        """Stop the service, close channels and this rank's segment file (idempotent)."""
         if self._service is not None:
             self._service.close()
             self._service = None
@@ -548,10 +551,15 @@ class Window:
                 continue
             try:
                 fn()
-            except CommTimeout as exc:
-                work._finish(WorkStatus.TIMED_OUT, exc)
             except BaseException as exc:
-                work._finish(WorkStatus.ERROR, exc)
+                if self._invalid is not None:  # transports were released under it: report why
+                    refusal = self._refusal(work.op.removeprefix("window."))
+                    refusal.__cause__ = exc
+                    work._finish(WorkStatus.ERROR, refusal)
+                elif isinstance(exc, CommTimeout):
+                    work._finish(WorkStatus.TIMED_OUT, exc)
+                else:
+                    work._finish(WorkStatus.ERROR, exc)
             else:
                 work._finish(WorkStatus.COMPLETED, None)
 

@@ -391,5 +391,8 @@ class TcpChannel:
         self._request("window.flush", Op.FLUSH, 0, 0, 0, 0, None, None)
 
     def close(self) -> None:
+        """Close the connection; a request blocked on it in another thread fails at once (``PeerFailure``)."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._sock.close()
