@@ -136,10 +136,15 @@ def test_every_op_matches_reference(transport: str, world: int) -> None:
 _RACE_NUMEL = 1 << 17  # large enough that unlocked read-modify-writes overlap (the test fails without the lock)
 
 
-def _accumulate_race(ctx: RankContext, transport: str, iters: int) -> list[int]:
+def _accumulate_race(ctx: RankContext, transport: str | None, iters: int, fake_hosts: int = 0) -> Any:
     n = ctx.world_size
+    if fake_hosts:  # pretend ranks live on `fake_hosts` hosts: shm within a "host", TCP across
+        import torchnext.comms.window as window_mod
+
+        window_mod._host_key = lambda: f"fake-host-{ctx.rank % fake_hosts}"  # type: ignore[attr-defined]
     comm = Communicator(ctx.store, ctx.rank, n, timeout=timedelta(seconds=60), name="acc")
     with comm.new_window(torch.zeros(_RACE_NUMEL, dtype=torch.int64), transport=transport) as win:
+        kinds = [win.transport(p).value for p in range(n)]
         ones = torch.ones(_RACE_NUMEL, dtype=torch.int64)
         win.fence()
         works = []
@@ -154,7 +159,7 @@ def _accumulate_race(ctx: RankContext, transport: str, iters: int) -> list[int]:
         win.fence()
         result = torch.unique(win.tensor).tolist()
     comm.shutdown()
-    return result
+    return (kinds, result) if fake_hosts else result
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
@@ -188,3 +193,12 @@ def test_auto_transport_is_shm_on_one_host_and_empty_registrations_work() -> Non
     for res in run_ranks(_auto_and_empty, 3, timeout=60):
         assert res["kinds"] == [WindowTransport.SHM] * 3
         assert res["empty"] == [] and res["full"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_mixed_transports_share_the_target_lock() -> None:
+    # ranks 0, 2 on "host 0" and 1, 3 on "host 1": each target gets accumulates from a same-host peer (shm, its
+    # file lock) and from other-host peers (TCP, applied by its service thread under the same lock)
+    iters = 100
+    for r, (kinds, res) in enumerate(run_ranks(_accumulate_race, 4, args=(None, iters, 2), timeout=120)):
+        assert kinds == ["shm" if p % 2 == r % 2 else "tcp" for p in range(4)]
+        assert res == [4 * iters]
