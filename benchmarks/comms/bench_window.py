@@ -88,15 +88,18 @@ def all_to_all_lookup(comm: Communicator, shard: torch.Tensor, ids: torch.Tensor
     return torch.index_select(back, 0, inverse, out=_buffer("a2a_out", ids.numel()))
 
 
-def _timed(comm: Communicator, fn: Callable[[], object], reps: int) -> list[float]:
-    times = []
-    for _ in range(reps):
-        comm.barrier()
-        t0 = time.perf_counter()
-        fn()
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        comm.all_reduce(t, ReduceOp.MAX)  # the lookup is done when the slowest rank is
-        times.append(float(t))
+def _timed(comm: Communicator, fns: list[Callable[[], object]], reps: int) -> list[list[float]]:
+    """Time each fn ``reps`` times, interleaved (A B B A ...) so machine load hits all alike. One sample = the
+    slowest rank's time (the lookup is done when every rank has its rows)."""
+    times: list[list[float]] = [[] for _ in fns]
+    for rep in range(reps):
+        for i in (range(len(fns)) if rep % 2 == 0 else reversed(range(len(fns)))):
+            comm.barrier()
+            t0 = time.perf_counter()
+            fns[i]()
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            comm.all_reduce(t, ReduceOp.MAX)
+            times[i].append(float(t))
     return times
 
 
@@ -121,8 +124,8 @@ def _rank_main(ctx: RankContext, rows: int, reps: int) -> dict[str, Any]:
             gid = int(ids[p])
             owner = max(r for r in range(ctx.world_size) if bounds[r] <= gid)
             ok &= bool(torch.equal(a[p], win.get(owner, (gid - bounds[owner]) * DIM, DIM)))
-        t_win = _timed(comm, lambda ids=ids: window_lookup(win, ids, bounds), reps)
-        t_a2a = _timed(comm, lambda ids=ids: all_to_all_lookup(comm, shard, ids, bounds), reps)
+        t_win, t_a2a = _timed(comm, [lambda ids=ids: window_lookup(win, ids, bounds),
+                                     lambda ids=ids: all_to_all_lookup(comm, shard, ids, bounds)], reps)
         res["lookup"][frac] = {"ok": ok, "win": t_win, "a2a": t_a2a, "n": ids.numel()}
     win.close()
     # (b) bandwidth, rank 0 only, the others wait in the barrier

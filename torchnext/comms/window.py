@@ -314,7 +314,7 @@ class Window:
             raise ValueError(f"window.get_rows: indices must be on CPU, got {idx.device}")
         idx = idx.to(torch.int64).contiguous()
         rows = shape[0]
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= rows):
+        if idx.numel() and _outside(idx, rows):
             bad = idx[(idx < 0) | (idx >= rows)][0].item()
             raise WindowBoundsError(f"window.get_rows: row index {bad} outside rank {src_rank}'s rows [0, {rows})")
         dst = self._out("get_rows", out, src_rank, (idx.numel(), shape[1]))
@@ -562,6 +562,12 @@ class Window:
                     work._finish(WorkStatus.ERROR, exc)
             else:
                 work._finish(WorkStatus.COMPLETED, None)
+
+
+def _outside(idx: torch.Tensor, rows: int) -> bool:
+    """Whether any index is outside ``[0, rows)`` (one pass)."""
+    lo, hi = torch.aminmax(idx)
+    return int(lo) < 0 or int(hi) >= rows
 
 
 def _is_int(x: object) -> bool:
