@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-import weakref
 import zlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -19,7 +18,7 @@ from torchnext.comms.backends import BackendConfig, BackendHandle, get_backend
 from torchnext.comms.errors import CommAborted, CommError
 from torchnext.comms.hooks import AbortHookArgs, HookList, OpInfo, PostHookArgs, RemovableHandle
 from torchnext.comms.reduce_op import ReduceOp
-from torchnext.comms.work import CompletionWaiter, Work, WorkStatus
+from torchnext.comms.work import CompletionWaiter, Work, WorkStatus, future_callback
 
 if TYPE_CHECKING:
     from torchnext.comms.window import Window
@@ -367,10 +366,10 @@ class Communicator(CollectiveOps):
             pre = self._pre_hooks.snapshot
             if pre or self._post_hooks.snapshot:  # positional: this is the hot path
                 info = OpInfo(op, op_id, self._name, self._ranks, self._rank, self._size, async_op, root, peer,
-                              None if reduce_op is None else reduce_op.value, tuple(inputs), tuple(outputs),
+                              None if reduce_op is None else reduce_op._value_, tuple(inputs), tuple(outputs),
                               td or self._timeout)
-            # sync ops wait in this thread, in slices, where the backend's timed wait is only a wait (Gloo
-            # collectives); elsewhere (Gloo send/recv: a timed wait *is* the op's timeout) they wait like async ops
+            # sync ops first wait in this thread where the backend's timed wait is only a wait (Gloo collectives);
+            # elsewhere (Gloo send/recv: a timed wait *is* the op's timeout) they wait like async ops
             sliced = not async_op and has_future and self._backend.interruptible_wait
             work = Work(self, op, op_id, info, outputs, timeout_s, peer, not sliced)
             if pre:
@@ -400,8 +399,10 @@ class Communicator(CollectiveOps):
                 work._finish(WorkStatus.ERROR, wrapped, breaks_comm=type(wrapped) is not CommError)
                 raise wrapped from exc
             if sliced:
-                work._wait_sync(backend_works)
-                return None
+                if len(backend_works) == 1:
+                    work._wait_sync(backend_works[0])
+                    return None
+                work._done = _locked()  # (no such op today) several backend works: wait as below
             if len(backend_works) != 1:
                 work._pending = len(backend_works)
             for bw in backend_works:
@@ -411,7 +412,7 @@ class Communicator(CollectiveOps):
                     except RuntimeError:
                         self._wait_in_thread(bw, work, td)
                     else:
-                        fut.add_done_callback(_future_callback(work))
+                        fut.add_done_callback(future_callback(work))
                 else:
                     self._wait_in_thread(bw, work, td)
             if async_op:
@@ -514,22 +515,12 @@ class Communicator(CollectiveOps):
 _SUM_ARGS = (ReduceOp.SUM, dist.ReduceOp.SUM, False)
 
 
-def _future_callback(work: Work) -> Callable[[Any], None]:
-    """A backend-future callback holding only a weak reference to ``work``.
 
-    A strong one would make the backend's future own work -> communicator -> backend: when a Gloo worker thread then
-    drops the last reference, the backend's destructor runs on its own worker thread and the process aborts
-    ("terminate called without an active exception", seen at exit). The Work stays alive while in flight anyway
-    (the communicator's ``_in_flight`` holds it).
-    """
-    ref = weakref.ref(work)
 
-    def on_done(fut: Any) -> None:
-        w = ref()
-        if w is not None:
-            w._on_future(fut)
-
-    return on_done
+def _locked() -> Any:
+    lock = threading.Lock()
+    lock.acquire()
+    return lock
 
 
 def _is_int(x: object) -> bool:
