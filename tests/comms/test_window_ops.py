@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from torchnext.comms import Communicator, ReduceOp, WindowTransport
 from torchnext.testing import RankContext, run_ranks, run_threads
@@ -36,6 +37,8 @@ def _ops_scenario(ctx: RankContext, transport: str) -> dict[str, Any]:
     out["numels"], out["shapes"] = win.numels, win.shapes
     out["dtypes"] = [str(d) for d in win.dtypes]
     out["segment_gone"] = not os.path.exists(win._segment.path)
+    keys = dist.PrefixStore("window0", comm.store)  # this rank's keys (and rank 0's token) are deleted after setup
+    out["keys_gone"] = not any(keys.check([k]) for k in [f"meta/{r}", f"tcp/{r}"] + (["token"] if r == 0 else []))
     # epoch 1: reads of the initial memory (sync, async, out=, get_rows)
     gets: dict[int, Any] = {}
     for p in range(n):
@@ -117,6 +120,7 @@ def test_every_op_matches_reference(transport: str, world: int) -> None:
         assert res["shapes"] == [_shape(p) for p in range(world)]
         assert res["dtypes"] == [str(DTYPES[p % 4]) for p in range(world)]
         assert res["segment_gone"], "the owner unlinks its shm segment once peers mapped it"
+        assert res["keys_gone"]
         for p, (g, whole, o, rows, row1, status) in res["gets"].items():
             init = _initial(p)
             flat = init.view(-1)

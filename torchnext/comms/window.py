@@ -38,6 +38,7 @@ See ``docs/comms_windows.md`` for the full contract.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -236,8 +237,12 @@ class Window:
                 addr = tuple(json.loads(store.get(f"tcp/{r}")))
                 self._channels[r] = TcpChannel(r, rank, (str(addr[0]), int(addr[1])), token, self._timeout_s,
                                                self._ctx, _STATUS_ERRORS)
-        comm.barrier()  # every peer has mapped/connected: the name can go
+        comm.barrier()  # every peer has mapped/connected: the segment name and the store keys can go
         self._segment.unlink()
+        mine_keys = [f"meta/{rank}", *([f"tcp/{rank}"] if serves else []), *(["token"] if rank == 0 else [])]
+        for key in mine_keys:
+            with contextlib.suppress(Exception):  # stores without delete_key keep them (harmless)
+                store.delete_key(key)
 
     # ------------------------------------------------------------------------------------------------ queries
     @property
