@@ -23,6 +23,12 @@ from torchnext.comms.hooks import OpInfo as OpInfo
 from torchnext.comms.hooks import PostHookArgs as PostHookArgs
 from torchnext.comms.hooks import RemovableHandle as RemovableHandle
 from torchnext.comms.reduce_op import ReduceOp as ReduceOp
+from torchnext.comms.window import Window as Window
+from torchnext.comms.window import WindowBoundsError as WindowBoundsError
+from torchnext.comms.window import WindowClosed as WindowClosed
+from torchnext.comms.window import WindowDtypeError as WindowDtypeError
+from torchnext.comms.window import WindowInvalidated as WindowInvalidated
+from torchnext.comms.window import WindowTransport as WindowTransport
 from torchnext.comms.work import Work as Work
 from torchnext.comms.work import WorkStatus as WorkStatus
 
@@ -41,6 +47,12 @@ __all__ = [
     "PostHookArgs",
     "ReduceOp",
     "RemovableHandle",
+    "Window",
+    "WindowBoundsError",
+    "WindowClosed",
+    "WindowDtypeError",
+    "WindowInvalidated",
+    "WindowTransport",
     "Work",
     "WorkStatus",
     "get_backend",

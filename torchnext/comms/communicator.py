@@ -7,7 +7,7 @@ import threading
 import zlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,9 @@ from torchnext.comms.errors import CommAborted, CommError
 from torchnext.comms.hooks import AbortHookArgs, HookList, OpInfo, PostHookArgs, RemovableHandle
 from torchnext.comms.reduce_op import ReduceOp
 from torchnext.comms.work import CompletionWaiter, Work, WorkStatus, future_callback
+
+if TYPE_CHECKING:
+    from torchnext.comms.window import Window
 
 __all__ = ["Communicator", "P2POp"]
 
@@ -434,6 +437,20 @@ class Communicator(CollectiveOps):
         if rop is ReduceOp.AVG and not self._backend.native_avg:
             return rop, dist.ReduceOp.SUM, True
         return rop, rop.to_c10d(), False
+
+    # -------------------------------------------------------------------------------------------- RMA windows
+    def new_window(
+        self,
+        tensor: torch.Tensor,
+        *,
+        transport: str | None = None,
+        host: str | None = None,
+        timeout: float | timedelta | None = None,
+    ) -> Window:
+        """Collective: register ``tensor`` in a one-sided RMA window (see :mod:`torchnext.comms.window`)."""
+        from torchnext.comms.window import new_window
+
+        return new_window(self, tensor, transport=transport, host=host, timeout=timeout)
 
     # --------------------------------------------------------------------------------------------------- split
     def split(self, ranks: Sequence[int], name: str | None = None, *, timeout: Timeout = None) -> Communicator | None:
