@@ -157,6 +157,7 @@ class Communicator(CollectiveOps):
         self._closed = False
         self._op_counter = 0
         self._split_seq = 0
+        self._window_seq = 0  # windows created (each gets its own store namespace)
         self._opts: dict[tuple[str, object], Any] = {}
         self._waiter: CompletionWaiter | None = None
         self._pre_hooks: HookList[OpInfo] = HookList("pre")

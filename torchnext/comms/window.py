@@ -174,8 +174,8 @@ class Window:
         self._worker: threading.Thread | None = None
         self._channels: dict[int, Channel] = {}
         self._service: Any = None
-        seq = getattr(comm, "_window_seq", 0)
-        comm._window_seq = seq + 1  # type: ignore[attr-defined]
+        seq = comm._window_seq
+        comm._window_seq = seq + 1
         store = dist.PrefixStore(f"window{seq}", comm.store)
         store_timeout = timedelta(seconds=timeout_s)
 
