@@ -81,8 +81,11 @@ class QuantOptions:
                 value = float(gs.detach().float().reshape(()).item()) if isinstance(gs, torch.Tensor) else gs
                 if isinstance(gs, torch.Tensor) and gs.numel() != 1:
                     raise FormatError(f"global_scale tensor must hold one value, got shape {tuple(gs.shape)}")
-                if not isinstance(value, (int, float)) or not (value > 0 and value != float("inf")):
-                    raise FormatError(f"global_scale must be a positive finite decode scale, got {gs!r}")
+                if not isinstance(value, (int, float)) or not (2.0**-126 <= value < float("inf")):
+                    raise FormatError(
+                        f"global_scale must be a finite decode scale >= 2**-126 (its reciprocal must be finite), "
+                        f"got {gs!r}"
+                    )
                 gs = float(value)
         else:
             if self.recipe is not None:

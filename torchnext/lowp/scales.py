@@ -6,7 +6,8 @@ then clamped to ±max). The formulas (``amax`` = max |x| over the block, fp32 ar
 
 * NVFP4 ``torchao``, no global scale: ``s = e4m3(clamp(amax / 6, 2**-6, 448))``, ``mult = 1 / s``.
 * NVFP4 ``torchao``, global decode scale ``g``: ``s = e4m3(clamp((amax / 6) / g, 2**-6, 448))``,
-  ``mult = (1 / g) / s``.
+  ``mult = (1 / g) / s``. ``g`` must have a finite reciprocal (``g >= 2**-126``; a smaller ``g`` would turn exact
+  zeros into NaN via ``0 * inf``, as torchao does), so the computed ``g`` is ``max(amax / 2688, 2**-126)``.
 * NVFP4 ``te`` with encode scale ``S = 1 / g``: ``s = e4m3(min(amax * (S * fp32(1/6)), 448))`` (zero allowed),
   ``mult = fmin(1 / (s * (1 / S)), FLT_MAX)``.
 * MX ``floor``: ``byte = clamp(exponent(amax) - emax, -127, 128) + 127`` with ``exponent`` the unbiased fp32
@@ -48,6 +49,8 @@ FLT_MAX = torch.finfo(torch.float32).max
 E4M3_MAX = 448.0
 E4M3_TINY = 2.0**-6
 FP4_MAX = 6.0
+MIN_GLOBAL = 2.0**-126
+"""Smallest global decode scale (its reciprocal must be finite)."""
 
 
 class ScaleInputs:
@@ -72,8 +75,9 @@ def _f32(v: float, like: torch.Tensor) -> torch.Tensor:
 
 
 def torchao_global_scale(amax: torch.Tensor) -> torch.Tensor:
-    """Per-tensor decode scale of the torchao recipe: ``amax / (448 * 6)``; 1 when amax is 0 or not finite."""
-    g = amax.float() / (E4M3_MAX * FP4_MAX)
+    """Per-tensor decode scale of the torchao recipe: ``max(amax / (448 * 6), 2**-126)``; 1 when amax is 0 or not
+    finite."""
+    g = torch.clamp(amax.float() / (E4M3_MAX * FP4_MAX), min=MIN_GLOBAL)
     ok = torch.isfinite(amax) & (amax > 0)
     return torch.where(ok, g, _f32(1.0, g))
 
