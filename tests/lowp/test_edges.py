@@ -134,9 +134,9 @@ def test_input_dtypes(fmt: str, dtype: torch.dtype) -> None:
 
 def test_invalid_requests() -> None:
     x = torch.randn(4, 32)
-    with pytest.raises(FormatError, match="unknown block-scaled format 'nvfp5'"):
+    with pytest.raises(FormatError, match=r"unknown block-scaled format 'nvfp5'"):
         quantize(x, "nvfp5")
-    with pytest.raises(FormatDTypeError, match="torch.int32"):
+    with pytest.raises(FormatDTypeError, match=r"torch\.int32"):
         quantize(torch.ones(4, 32, dtype=torch.int32), "nvfp4")
     with pytest.raises(TypeError):
         quantize(torch.ones(4, 32, dtype=torch.int64), "mxfp4")

@@ -13,8 +13,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-
 from lowp_data import distributions
+
 from torchnext.lowp import quantize
 
 F32 = np.float32

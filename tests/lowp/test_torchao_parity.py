@@ -6,8 +6,8 @@ import warnings
 
 import pytest
 import torch
-
 from lowp_data import distributions
+
 from torchnext.lowp import quantize
 
 with warnings.catch_warnings():
