@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, ours, peer, peer_name in cases:
             q = ours()
             ours_med, ours_min = _time(ours, args.reps)
-            peer_med, peer_min = _time(peer, max(3, args.reps // 2)) if peer else (float("nan"), float("nan"))
+            peer_med, _ = _time(peer, max(3, args.reps // 2)) if peer else (float("nan"), float("nan"))
             moved = x.nbytes + q.nbytes
             gbs = moved / ours_med / 1e6
             # dequantize: ours vs torchao's

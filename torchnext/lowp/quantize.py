@@ -25,6 +25,12 @@ def _backend(name: str) -> ModuleType:
         return eager
     if name == "reference":
         return reference
+    if name == "triton":
+        try:
+            from torchnext.lowp import triton_backend
+        except ImportError as exc:
+            raise FormatError(f"backend='triton' needs the triton package: {exc}") from None
+        return triton_backend
     raise FormatError(f"unknown backend {name!r}")
 
 
