@@ -37,6 +37,22 @@ def block_amax(x: torch.Tensor) -> torch.Tensor:
     return top.view(x.dtype).float()
 
 
+_SATURATES: dict[torch.dtype, bool] = {}
+
+
+def _cast_saturates(dtype: torch.dtype) -> bool:
+    """Whether torch's cast to ``dtype`` already saturates (finite overflow and ±Inf → ±max, NaN → NaN), making the
+    clamp redundant: true for float8_e4m3fn since torch 2.12; never for float8_e5m2 (it has Inf)."""
+    ok = _SATURATES.get(dtype)
+    if ok is None:
+        finfo = torch.finfo(dtype)
+        probe = torch.tensor([float("inf"), -float("inf"), 1e30, -1e30, finfo.max * 1.05])
+        want = torch.tensor([finfo.max, -finfo.max, finfo.max, -finfo.max, finfo.max])
+        ok = bool(torch.equal(probe.to(dtype).float(), want))
+        _SATURATES[dtype] = ok
+    return ok
+
+
 def quantize_blocks(
     x2: torch.Tensor, spec: FormatSpec, opts: ResolvedOptions, inp: ScaleInputs, noise: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,6 +68,7 @@ def quantize_blocks(
     assert recipe is not None
     scale_fn = SCALE_RECIPES[(recipe, True)]
     rows = _rows_per_chunk(block)
+    skip_clamp = el.torch_dtype is not None and _cast_saturates(el.torch_dtype)
     for start in range(0, n, rows):
         stop = min(n, start + rows)
         xc = x2[start:stop]
@@ -59,7 +76,7 @@ def quantize_blocks(
         y = xc * mult[:, None]  # bf16/fp16 * fp32 → fp32, exact widening then one RNE multiply
         if noise is not None:
             y = stochastic_round(y, el, noise[start:stop])
-        else:
+        elif not skip_clamp:
             y.clamp_(-el.max_value, el.max_value)
         encode_fast(y, el, codes[start:stop])
         scales[start:stop] = scale

@@ -69,6 +69,7 @@ def _global_scales(
     return dec, 1.0 / dec
 
 
+@torch.no_grad()
 def quantize(
     x: torch.Tensor,
     fmt: Format | str | FormatSpec,
@@ -84,7 +85,8 @@ def quantize(
         scale[b], mult = recipe(amax(|x[b]|))            # see torchnext.lowp.scales
         code[i] = round(clamp(x[i] * mult, -max, max))   # RNE (or stochastic), saturating; see .elements
 
-    The block dim is padded with zeros to a multiple of the block size (the logical shape is kept).
+    The block dim is padded with zeros to a multiple of the block size (the logical shape is kept). Quantization
+    is not differentiable: it runs under ``torch.no_grad()`` (inputs that require grad are fine).
 
     Args:
         x: float32, bfloat16 or float16 tensor with at least one dimension (any shape, may be empty).
@@ -146,6 +148,7 @@ def quantize(
     )
 
 
+@torch.no_grad()
 def dequantize(
     q: BlockScaledTensor, dtype: torch.dtype | None = None, *, backend: str = "auto"
 ) -> torch.Tensor:
