@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
           f"load avg: {os.getloadavg()[0]:.2f}")
     print(f"shape: {args.size}x{args.size}, {args.reps} reps (median, min); machine shared: ratios matter more\n")
 
+    torch.manual_seed(0)
     n = args.size
     results: dict[str, Any] = {"timing": [], "error": []}
     rows = []

@@ -191,3 +191,14 @@ def test_requires_grad_and_non_contiguous_inputs(fmt: str) -> None:
     assert not q.dequantize().requires_grad
     xt = torch.randn(40, 64).t()  # non-contiguous
     assert torch.equal(quantize(xt, fmt).qdata.view(torch.uint8), quantize(xt.contiguous(), fmt).qdata.view(torch.uint8))
+
+
+def test_flush_denormal_is_refused() -> None:
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        with pytest.raises(FormatError, match="set_flush_denormal"):
+            quantize(torch.randn(4, 32), "mxfp4")
+    finally:
+        torch.set_flush_denormal(False)
+    quantize(torch.randn(4, 32), "mxfp4")

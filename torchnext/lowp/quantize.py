@@ -34,6 +34,13 @@ def _backend(name: str) -> ModuleType:
     raise FormatError(f"unknown backend {name!r}")
 
 
+def _flush_denormal_on(device: torch.device) -> bool:
+    """Whether CPU arithmetic flushes subnormals to zero (``torch.set_flush_denormal(True)``)."""
+    if device.type != "cpu":
+        return False
+    return bool(torch.tensor([2.0**-127]).mul(1.0).item() == 0.0)
+
+
 def _check_input(x: Any, dim: int) -> int:
     if not isinstance(x, torch.Tensor):
         raise FormatDTypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
@@ -112,6 +119,11 @@ def quantize(
         opts = opts.with_(**kwargs)
     ro = opts.resolve(spec)
     dim = _check_input(x, dim)
+    if _flush_denormal_on(x.device):
+        raise FormatError(
+            "torch.set_flush_denormal(True) is in effect: the E8M0/E2M1 scales and codes need fp32 subnormals; "
+            "call torch.set_flush_denormal(False) before quantizing"
+        )
     backend = _backend(ro.backend)
     block = spec.block_size
     xm = x.movedim(dim, -1) if dim != x.dim() - 1 else x
