@@ -65,8 +65,8 @@ def _global_scales(
         dec = torch.tensor(opts.global_scale, dtype=torch.float32, device=x.device)
         return dec, 1.0 / dec
     if x.numel():
-        lo, hi = torch.aminmax(x.float() if x.dtype != torch.float32 else x)
-        amax = torch.maximum(hi, -lo)
+        lo, hi = torch.aminmax(x)  # one pass in the input dtype (no fp32 copy); NaN propagates
+        amax = torch.maximum(hi, -lo).float()
     else:
         amax = torch.zeros((), device=x.device)
     if opts.recipe == "te":
