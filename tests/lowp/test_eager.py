@@ -59,8 +59,8 @@ def test_quantize_in_a_forked_child() -> None:
         if proc.is_alive():
             proc.kill()
             proc.join()
-    assert torch.equal(got, want)
+    assert got == want.numpy().tobytes()
 
 
 def _child(x: torch.Tensor, q: object) -> None:
-    q.put(quantize(x, "nvfp4").qdata)  # type: ignore[attr-defined]
+    q.put(quantize(x, "nvfp4").qdata.numpy().tobytes())  # plain bytes: no tensor sharing between processes  # type: ignore[attr-defined]
