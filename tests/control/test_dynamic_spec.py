@@ -83,7 +83,9 @@ def test_module_forward_and_nested_specs() -> None:
         return batch["ids"] + batch["pair"][0].sum(1)
 
     g({"ids": torch.ones(3), "pair": [torch.ones(3, 2)]})
-    with pytest.raises(ShapeSpecError, match=r"batch\['pair'\]\[0\] dim 0 .*H = 3 \(bound by batch\['ids'\].shape\[0\]\), got 4"):
+    with pytest.raises(
+        ShapeSpecError, match=r"batch\['pair'\]\[0\] dim 0 .*H = 3 \(bound by batch\['ids'\].shape\[0\]\), got 4"
+    ):
         g({"ids": torch.ones(3), "pair": [torch.ones(4, 2)]})
     with pytest.raises(ShapeSpecError, match="missing"):
         g({"ids": torch.ones(3)})
@@ -149,7 +151,7 @@ def test_export_ranges_assumptions_save_load(strict: bool) -> None:
     x, y = mk(12, 7)
     assert torch.allclose(loaded(x, y), m(x, y), atol=1e-5)
     for args in (mk(5, 3), mk(2, 12), mk(66, 3)):  # torch's own runtime assertions survive save/load
-        with pytest.raises(Exception, match="(?i)guard|expected|assert"):
+        with pytest.raises(Exception, match=r"(?i)guard|expected|assert"):
             loaded(*args)
 
 

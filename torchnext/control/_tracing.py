@@ -31,14 +31,20 @@ def is_tracing(*values: Any) -> bool:
     return any(isinstance(v, FakeTensor) for v in values)
 
 
+def interpreter_version() -> tuple[int, int]:
+    """(major, minor) of the running interpreter (one indirection, so tests can pretend to be Python 3.15)."""
+    return sys.version_info[0], sys.version_info[1]
+
+
 def compile_supported() -> tuple[bool, str]:
     """Whether torch.compile can run here, and why not when it cannot.
 
     Python 3.15+ is not supported by TorchDynamo in the torch releases torchnext targets; torch's own check
     (``torch._dynamo.is_dynamo_supported``) is consulted as well, so a build without Dynamo is caught too.
     """
-    if sys.version_info >= (3, 15):
-        return False, f"torch.compile is not supported on Python {sys.version_info.major}.{sys.version_info.minor}"
+    version = interpreter_version()
+    if version >= (3, 15):
+        return False, f"torch.compile is not supported on Python {version[0]}.{version[1]}"
     from torch._dynamo.eval_frame import is_dynamo_supported
 
     if not is_dynamo_supported():

@@ -112,7 +112,8 @@ def compile(
     if options is not None:
         kw["options"] = options
     if binding is None:
-        return torch.compile(fn, **kw)
+        plain = torch.compile(fn, **kw)
+        return _unwrap_backend_errors(plain) if decompose_complex else plain
     target = _target(fn, binding)
     cs = binding.compiled
 
@@ -136,6 +137,25 @@ def compile(
             return compiled(bound, args, kwargs)
 
     call.compiled = compiled  # type: ignore[attr-defined]
+    return _unwrap_backend_errors(call) if decompose_complex else call
+
+
+def _unwrap_backend_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Re-raise a ComplexDecompositionError that Dynamo wrapped into BackendCompilerFailed, so callers see ours."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from torchnext.control.complex import ComplexDecompositionError
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except BackendCompilerFailed as e:
+            inner = getattr(e, "inner_exception", None)
+            if isinstance(inner, ComplexDecompositionError):
+                raise inner from None
+            raise
+
     return call
 
 
