@@ -293,3 +293,25 @@ def test_matches_native_switch() -> None:  # pragma: no cover - needs torch 2.14
 
 def test_error_base_class() -> None:
     assert issubclass(BranchMismatchError, SwitchError) and issubclass(SwitchError, RuntimeError)
+
+
+def test_branch_check_cached_for_branches_rebuilt_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    mod = sys.modules["torchnext.control.switch"]
+    calls = {"n": 0}
+    real = mod._check_branches
+
+    def counting(*a: Any) -> None:
+        calls["n"] += 1
+        real(*a)
+
+    monkeypatch.setattr(mod, "_check_branches", counting)
+    ws = [torch.randn(4, 4) for _ in range(3)]
+    x = torch.randn(2, 4)
+    for _ in range(5):  # a new list of new lambdas every call, as a forward() would build them
+        out = switch(torch.tensor(1), [lambda x, w=w: x @ w for w in ws], (x,))
+    assert torch.allclose(out, x @ ws[1])
+    assert calls["n"] == 1
+    switch(torch.tensor(1), [lambda x, w=w: x @ w for w in ws], (torch.randn(3, 4),))  # new shapes: checked again
+    assert calls["n"] == 2

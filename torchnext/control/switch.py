@@ -21,6 +21,7 @@ Design
 from __future__ import annotations
 
 import threading
+import types
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -159,20 +160,44 @@ def _check_branches(branches: Sequence[Callable[..., Any]], leaves: list[torch.T
                     )
 
 
+def _branch_key(b: Callable[..., Any]) -> tuple[Any, tuple[Any, ...]]:
+    """A cache key that is stable for branch functions rebuilt on every call (``[lambda x, w=w: ... for w in ws]``).
+
+    Plain functions are keyed by their code object and the identities of their defaults and closure contents;
+    bound methods by their function and instance; anything else (modules, partials) by identity. Returns the key
+    and the objects whose identities it uses (kept alive by the cache so the ids stay meaningful).
+    """
+    if isinstance(b, types.FunctionType):
+        refs = (*(b.__defaults__ or ()), *(c.cell_contents for c in (b.__closure__ or ()) if _cell_full(c)))
+        kw = tuple(sorted((k, id(v)) for k, v in (b.__kwdefaults__ or {}).items()))
+        return (b.__code__, tuple(id(r) for r in refs), kw), (*refs, *(b.__kwdefaults__ or {}).values())
+    if isinstance(b, types.MethodType):
+        return (b.__func__, id(b.__self__)), (b.__self__,)
+    return (id(b),), (b,)
+
+
+def _cell_full(c: Any) -> bool:
+    try:
+        c.cell_contents  # noqa: B018
+    except ValueError:
+        return False
+    return True
+
+
 def _ensure_checked(branches: Sequence[Callable[..., Any]], leaves: list[torch.Tensor], spec: TreeSpec) -> None:
+    keys = [_branch_key(b) for b in branches]
     key = (
-        tuple(id(b) for b in branches),
+        tuple(k for k, _ in keys),
         spec,
         tuple((tuple(t.shape), t.dtype, t.device) for t in leaves),
     )
     with _CHECK_LOCK:
-        hit = _CHECK_CACHE.get(key)
-        if hit is not None and all(a is b for a, b in zip(hit, branches, strict=True)):
+        if key in _CHECK_CACHE:
             _CHECK_CACHE.move_to_end(key)
             return
     _check_branches(branches, leaves, spec)
     with _CHECK_LOCK:
-        _CHECK_CACHE[key] = tuple(branches)  # strong refs: ids in the key stay valid
+        _CHECK_CACHE[key] = tuple(r for _, refs in keys for r in refs)  # keep the keyed objects alive
         while len(_CHECK_CACHE) > _CHECK_CACHE_SIZE:
             _CHECK_CACHE.popitem(last=False)
 
