@@ -180,3 +180,14 @@ def test_make_fx() -> None:
     plain = torchnext.make_fx(_body)(*mk(4, 3))
     x, y = mk(4, 3)
     assert torch.allclose(plain(x, y), _body(x, y))
+
+
+def test_plain_torch_compile_of_decorated_function() -> None:
+    """torch 2.13 has no decorator of its own: torch.compile traces ours, checks included."""
+    counter = CompileCounterWithBackend("eager")
+    cf = torch.compile(f, backend=counter)
+    for b in (2, 4, 6):
+        x, y = mk(b, 3)
+        assert torch.allclose(cf(x, y), _body(x, y), atol=1e-5)
+    with pytest.raises(ShapeSpecError, match="B % 2 == 0"):
+        cf(*mk(3, 3))
