@@ -350,7 +350,9 @@ def make_fx(fn: Any, *, tracing_mode: str | None = None, **kwargs: Any) -> Calla
         with fx_config.patch(  # type: ignore[attr-defined]
             use_duck_shape=False
         ):
-            gm = torch_make_fx(traced, tracing_mode="symbolic", **kwargs)(*args)
+            # closed-over tensors (a module's parameters) become graph constants
+            opts = {"_allow_non_fake_inputs": True, **kwargs}
+            gm = torch_make_fx(traced, tracing_mode="symbolic", **opts)(*args)
 
         def hook(module: torch.nn.Module, a: tuple[Any, ...]) -> None:
             b = _bind(fn, binding, a, {})
