@@ -114,7 +114,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads (default 1: stable figures on a shared 2-core box)"
+    )
     a = ap.parse_args()
+    torch.set_num_threads(a.threads)
     header()
     g = torch.Generator().manual_seed(0)
     results: dict[str, Any] = {}

@@ -291,26 +291,20 @@ register(aten.mean)(_drop_dtype(torch.mean))
 
 
 def _matmul(mm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], a: Any, b: Any) -> Any:
-    """Complex matmul as ONE real GEMM on stacked operands (same FLOPs as four real GEMMs, one kernel).
+    """``(ar@br - ai@bi) + 1j*(ar@bi + ai@br)``: four real GEMMs (two when one side is real).
 
-    ``[ar; ai] @ [br, bi]`` (rows stacked, columns stacked) holds the four products as blocks:
-    ``re = ar@br - ai@bi``, ``im = ar@bi + ai@br``. The operands are plain concatenations (no element
-    interleaving), which Inductor's CPU code generator vectorises. A real operand on either side needs one GEMM of
-    half the size. Reference: ``(ar@br - ai@bi) + 1j*(ar@bi + ai@br)``.
+    Measured on the 2-core CPU with Inductor (one thread): the same speed as, or slightly faster than, one GEMM on
+    stacked operands ``[ar; ai] @ [br, bi]`` (which adds concatenation copies), and much faster than an
+    element-interleaved ``view_as_real`` layout, whose index arithmetic left Inductor's ``sin``/``cos`` scalar.
     """
     (ar, ai), (br, bi) = _parts(a), _parts(b)
+
+    def m(x: Any, y: Any) -> Any:
+        return None if x is None or y is None else mm(x, y)
+
     if ai is None and bi is None:
         return mm(ar, br)
-    m, n = ar.shape[-2], br.shape[-1]
-    if bi is None:  # complex @ real
-        c = mm(torch.cat([ar, ai], dim=-2), br)
-        return Pair(c.narrow(-2, 0, m), c.narrow(-2, m, m))
-    if ai is None:  # real @ complex
-        c = mm(ar, torch.cat([br, bi], dim=-1))
-        return Pair(c.narrow(-1, 0, n), c.narrow(-1, n, n))
-    c = mm(torch.cat([ar, ai], dim=-2), torch.cat([br, bi], dim=-1))  # (2M, 2N)
-    top, bottom = c.narrow(-2, 0, m), c.narrow(-2, m, m)
-    return Pair(top.narrow(-1, 0, n) - bottom.narrow(-1, n, n), top.narrow(-1, n, n) + bottom.narrow(-1, 0, n))
+    return _pair(_sub(m(ar, br), m(ai, bi)), _add(m(ar, bi), m(ai, br)))
 
 
 @register(aten.mm)
