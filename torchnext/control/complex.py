@@ -19,7 +19,7 @@ An ATen op that touches a complex value and has no registered implementation fai
 passed to ``inner`` untouched.
 
 Covered: ``+ - * /`` (tensor and scalar, complex Python scalars too), neg, conj, abs, angle, exp, log, sqrt,
-reciprocal, polar, view_as_real, view_as_complex, real/imag, complex(), sum, mean, mm/bmm/matmul/einsum (via
+sin, cos, tanh, sgn, square, pow, where, reciprocal, polar, view_as_real, view_as_complex, real/imag, complex(), sum, mean, mm/bmm/matmul/einsum (via
 mm/bmm), addmm, dtype conversions, complex constants (full/zeros/ones/scalar_tensor) and the shape ops
 (view/reshape/permute/transpose/expand/unsqueeze/squeeze/select/slice/cat/stack/clone/...).
 
@@ -241,6 +241,58 @@ def _sqrt_impl(x: Pair) -> Pair:
     return Pair(re, im)
 
 
+@register(aten.sin)
+def _sin_impl(x: Pair) -> Pair:
+    return Pair(torch.sin(x.re) * torch.cosh(x.im), torch.cos(x.re) * torch.sinh(x.im))
+
+
+@register(aten.cos)
+def _cos_impl(x: Pair) -> Pair:
+    return Pair(torch.cos(x.re) * torch.cosh(x.im), -torch.sin(x.re) * torch.sinh(x.im))
+
+
+@register(aten.tanh)
+def _tanh_impl(x: Pair) -> Pair:
+    # tanh(a + ib) = (tanh a + i tan b) / (1 + i tanh a tan b), rewritten to stay finite for large |a|
+    den = torch.cosh(2 * x.re) + torch.cos(2 * x.im)
+    return Pair(torch.sinh(2 * x.re) / den, torch.sin(2 * x.im) / den)
+
+
+@register(aten.sgn)
+def _sgn_impl(x: Pair) -> Pair:
+    r = torch.hypot(x.re, x.im)
+    safe = torch.where(r == 0, torch.ones_like(r), r)
+    return Pair(
+        torch.where(r == 0, torch.zeros_like(r), x.re / safe), torch.where(r == 0, torch.zeros_like(r), x.im / safe)
+    )
+
+
+@register(aten.square)
+def _square_impl(x: Pair) -> Pair:
+    return _mul_impl(x, x)
+
+
+@register(aten.pow)
+def _pow_impl(x: Any, p: Any) -> Any:
+    if isinstance(p, int) and not isinstance(p, bool) and 0 <= p <= 8:  # exact repeated products for small ints
+        out: Any = _pair(torch.ones_like(_parts(x)[0]), None)
+        for _ in range(p):
+            out = _mul_impl(out, x)
+        return out
+    if isinstance(x, Pair) and isinstance(p, (int, float, complex, Pair, torch.Tensor)):
+        return _exp_impl(_materialize(_mul_impl(_log_impl(x), p)))  # principal branch, like torch
+    raise ComplexDecompositionError(f"aten.pow with a complex tensor exponent and base {type(x).__name__}")
+
+
+@register(aten.where)
+def _where_impl(cond: torch.Tensor, a: Any, b: Any) -> Pair:
+    (ar, ai), (br, bi) = _parts(a), _parts(b)
+    re = torch.where(cond, ar, br)
+    if ai is None and bi is None:
+        return Pair(re, torch.zeros_like(re), real_only=True)
+    return Pair(re, torch.where(cond, 0.0 if ai is None else ai, 0.0 if bi is None else bi))
+
+
 @register(aten.polar)
 def _polar_impl(r: torch.Tensor, theta: torch.Tensor) -> Pair:
     return Pair(r * torch.cos(theta), r * torch.sin(theta))
@@ -332,7 +384,8 @@ for _op in (
     aten.squeeze, aten.clone, aten.select, aten.slice, aten.narrow, aten.flip, aten.repeat, aten.contiguous,
     aten.index_select, aten.unbind, aten.split, aten.split_with_sizes, aten.roll, aten.diagonal, aten.movedim,
     aten.flatten, aten.unflatten, aten.expand_copy, aten.view_copy, aten.permute_copy, aten.squeeze_copy,
-    aten.unsqueeze_copy, aten.transpose_copy, aten.slice_copy, aten.select_copy, aten.alias_copy,
+    aten.unsqueeze_copy, aten.transpose_copy, aten.slice_copy, aten.select_copy, aten.alias_copy, aten.index,
+    aten.gather,
 ):  # fmt: skip
     register(_op)(_each(_op))
 
