@@ -8,7 +8,7 @@ Two strategies, both with the epilogue's pointwise part and the output amax fuse
   accumulating — each weight byte is read once (4.5 bits per NVFP4 element + 2 bits of fp32 scale), no dense
   weight is ever written::
 
-      y[m, n] = sum_j (2*e2m1(lo[j, n]) * a[m, 2j] + 2*e2m1(hi[j, n]) * a[m, 2j+1]) * (scale[j // 8, n] / 2)
+      y[m, n] = sum_i sum_{j<8} 2*e2m1(nibble_j(word[i, n])) * a[m, 8i + j] * (scale[i // 2, n] / 2)   # NVFP4
 
 * ``mm`` (otherwise): one fused kernel dequantizes each block-scaled operand, ``torch.mm`` multiplies, one fused
   kernel applies the epilogue and reduces the amax.
@@ -64,7 +64,7 @@ def _block_factors(scales: torch.Tensor, kind: ScaleKind, gs: torch.Tensor) -> t
     return f * gs
 
 
-def _dequant_rows(codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor, spec: FormatSpec, k: int) -> torch.Tensor:
+def _dequant_rows(codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor, *, spec: FormatSpec, k: int) -> torch.Tensor:
     """(R, K) fp32 from row-major codes (R, Kp / per_byte) and raw scales (R, nb)."""
     r = codes.shape[0]
     block = spec.block_size
@@ -81,15 +81,17 @@ def _dequant_rows(codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor, s
 
 def _make_gemv(spec: FormatSpec, ep: Epilogue, want_amax: bool) -> Callable[..., Any]:
     fp4 = is_fp4(spec)
-    rows_per_block = spec.block_size // spec.element.per_byte
+    # rows of codes_t per block: FP4 packs 8 codes per int32 word, FP8 has one code per row
+    rows_per_block = spec.block_size // 8 if fp4 else spec.block_size
 
     def gemv(a: torch.Tensor, codes_t: torch.Tensor, scales_t: torch.Tensor, tensors: dict[str, torch.Tensor | None]) -> Any:
-        kb, n = codes_t.shape
-        s = scales_t.unsqueeze(1).expand(kb // rows_per_block, rows_per_block, n).reshape(kb, n)
+        kw, n = codes_t.shape
+        s = scales_t.unsqueeze(1).expand(kw // rows_per_block, rows_per_block, n).reshape(kw, n)
         if fp4:
-            ae = a[:, 0::2].unsqueeze(-1)
-            ao = a[:, 1::2].unsqueeze(-1)
-            prod = fp4_times2(codes_t & 15).unsqueeze(0) * ae + fp4_times2(codes_t >> 4).unsqueeze(0) * ao
+            prod = fp4_times2(codes_t & 15).unsqueeze(0) * a[:, 0::8].unsqueeze(-1)
+            for j in range(1, 8):
+                nib = torch.bitwise_right_shift(codes_t, 4 * j) & 15
+                prod = prod + fp4_times2(nib).unsqueeze(0) * a[:, j::8].unsqueeze(-1)
         else:
             prod = codes_t.to(torch.float32).unsqueeze(0) * a.unsqueeze(-1)
         acc = (prod * s.unsqueeze(0)).sum(1)
@@ -101,8 +103,8 @@ def _make_gemv(spec: FormatSpec, ep: Epilogue, want_amax: bool) -> Callable[...,
 
 def _make_mm(a_spec: FormatSpec | None, w_spec: FormatSpec | None, k: int, ep: Epilogue, want_amax: bool) -> Callable[..., Any]:
     def mm(a_parts: tuple[torch.Tensor, ...], w_parts: tuple[torch.Tensor, ...], tensors: dict[str, torch.Tensor | None]) -> Any:
-        a = _dequant_rows(*a_parts, a_spec, k) if a_spec is not None else a_parts[0].to(torch.float32)
-        w = _dequant_rows(*w_parts, w_spec, k) if w_spec is not None else w_parts[0].to(torch.float32)
+        a = _dequant_rows(*a_parts[:3], spec=a_spec, k=k) if a_spec is not None else a_parts[0].to(torch.float32)
+        w = _dequant_rows(*w_parts[:3], spec=w_spec, k=k) if w_spec is not None else w_parts[0].to(torch.float32)
         acc = torch.mm(a, w.t())
         y = epilogue_pointwise(acc, ep, tensors)
         return y, (y.abs().amax() if want_amax else None)
@@ -121,11 +123,16 @@ def _raw_parts(q: BlockScaledTensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return codes, scales, gs
 
 
+_OPTIONS = {"realize_opcount_threshold": 4096, "realize_reads_threshold": 64}
+"""Inductor options: keep the decode expression inlined into the reduction (the defaults would write the decoded
+products to memory first, which is exactly the traffic the GEMV avoids)."""
+
+
 def _compiled(key: tuple[Any, ...], make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
     with _LOCK:
         fn = _CACHE.get(key)
         if fn is None:
-            fn = torch.compile(make(), dynamic=False, fullgraph=True)
+            fn = torch.compile(make(), dynamic=False, fullgraph=True, options=dict(_OPTIONS))
             _CACHE[key] = fn
     return fn
 
@@ -174,7 +181,7 @@ class InductorBackend:
             if w.k_padded != problem.k:
                 a32 = torch.nn.functional.pad(a32, (0, w.k_padded - problem.k))
             codes_t, scales_t = prepared_gemv_weight(w)
-            key = ("gemv", w.spec.name, problem.m, problem.n, problem.k, sig, problem.device.type, a32.dtype)
+            key: tuple[Any, ...] = ("gemv", w.spec.name, problem.m, problem.n, problem.k, sig, problem.device.type, a32.dtype)
             fn = _compiled(key, lambda: _make_gemv(w.spec, code_ep, want_amax))
             y, amax = fn(a32.contiguous(), codes_t, scales_t, tensors)
         else:
