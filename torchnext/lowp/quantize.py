@@ -25,10 +25,6 @@ def _backend(name: str) -> ModuleType:
         return eager
     if name == "reference":
         return reference
-    if name == "compiled":
-        from torchnext.lowp import compiled
-
-        return compiled
     raise FormatError(f"unknown backend {name!r}")
 
 
