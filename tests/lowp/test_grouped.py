@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from mm_helpers import SQNR_BACKEND_DB, sqnr_db
+
 from torchnext.lowp import Epilogue, FormatError, ScaledMMResult, grouped_scaled_mm, quantize
 from torchnext.lowp import grouped as grouped_mod
 from torchnext.lowp.grouped import grouped_reference

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from mm_helpers import FORMATS, SQNR_BACKEND_DB, SQNR_VS_DENSE_DB, sqnr_db
-from torchnext.lowp import BackendUnavailable, Epilogue, FormatError, ScaledMMResult, available_backends, quantize, scaled_mm
+
+from torchnext.lowp import (
+    BackendUnavailable,
+    Epilogue,
+    FormatError,
+    ScaledMMResult,
+    available_backends,
+    quantize,
+    scaled_mm,
+)
 from torchnext.lowp.backends import get_backend
 from torchnext.lowp.decode import dequantize_operand
 from torchnext.lowp.scaled_mm import make_problem
@@ -105,7 +113,7 @@ def test_errors() -> None:
         scaled_mm(a, torch.randn(N, 16), backend="eager")
     with pytest.raises(FormatError, match="must be 2-D"):
         scaled_mm(a[0], w, backend="eager")
-    with pytest.raises(FormatError, match="torch.Tensor or a BlockScaledTensor"):
+    with pytest.raises(FormatError, match=r"torch\.Tensor or a BlockScaledTensor"):
         scaled_mm([[1.0]], w, backend="eager")  # type: ignore[arg-type]
     with pytest.raises(FormatError, match="blocked along K"):
         scaled_mm(a, quantize(torch.randn(32, N), "nvfp4", dim=0), backend="eager")
