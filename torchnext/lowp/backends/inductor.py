@@ -11,7 +11,8 @@ Two strategies, both with the epilogue's pointwise part and the output amax fuse
       y[m, n] = sum_i sum_{j<8} 2*e2m1(nibble_j(word[i, n])) * a[m, 8i + j] * (scale[i // 2, n] / 2)   # NVFP4
 
 * ``mm`` (otherwise): one fused kernel dequantizes each block-scaled operand, ``torch.mm`` multiplies, one fused
-  kernel applies the epilogue and reduces the amax.
+  kernel applies the epilogue and reduces the amax. Compiled once per (formats, N, K, epilogue); a second M
+  recompiles once with M dynamic (Dynamo's automatic dynamic shapes), so varying batch sizes do not recompile.
 
 The output quantization (``out_format``) is then done by :func:`torchnext.lowp.quantize`.
 """
@@ -128,11 +129,11 @@ _OPTIONS = {"realize_opcount_threshold": 4096, "realize_reads_threshold": 64}
 products to memory first, which is exactly the traffic the GEMV avoids)."""
 
 
-def _compiled(key: tuple[Any, ...], make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+def _compiled(key: tuple[Any, ...], make: Callable[[], Callable[..., Any]], *, dynamic: bool | None = False) -> Callable[..., Any]:
     with _LOCK:
         fn = _CACHE.get(key)
         if fn is None:
-            fn = torch.compile(make(), dynamic=False, fullgraph=True, options=dict(_OPTIONS))
+            fn = torch.compile(make(), dynamic=dynamic, fullgraph=True, options=dict(_OPTIONS))
             _CACHE[key] = fn
     return fn
 
@@ -191,14 +192,14 @@ class InductorBackend:
                 "mm",
                 problem.a_format,
                 problem.w_format,
-                problem.m,
                 problem.n,
                 problem.k,
                 sig,
                 problem.device.type,
                 tuple(p.dtype for p in a_parts + w_parts),
             )
-            fn = _compiled(key, lambda: _make_mm(a_spec, w_spec, problem.k, code_ep, want_amax))
+            # M is left to Dynamo's automatic dynamic shapes: a second M recompiles once with M symbolic
+            fn = _compiled(key, lambda: _make_mm(a_spec, w_spec, problem.k, code_ep, want_amax), dynamic=None)
             y, amax = fn(a_parts, w_parts, tensors)
         return finish_epilogue(y, ep, problem.out_dtype, amax=amax)
 
