@@ -169,3 +169,21 @@ def test_real_backends_auto_eligibility() -> None:
     assert "reference" not in names and "eager" in names
     if not torch.cuda.is_available():
         assert "triton" not in names and "aten" not in names and "cutlass" not in names
+
+
+def test_quick_check_uses_exact_corner_of_large_problems(isolated: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(70, 64, generator=g)
+    w = quantize(torch.randn(300, 64, generator=g), "nvfp4", swizzle=True)
+    ep = Epilogue(scale=torch.rand(70, 1, generator=g), bias=torch.randn(300, generator=g), activation="relu",
+                  residual=torch.randn(70, 300, generator=g), output_amax=True)
+    p = make_problem(a, w, ep)
+    corner = at._corner_problem(p)
+    assert (corner.m, corner.n) == (at.CHECK_ROWS, at.CHECK_COLS)
+    full = get_backend("reference").run(p)
+    sub = get_backend("reference").run(corner)
+    torch.testing.assert_close(sub.output, full.output[: corner.m, : corner.n], rtol=0, atol=0)
+    good, bad = _Fake("t_good"), _Fake("t_bad", wrong=True)
+    _add(at._added, good, bad)  # type: ignore[attr-defined]
+    rec = at.tune(p, ["t_good", "t_bad"])
+    assert rec.backend == "t_good" and "t_bad" in rec.rejected

@@ -158,3 +158,16 @@ def test_gpu_backends_vs_reference(backend: str, fmt: str) -> None:  # pragma: n
     res = scaled_mm(aq, wq, epilogue=ep, backend=backend)
     assert isinstance(res, ScaledMMResult) and isinstance(ref, ScaledMMResult)
     assert sqnr_db(res.output.cpu(), ref.output.cpu()) >= 60
+
+
+def test_gemv_prepared_weight_follows_inplace_changes() -> None:
+    a, w = _operands(1, 80, "nvfp4")
+    wq = quantize(w, "nvfp4", global_scale=True)
+    ep = _full_epilogue(1)
+    first = scaled_mm(a, wq, epilogue=ep, backend="inductor")
+    wq.qdata[:5].zero_()  # in place: the cached prepared layout must be rebuilt
+    res = scaled_mm(a, wq, epilogue=ep, backend="inductor")
+    ref = scaled_mm(a, wq, epilogue=ep, backend="reference")
+    assert isinstance(res, ScaledMMResult) and isinstance(ref, ScaledMMResult) and isinstance(first, ScaledMMResult)
+    assert sqnr_db(res.output, ref.output) >= SQNR_BACKEND_DB
+    assert not torch.equal(first.output, res.output)
