@@ -72,21 +72,27 @@ def _dequant_rows(
 ) -> torch.Tensor:
     """fp32 rows from row-major codes (R, Kp / per_byte) and raw scales (R, nb).
 
-    ``permuted`` (FP4 only): return the padded (R, Kp) values with K reordered as ``[elements 0, 2, 4, ...,
-    elements 1, 3, 5, ...]`` — low nibbles then high nibbles, each half a contiguous vectorized write (an
-    interleaving store would be scalar); the other operand gets the same order (:func:`_permute_k`), which leaves
-    ``a @ w.T`` unchanged. Otherwise: (R, K) in natural order.
+    ``permuted`` (FP4 only): return the padded (R, Kp) values with K reordered as ``[elements 0, 8, 16, ...,
+    elements 1, 9, 17, ..., ..., elements 7, 15, ...]`` (nibble j of every int32 word of 8 codes), each segment a
+    contiguous vectorized write (an interleaving store would be scalar); the other operand gets the same order
+    (:func:`_permute_k`), which leaves ``a @ w.T`` unchanged. Otherwise: (R, K) in natural order.
     """
     r = codes.shape[0]
     block = spec.block_size
     f = _block_factors(scales, spec.scale, gs)
     nb = f.shape[1]
+    if is_fp4(spec) and permuted:
+        # int32 words of 8 codes; segment j holds nibble j of every word, times the block factor (2 words/block
+        # for NVFP4, 4 for MXFP4): 8 contiguous, vectorized writes
+        words = codes.contiguous().view(torch.int32)
+        per_block = block // 8
+        fw = (f * 0.5).unsqueeze(-1).expand(r, nb, per_block).reshape(r, nb * per_block)
+        segs = [fp4_times2(torch.bitwise_right_shift(words, 4 * j) & 15) * fw for j in range(8)]
+        return torch.cat(segs, dim=1)
     if is_fp4(spec):
         f = (f * 0.5).unsqueeze(-1)
         lo = (fp4_times2(codes & 15).reshape(r, nb, block // 2) * f).reshape(r, nb * block // 2)
         hi = (fp4_times2(codes >> 4).reshape(r, nb, block // 2) * f).reshape(r, nb * block // 2)
-        if permuted:
-            return torch.cat([lo, hi], dim=1)
         out = torch.stack([lo, hi], dim=-1).reshape(r, nb * block)
     else:
         out = (codes.to(torch.float32).reshape(r, nb, block) * f.unsqueeze(-1)).reshape(r, nb * block)
@@ -97,7 +103,7 @@ def _permute_k(x: torch.Tensor, kp: int) -> torch.Tensor:
     """Dense (R, K) → (R, Kp) zero-padded, reordered as in :func:`_dequant_rows` (``permuted=True``)."""
     if x.shape[1] != kp:
         x = torch.nn.functional.pad(x, (0, kp - x.shape[1]))
-    return torch.cat([x[:, 0::2], x[:, 1::2]], dim=1)
+    return torch.cat([x[:, j::8] for j in range(8)], dim=1)
 
 
 def _make_gemv(spec: FormatSpec, ep: Epilogue, want_amax: bool) -> Callable[..., Any]:
