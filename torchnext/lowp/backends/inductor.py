@@ -119,16 +119,16 @@ def _make_gemv(spec: FormatSpec, ep: Epilogue, want_amax: bool) -> Callable[...,
         # decoded, scaled weight terms shared by every row of a: Inductor CSEs them into one reduction loop with one
         # accumulator per row, so the weight is read and decoded once for all rows
         if fp4:
-            terms = [fp4_times2(torch.bitwise_right_shift(codes_t, 4 * j) & 15) * s for j in range(8)]
+            terms = [fp4_times2(torch.bitwise_right_shift(codes_t, 4 * j) & 15) for j in range(8)]
         else:
-            terms = [codes_t.to(torch.float32) * s]
+            terms = [codes_t.to(torch.float32)]
         step = len(terms)
         rows = []
         for r in range(a.shape[0]):
             acc = terms[0] * a[r, 0::step].unsqueeze(-1)
             for j in range(1, step):
                 acc = acc + terms[j] * a[r, j::step].unsqueeze(-1)
-            rows.append(acc.sum(0))
+            rows.append((acc * s).sum(0))
         y = epilogue_pointwise(torch.stack(rows), ep, tensors)
         amax = torch.where(valid, y.abs(), 0.0).amax() if want_amax else None
         return y, amax
