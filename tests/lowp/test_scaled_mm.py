@@ -72,8 +72,11 @@ def test_reference_error_vs_dense_per_format(fmt: str) -> None:
     assert sqnr_db(ref, a @ w.T) >= SQNR_VS_DENSE_DB[fmt]
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("m", [1, 5])
+# inductor strategies: M=1 and M=5 (padded to 8) take the decode GEMV, M=20 the fused dequantize + mm path
+_CASES = [(1, f) for f in FORMATS] + [(20, f) for f in FORMATS] + [(5, "nvfp4"), (5, "mxfp8_e4m3")]
+
+
+@pytest.mark.parametrize(("m", "fmt"), _CASES)
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_cpu_backends_vs_reference(backend: str, m: int, fmt: str) -> None:
     k = 80  # not a multiple of 32: MX operands are padded
@@ -88,7 +91,7 @@ def test_cpu_backends_vs_reference(backend: str, m: int, fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8_e4m3"])
 def test_both_operands_block_scaled_and_swizzled(fmt: str) -> None:
-    a, w = _operands(5, 64, fmt)
+    a, w = _operands(20, 64, fmt)
     aq, wq = quantize(a, fmt), quantize(w, fmt, swizzle=True)
     ref = scaled_mm(aq, wq, backend="reference")
     for backend in ("eager", "inductor"):
@@ -171,3 +174,13 @@ def test_gemv_prepared_weight_follows_inplace_changes() -> None:
     assert isinstance(res, ScaledMMResult) and isinstance(ref, ScaledMMResult) and isinstance(first, ScaledMMResult)
     assert sqnr_db(res.output, ref.output) >= SQNR_BACKEND_DB
     assert not torch.equal(first.output, res.output)
+
+
+def test_inductor_strategy_by_m() -> None:
+    from torchnext.lowp.backends.inductor import GEMV_MAX_M, strategy_for
+
+    w = quantize(torch.randn(N, 32), "nvfp4")
+    assert strategy_for(make_problem(torch.randn(1, 32), w, None)) == "gemv"
+    assert strategy_for(make_problem(torch.randn(GEMV_MAX_M, 32), w, None)) == "gemv"
+    assert strategy_for(make_problem(torch.randn(GEMV_MAX_M + 1, 32), w, None)) == "mm"
+    assert strategy_for(make_problem(torch.randn(1, 32), torch.randn(N, 32), None)) == "mm"
