@@ -9,7 +9,7 @@ For a problem key ``(torch version, device, formats, M bucket, N, K, epilogue si
         out = b.run(problem)                          # warm-up (includes any compile); an exception disqualifies
         if rel_l2(out[:64, :256], reference(corner of problem)) > tol: disqualify   # never pick a wrong backend
         if amax asked and amax != max|out| (rel 1e-2): disqualify
-        times[b] = median(time(b.run(problem)) for _ in range(reps))
+    times = median over `reps` round-robin rounds of each passing candidate
     choice = argmin(times); memory[key] = disk[key] = choice; log it
 
 The disk cache is a JSON file (``TORCHNEXT_AUTOTUNE_CACHE``, default ``~/.cache/torchnext/autotune.json``), written
@@ -70,8 +70,8 @@ class TuneConfig:
 
     warmup: int = 1
     """Untimed runs per candidate after the first (checked) run."""
-    reps: int = 5
-    """Timed runs per candidate (the median is used)."""
+    reps: int = 7
+    """Timed rounds (each runs every candidate once, round-robin); the median per candidate is used."""
     rtol: float = 1e-3
     """Largest relative L2 error against the reference for fp32/fp64 outputs (1e-2 for 16-bit outputs)."""
 
@@ -248,8 +248,10 @@ def _time(fn: Any, device: torch.device, warmup: int, reps: int) -> float:
     for _ in range(warmup):
         fn()
     _sync(device)
+    if reps <= 0:
+        return math.nan
     ts = []
-    for _ in range(max(1, reps)):
+    for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         _sync(device)
@@ -266,6 +268,7 @@ def tune(problem: Problem, candidates: list[str] | None = None, config: TuneConf
     ref = get_backend("reference").run(_corner_problem(problem))
     times: dict[str, float] = {}
     rejected: dict[str, str] = {}
+    passed = []
     for name in names:
         b = get_backend(name)
         try:
@@ -275,10 +278,17 @@ def tune(problem: Problem, candidates: list[str] | None = None, config: TuneConf
                 rejected[name] = why
                 log.warning("autotune %s: %s rejected: %s", key, name, why)
                 continue
-            times[name] = _time(lambda b=b: b.run(problem), problem.device, cfg.warmup, cfg.reps)
+            _time(lambda b=b: b.run(problem), problem.device, cfg.warmup, 0)
+            passed.append(name)
         except Exception as exc:  # a failing candidate is disqualified, not fatal
             rejected[name] = f"{type(exc).__name__}: {exc}"
             log.warning("autotune %s: %s failed: %s", key, name, rejected[name])
+    # timed round-robin (one run of each candidate per round) so that background load hits all of them alike
+    samples: dict[str, list[float]] = {n: [] for n in passed}
+    for _ in range(max(1, cfg.reps)):
+        for name in passed:
+            samples[name].append(_time(lambda n=name: get_backend(n).run(problem), problem.device, 0, 1))
+    times = {n: statistics.median(v) for n, v in samples.items()}
     if not times:
         raise RuntimeError(f"autotune {key}: no candidate passed ({rejected or 'no candidates'})")
     best = min(times, key=times.__getitem__)
