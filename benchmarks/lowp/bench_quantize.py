@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
           f"load avg: {os.getloadavg()[0]:.2f}")
     print(f"shape: {args.size}x{args.size}, {args.reps} reps (median, min); machine shared: ratios matter more\n")
 
+    torch.manual_seed(0)
     n = args.size
     results: dict[str, Any] = {"timing": [], "error": []}
     rows = []
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, ours, peer, peer_name in cases:
             q = ours()
             ours_med, ours_min = _time(ours, args.reps)
-            peer_med, peer_min = _time(peer, max(3, args.reps // 2)) if peer else (float("nan"), float("nan"))
+            peer_med, _ = _time(peer, max(3, args.reps // 2)) if peer else (float("nan"), float("nan"))
             moved = x.nbytes + q.nbytes
             gbs = moved / ours_med / 1e6
             # dequantize: ours vs torchao's

@@ -182,3 +182,23 @@ def test_quantization_error_report() -> None:
     assert math.isclose(r4["rel_l2"], 10 ** (-r4["sqnr_db"] / 20), rel_tol=1e-9)
     assert r4["bits_per_element"] == pytest.approx(4.5)
     assert quantization_error(torch.zeros(4, 32), "nvfp4")["sqnr_db"] == math.inf
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_requires_grad_and_non_contiguous_inputs(fmt: str) -> None:
+    x = torch.randn(64, 40, requires_grad=True)
+    q = quantize(x, fmt)
+    assert not q.dequantize().requires_grad
+    xt = torch.randn(40, 64).t()  # non-contiguous
+    assert torch.equal(quantize(xt, fmt).qdata.view(torch.uint8), quantize(xt.contiguous(), fmt).qdata.view(torch.uint8))
+
+
+def test_flush_denormal_is_refused() -> None:
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        with pytest.raises(FormatError, match="set_flush_denormal"):
+            quantize(torch.randn(4, 32), "mxfp4")
+    finally:
+        torch.set_flush_denormal(False)
+    quantize(torch.randn(4, 32), "mxfp4")
