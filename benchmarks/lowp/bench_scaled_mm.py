@@ -126,14 +126,21 @@ def bench_decode(n: int, k: int, reps: int, out: dict[str, Any]) -> None:
         "fp32_linear": lambda: F.linear(a, w),
         "bf16_linear": lambda: F.linear(ab, wb),
     }
-    t = interleaved(fns, reps * 4)
-    base = t["torchnext_nvfp4"]
     print(f"auto backend: {name} (tune {tune_s:.1f}s); weight bytes read: nvfp4 {wq.nbytes / 2**20:.1f} MiB, "
           f"fp32 {w.numel() * 4 / 2**20:.0f} MiB, bf16 {w.numel() * 2 / 2**20:.0f} MiB")
-    for key, (med, mn) in t.items():
-        print(f"{key:<18} median {med:7.3f} ms  min {mn:7.3f} ms   speedup of nvfp4: median {med / base[0]:5.2f}x  min {mn / base[1]:5.2f}x")
-    out["decode"] = {"backend": name, "median_ms": {k2: v[0] for k2, v in t.items()}, "min_ms": {k2: v[1] for k2, v in t.items()},
-                     "speedup_vs_fp32_median": t["fp32_linear"][0] / base[0], "speedup_vs_fp32_min": t["fp32_linear"][1] / base[1]}
+    threads = torch.get_num_threads()
+    out["decode"] = {"backend": name}
+    for nt in sorted({threads, 1}, reverse=True):
+        torch.set_num_threads(nt)
+        t = interleaved(fns, reps * 4)
+        base = t["torchnext_nvfp4"]
+        print(f"-- {nt} thread(s), calls interleaved")
+        for key, (med, mn) in t.items():
+            print(f"{key:<18} median {med:7.3f} ms  min {mn:7.3f} ms   speedup of nvfp4: median {med / base[0]:5.2f}x  min {mn / base[1]:5.2f}x")
+        out["decode"][f"threads{nt}"] = {"median_ms": {k2: v[0] for k2, v in t.items()}, "min_ms": {k2: v[1] for k2, v in t.items()},
+                                         "speedup_vs_fp32_median": t["fp32_linear"][0] / base[0],
+                                         "speedup_vs_fp32_min": t["fp32_linear"][1] / base[1]}
+    torch.set_num_threads(threads)
     print("goal: >= 2.5x vs fp32")
 
 
