@@ -40,3 +40,27 @@ def test_thread_settings_are_restored() -> None:
     t.start()
     t.join(timeout=30)
     assert seen == [before]  # a thread started afterwards gets the process default again
+
+
+def test_quantize_in_a_forked_child() -> None:
+    """The worker pool is per process: a child forked after the parent used it must not hang."""
+    import multiprocessing as mp
+
+    x = torch.randn(1024, 1024)
+    want = quantize(x, "nvfp4").qdata  # the parent's pool now exists
+    ctx = mp.get_context("fork")
+    q: mp.Queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(x, q))
+    proc.start()
+    try:
+        got = q.get(timeout=120)
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    assert got == want.numpy().tobytes()
+
+
+def _child(x: torch.Tensor, q: object) -> None:
+    q.put(quantize(x, "nvfp4").qdata.numpy().tobytes())  # plain bytes: no tensor sharing between processes  # type: ignore[attr-defined]

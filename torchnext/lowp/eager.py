@@ -9,6 +9,7 @@ stay in L2/L3 cache and are recycled by the allocator instead of being page-faul
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,18 +27,20 @@ CHUNK_ELEMENTS = 1 << 18
 """Elements per chunk (1 MiB of fp32)."""
 
 _POOL: ThreadPoolExecutor | None = None
-_POOL_SIZE = 0
+_POOL_KEY: tuple[int, int] = (0, 0)
 _POOL_LOCK = threading.Lock()
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
-    global _POOL, _POOL_SIZE
+    """The worker-lane pool, created lazily; re-created after a fork (a forked child has none of the threads)."""
+    global _POOL, _POOL_KEY
+    key = (workers, os.getpid())
     with _POOL_LOCK:
-        if _POOL is None or _POOL_SIZE != workers:
-            if _POOL is not None:
+        if _POOL is None or _POOL_KEY != key:
+            if _POOL is not None and _POOL_KEY[1] == key[1]:
                 _POOL.shutdown(wait=False)
             _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="torchnext-lowp")
-            _POOL_SIZE = workers
+            _POOL_KEY = key
         return _POOL
 
 
