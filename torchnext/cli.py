@@ -40,7 +40,10 @@ def register_subcommand(cmd: Subcommand) -> None:
     SUBCOMMANDS[cmd.name] = cmd
 
 
-_BUILTIN: tuple[Subcommand, ...] = ()
+_BUILTIN: tuple[Subcommand, ...] = (
+    Subcommand(name="coordinator", module="torchnext.comms.coordinator",
+               help="run the fault-tolerance coordinator (TCPStore + membership service)"),
+)
 for _cmd in _BUILTIN:
     register_subcommand(_cmd)
 
