@@ -62,16 +62,53 @@ class WorkerSpec:
     coordinator_timeout_s: float = 2.0
     step_sleep_s: float = 0.0
     """Sleep per step (lets a test act between steps without burning CPU)."""
+    run_until_size: int = 0
+    """Keep training past ``steps`` until the generation has this many members (at most ``run_until_s``)."""
+    run_until_member: int = -1
+    """Keep training past ``steps`` until this member id is in the generation (at most ``run_until_s``)."""
+    run_until_s: float = 60.0
+    split: bool = False
+    """Make a split child of each generation and record that reconfiguration invalidates it."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 class _Model(torch.nn.Module):
+    applied: torch.Tensor
+    ballast: torch.Tensor
+
     def __init__(self, dim: int, state_mib: float) -> None:
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(dim, dtype=torch.float64))
         self.register_buffer("applied", torch.zeros((), dtype=torch.int64))
         n = int(state_mib * (1 << 20) // 4)
         self.register_buffer("ballast", torch.arange(n, dtype=torch.float32) if n else torch.zeros(0))
+
+
+class _SGD:
+    """Plain SGD with a state_dict (``torch.optim`` costs ~2 s of imports per fresh process on first use)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float) -> None:
+        self.params = params
+        self.lr = lr
+        self.steps = torch.zeros((), dtype=torch.int64)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p -= self.lr * p.grad
+        self.steps += 1
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"lr": self.lr, "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.lr = float(state["lr"])
+        self.steps.copy_(state["steps"])
 
 
 def _digest(model: torch.nn.Module) -> str:
@@ -92,7 +129,7 @@ def _burn(seconds: float, a: torch.Tensor) -> None:
 def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     """Train ``spec.steps`` committed steps fault-tolerantly; return a report (never raises for membership ends:
     the report's ``error`` names it)."""
-    from torchnext.comms import FaultTolerant, FaultTolerantConfig, MembershipError
+    from torchnext.comms import CommAborted, FaultTolerant, FaultTolerantConfig, MembershipError
 
     torch.set_num_threads(1)
     model = _Model(DIM, spec.state_mib)
@@ -100,7 +137,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         with torch.no_grad():
             model.w.fill_(12345.0)
             model.applied.fill_(999)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    opt = _SGD(list(model.parameters()), lr=1.0)
     injector = FaultInjector(spec.faults, spec.member_id)
     work = torch.randn(64, 64)
     report: dict[str, Any] = {"member": spec.member_id, "pid": os.getpid(), "error": None}
@@ -122,7 +159,30 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
             injector.at(FaultPoint.RECONFIGURE if where == "reconfigure" else FaultPoint.HEALING, ft.step_count)
 
         ft.fault_hook = hook
-        while ft.step_count < spec.steps:
+        invalidated: list[str] = []
+        report["split_invalidated"] = invalidated
+        child = ft.split(list(range(ft.size))) if spec.split else None
+
+        def on_reconfigure(info: Any) -> None:
+            nonlocal child
+            if child is not None:
+                try:
+                    child.barrier()
+                except CommAborted as exc:
+                    invalidated.append(str(exc))
+                child = None
+
+        ft.on_reconfigure(on_reconfigure)
+        give_up = time.monotonic() + spec.run_until_s
+        def more() -> bool:
+            assert ft is not None
+            if ft.step_count < spec.steps:
+                return True
+            short = ft.size < spec.run_until_size or (spec.run_until_member >= 0
+                                                       and spec.run_until_member not in ft.members)
+            return short and time.monotonic() < give_up
+
+        while more():
             injector.at(FaultPoint.IDLE, ft.step_count)
             attempts += 1
             with ft.step() as st:
@@ -143,11 +203,12 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
                     opt.step()
                     with torch.no_grad():
                         model.applied += 1
-                opt.zero_grad(set_to_none=True)
+                opt.zero_grad()
             if spec.step_sleep_s:
                 time.sleep(spec.step_sleep_s)
     except MembershipError as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
+        report["ended_at"] = time.monotonic()
     finally:
         injector.close()
         if ft is not None:
@@ -167,6 +228,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
 
 
 def _child(spec: WorkerSpec, results: Any) -> None:
+    out: tuple[int, bool, Any]
     try:
         out = (spec.member_id, True, run_worker(spec))
     except BaseException:
@@ -204,7 +266,8 @@ class FTJob:
         return int(self.procs[member].pid)
 
     def exitcode(self, member: int) -> int | None:
-        return self.procs[member].exitcode  # type: ignore[no-any-return]
+        code = self.procs[member].exitcode
+        return None if code is None else int(code)
 
     def wait(self, members: Sequence[int], timeout: float) -> dict[int, dict[str, Any]]:
         """Wait until each of ``members`` reported or exited; raise ``TimeoutError`` naming the stragglers."""
