@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import queue
+import signal
 import time
 import traceback
 from collections.abc import Sequence
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from torchnext.testing.faults import Fault, FaultInjector, FaultPoint
+from torchnext.testing.faults import Fault, FaultInjector, FaultKind, FaultPoint
 
 __all__ = ["FTJob", "WorkerSpec", "expected_weights", "gradient", "run_worker"]
 
@@ -67,6 +68,10 @@ class WorkerSpec:
     run_until_member: int = -1
     """Keep training past ``steps`` until this member id is in the generation (at most ``run_until_s``)."""
     run_until_s: float = 60.0
+    stop_file: str | None = None
+    """If set: train until the step count written in this file (checked between steps) instead of ``steps``."""
+    sigusr1_raises: bool = False
+    """SIGUSR1 makes this member's next collective raise ``PeerFailure`` (faults injected from outside)."""
     split: bool = False
     """Make a split child of each generation and record that reconfiguration invalidates it."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -96,7 +101,7 @@ class _SGD:
     def step(self) -> None:
         for p in self.params:
             if p.grad is not None:
-                p -= self.lr * p.grad
+                p.sub_(p.grad, alpha=self.lr)
         self.steps += 1
 
     def zero_grad(self) -> None:
@@ -109,6 +114,11 @@ class _SGD:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.lr = float(state["lr"])
         self.steps.copy_(state["steps"])
+
+
+def _load(model: torch.nn.Module, opt: _SGD, state: dict[str, Any]) -> None:
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
 
 
 def _digest(model: torch.nn.Module) -> str:
@@ -150,7 +160,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
                                 min_size=spec.min_size, timeout_s=spec.timeout_s,
                                 coordinator_timeout_s=spec.coordinator_timeout_s),
             state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
-            load_state_dict=lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["optim"])),
+            load_state_dict=lambda s: _load(model, opt, s),
         )
         report["joined_at"] = time.monotonic()
 
@@ -174,12 +184,24 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
 
         ft.on_reconfigure(on_reconfigure)
         give_up = time.monotonic() + spec.run_until_s
+        committed_in = list(ft.members)
+        armed = [False]
+        if spec.sigusr1_raises:
+            signal.signal(signal.SIGUSR1, lambda *_: armed.__setitem__(0, True))
+        target = [spec.steps if spec.stop_file is None else 1 << 62]
+
         def more() -> bool:
             assert ft is not None
-            if ft.step_count < spec.steps:
+            if spec.stop_file is not None and target[0] == 1 << 62 and os.path.exists(spec.stop_file):
+                with open(spec.stop_file) as fh:
+                    text = fh.read().strip()
+                if text:
+                    target[0] = int(text)
+            if ft.step_count < target[0]:
                 return True
-            short = ft.size < spec.run_until_size or (spec.run_until_member >= 0
-                                                       and spec.run_until_member not in ft.members)
+            # judged on the generation that committed the last step: the same on every member
+            short = len(committed_in) < spec.run_until_size or (spec.run_until_member >= 0
+                                                                and spec.run_until_member not in committed_in)
             return short and time.monotonic() < give_up
 
         while more():
@@ -191,6 +213,9 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
                     _burn(spec.compute_s, work)
                 g = gradient(s, ft.member_id)
                 f = injector.due(FaultPoint.COLLECTIVE, s)
+                if armed[0]:
+                    armed[0] = False
+                    f = Fault(kind=FaultKind.RAISE, member=spec.member_id, step=s, where=FaultPoint.COLLECTIVE)
                 if f is not None:
                     w = ft.all_reduce(g, async_op=True)
                     time.sleep(0.005)  # peers are now blocked in the collective
@@ -200,6 +225,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
                     ft.all_reduce(g)
                 model.w.grad = g
                 if st.commit():
+                    committed_in = list(ft.members)
                     opt.step()
                     with torch.no_grad():
                         model.applied += 1
