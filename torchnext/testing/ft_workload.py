@@ -13,6 +13,7 @@ step (a matmul loop) to emulate training compute.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import queue
 import signal
@@ -72,6 +73,14 @@ class WorkerSpec:
     """If set: train until the step count written in this file (checked between steps) instead of ``steps``."""
     sigusr1_raises: bool = False
     """SIGUSR1 makes this member's next collective raise ``PeerFailure`` (faults injected from outside)."""
+    signal_kills: bool = False
+    """SIGUSR2 / SIGRTMIN make this member SIGKILL itself at its next idle point / inside its next all_reduce."""
+    fault_log: str | None = None
+    """Append ``"<time.monotonic()> <member>"`` here right before a self-inflicted kill (benchmarks time from it)."""
+    event_log: str | None = None
+    """Append one JSON line per generation this member commits in: ``{"member", "gen", "built", "commit"}``
+    (``time.monotonic()`` marks: Communicator built, first commit) -- benchmarks read it even for members that
+    die later."""
     split: bool = False
     """Make a split child of each generation and record that reconfiguration invalidates it."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -185,9 +194,21 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         ft.on_reconfigure(on_reconfigure)
         give_up = time.monotonic() + spec.run_until_s
         committed_in = list(ft.members)
+        logged_gen = -1
         armed = [False]
         if spec.sigusr1_raises:
             signal.signal(signal.SIGUSR1, lambda *_: armed.__setitem__(0, True))
+        doomed = [""]
+        if spec.signal_kills:
+            signal.signal(signal.SIGUSR2, lambda *_: doomed.__setitem__(0, "idle"))
+            signal.signal(signal.SIGRTMIN, lambda *_: doomed.__setitem__(0, "collective"))
+
+        def die_if(point: str) -> None:
+            if doomed[0] == point:
+                if spec.fault_log is not None:
+                    with open(spec.fault_log, "a") as fh:
+                        fh.write(f"{time.monotonic()} {spec.member_id}\n")
+                os.kill(os.getpid(), signal.SIGKILL)
         target = [spec.steps if spec.stop_file is None else 1 << 62]
 
         def more() -> bool:
@@ -206,6 +227,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
 
         while more():
             injector.at(FaultPoint.IDLE, ft.step_count)
+            die_if("idle")
             attempts += 1
             with ft.step() as st:
                 s = ft.step_count
@@ -216,6 +238,10 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
                 if armed[0]:
                     armed[0] = False
                     f = Fault(kind=FaultKind.RAISE, member=spec.member_id, step=s, where=FaultPoint.COLLECTIVE)
+                if doomed[0] == "collective":
+                    ft.all_reduce(g, async_op=True)
+                    time.sleep(0.005)  # peers are now blocked in the collective
+                    die_if("collective")
                 if f is not None:
                     w = ft.all_reduce(g, async_op=True)
                     time.sleep(0.005)  # peers are now blocked in the collective
@@ -225,6 +251,12 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
                     ft.all_reduce(g)
                 model.w.grad = g
                 if st.commit():
+                    if spec.event_log is not None and ft.generation != logged_gen:
+                        logged_gen = ft.generation
+                        marks = ft.reconfigurations[-1].timings if ft.reconfigurations else {}
+                        with open(spec.event_log, "a") as fh:
+                            fh.write(json.dumps({"member": spec.member_id, "gen": logged_gen,
+                                                 "built": marks.get("built"), "commit": ft.commit_times[-1][2]}) + "\n")
                     committed_in = list(ft.members)
                     opt.step()
                     with torch.no_grad():
