@@ -23,7 +23,6 @@ figures measured on this machine are quoted in docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import platform
@@ -33,14 +32,12 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
 
 from torchnext.comms import Coordinator, CoordinatorConfig, MembershipConfig
-from torchnext.testing import RankContext, run_ranks
-from torchnext.testing.ft_workload import FTJob, WorkerSpec, gradient
+from torchnext.testing.ft_workload import FTJob, WorkerSpec, overhead_worker
 
 N = 4
 
@@ -179,34 +176,18 @@ def raw_socket_gbps(nbytes: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ per-step overhead
-def _plain_steps(ctx: RankContext, steps: int, compute_s: float) -> list[float]:
-    from torchnext.comms import Communicator
-    from torchnext.testing.ft_workload import _burn
-
-    torch.set_num_threads(1)
-    comm = Communicator(ctx.store, ctx.rank, ctx.world_size, timeout=timedelta(seconds=60))
-    w = torch.zeros(64, dtype=torch.float64)
-    work = torch.randn(64, 64)
-    marks = []
-    for s in range(steps):
-        if compute_s:
-            _burn(compute_s, work)
-        g = gradient(s, ctx.rank)
-        comm.all_reduce(g)
-        w -= g
-        marks.append(time.monotonic())
-    return [b - a for a, b in itertools.pairwise(marks)]
-
-
-def ft_steps(steps: int, compute_s: float) -> list[float]:
+def step_overhead(steps: int, compute_s: float) -> tuple[float, float, float]:
+    """Medians (plain step, fault-tolerant step, its commit round trip) in seconds; same processes, interleaved."""
     with Coordinator(CoordinatorConfig(membership=MembershipConfig(min_size=1, initial_size=N))) as coord, \
             FTJob() as job:
         for m in range(N):
             job.launch(WorkerSpec(coordinator=coord.address, token=coord.token, member_id=m, steps=steps,
-                                  compute_s=compute_s))
-        reports = job.wait(list(range(N)), timeout=300)
-    ts = [t for _, _, t in reports[0]["commits"]]
-    return [b - a for a, b in itertools.pairwise(ts)]
+                                  compute_s=compute_s), overhead_worker)
+        reports = job.wait(list(range(N)), timeout=600)
+    plain = [x for r in reports.values() for x in r["plain"]]
+    ft = [x for r in reports.values() for x in r["ft"]]
+    commit = [x for r in reports.values() for x in r["commit"]]
+    return statistics.median(plain), statistics.median(ft), statistics.median(commit)
 
 
 # ------------------------------------------------------------------------------------------------ soak
@@ -266,12 +247,16 @@ def main() -> None:
     ap.add_argument("--soak", type=float, default=20.0, help="soak seconds with the CPU fully loaded")
     ap.add_argument("--heal-mib", type=float, default=64.0, help="state carried by each member (MiB)")
     ap.add_argument("--steps", type=int, default=300, help="steps for the per-step overhead runs")
+    ap.add_argument("--soak-only", action="store_true", help="run only the soak (e.g. --soak 600 once)")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"defaults: {MembershipConfig()}")
     print("peer:", native_reconfigure_peer())
 
+    if args.soak_only:
+        _print_soak(soak(args.soak))
+        return
     t0 = time.monotonic()
     run = recovery(args.reps, args.heal_mib)
     res = analyse(run)
@@ -281,33 +266,38 @@ def main() -> None:
         for phase in ("detect", "agree", "rebuild", "commit", "total"):
             print(_row(f"{pos}: {phase}", d[phase]))
 
-    # healing: the replacements' joins (each received heal_mib of ballast + model + optimizer state)
-    heal = [(rc["healed"][0], rc["healed"][1]) for m, r in run["reports"].items() if m >= 100
-            for rc in r.get("reconfigurations", []) if rc["healed"] and m in rc["joiners"]]
+    # healing and replacement start-up: from every member's event log (members that died later included)
+    events: list[dict[str, Any]] = []
+    with open(run["event_log"]) as fh:
+        events = [json.loads(line) for line in fh]
+    heal = [(e["healed"]["bytes"], e["healed"]["seconds"]) for e in events if e.get("healed")]
     raw = [raw_socket_gbps(int(args.heal_mib * (1 << 20))) for _ in range(3)]
     heal_gbps = [b / s / 1e9 for b, s in heal if s > 0]
     print(f"\n## healing\nreplacements healed: {len(heal)}, bytes each: {heal[0][0] if heal else 0}")
-    print(f"healing throughput median {statistics.median(heal_gbps):.2f} GB/s; raw socket copy of the same bytes "
-          f"median {statistics.median(raw):.2f} GB/s; ratio {statistics.median(heal_gbps) / statistics.median(raw):.2f}"
-          if heal_gbps else "no healing measured")
-    starts = []
-    for mid, t_launch in run["replacements"]:
-        r = run["reports"].get(mid)
-        if r and r["commits"]:
-            starts.append(r["commits"][0][2] - t_launch)
+    if heal_gbps:
+        print(f"healing throughput (joiner side, incl. checksums) median {statistics.median(heal_gbps):.2f} GB/s; "
+              f"raw socket copy of the same bytes median {statistics.median(raw):.2f} GB/s; "
+              f"ratio {statistics.median(heal_gbps) / statistics.median(raw):.2f}")
+    first = {}
+    for e in events:
+        first.setdefault(e["member"], e["commit"])
+    starts = [first[mid] - t for mid, t in run["replacements"] if mid in first]
     if starts:
         print(f"replacement launch -> first committed step: median {statistics.median(starts) * 1e3:.0f} ms "
-              f"(p99 {_pct(starts, 99) * 1e3:.0f} ms, n={len(starts)}; forkserver with torch preloaded)")
+              f"(p99 {_pct(starts, 99) * 1e3:.0f} ms, n={len(starts)}; forkserver with torch preloaded; healing "
+              f"{args.heal_mib:.0f} MiB included)")
 
-    print("\n## per-step overhead (4 ranks)\n\n| compute | plain Communicator ms | FaultTolerant ms | overhead ms |"
-          "\n|---|---|---|---|")
+    print("\n## per-step overhead (4 ranks, same processes, interleaved blocks of 20 steps)\n\n"
+          "| compute | plain Communicator step ms | FaultTolerant step ms | overhead ms | of which commit ms |\n"
+          "|---|---|---|---|---|")
     for compute in (0.0, 0.020):
-        plain = run_ranks(_plain_steps, N, args=(args.steps, compute), timeout=300)
-        p = statistics.median([x for r in plain for x in r])
-        f = statistics.median(ft_steps(args.steps, compute))
-        print(f"| {compute * 1e3:.0f} ms | {p * 1e3:.3f} | {f * 1e3:.3f} | {(f - p) * 1e3:+.3f} |")
+        p, f, c = step_overhead(args.steps, compute)
+        print(f"| {compute * 1e3:.0f} ms | {p * 1e3:.3f} | {f * 1e3:.3f} | {(f - p) * 1e3:+.3f} | {c * 1e3:.3f} |")
 
-    s = soak(args.soak)
+    _print_soak(soak(args.soak))
+
+
+def _print_soak(s: dict[str, Any]) -> None:
     print(f"\n## soak: {s['seconds']:.0f} s, CPU fully loaded ({os.cpu_count()} busy loops), {s['steps']} steps: "
           f"{s['wrongly_removed']} live members wrongly removed; coordinator stalls forgiven: "
           f"{s['coordinator_stalls']} {s['events']}")

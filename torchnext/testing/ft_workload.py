@@ -19,7 +19,7 @@ import queue
 import signal
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,7 @@ import torch
 
 from torchnext.testing.faults import Fault, FaultInjector, FaultKind, FaultPoint
 
-__all__ = ["FTJob", "WorkerSpec", "expected_weights", "gradient", "run_worker"]
+__all__ = ["FTJob", "WorkerSpec", "expected_weights", "gradient", "overhead_worker", "run_worker"]
 
 DIM = 64
 
@@ -256,7 +256,11 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
                         marks = ft.reconfigurations[-1].timings if ft.reconfigurations else {}
                         with open(spec.event_log, "a") as fh:
                             fh.write(json.dumps({"member": spec.member_id, "gen": logged_gen,
-                                                 "built": marks.get("built"), "commit": ft.commit_times[-1][2]}) + "\n")
+                                                 "built": marks.get("built"), "commit": ft.commit_times[-1][2],
+                                                 "healed": (ft.reconfigurations[-1].healed.__dict__
+                                                            if ft.reconfigurations and ft.reconfigurations[-1].healed
+                                                            and spec.member_id in ft.reconfigurations[-1].joiners
+                                                            else None)}) + "\n")
                     committed_in = list(ft.members)
                     opt.step()
                     with torch.no_grad():
@@ -285,10 +289,52 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     return report
 
 
-def _child(spec: WorkerSpec, results: Any) -> None:
+def overhead_worker(spec: WorkerSpec) -> dict[str, Any]:
+    """Per-step cost of the wrapper, measured in the same processes on the same Communicator: alternating blocks
+    of plain steps (compute, all_reduce, update) and fault-tolerant steps (the same inside ``ft.step()`` with a
+    commit). Returns ``{"plain": [s, ...], "ft": [s, ...]}`` (step durations, seconds)."""
+    from torchnext.comms import FaultTolerant, FaultTolerantConfig
+
+    torch.set_num_threads(1)
+    w = torch.zeros(DIM, dtype=torch.float64)
+    work = torch.randn(64, 64)
+    ft = FaultTolerant(FaultTolerantConfig(coordinator=spec.coordinator, token=spec.token, member_id=spec.member_id,
+                                           timeout_s=spec.timeout_s))
+    plain: list[float] = []
+    fts: list[float] = []
+    commits: list[float] = []
+    block = 20
+    try:
+        for b in range(max(1, spec.steps // (2 * block))):
+            for i in range(block):
+                t0 = time.perf_counter()
+                if spec.compute_s:
+                    _burn(spec.compute_s, work)
+                g = gradient(b * block + i, ft.member_id)
+                ft.comm.all_reduce(g)
+                w -= g
+                plain.append(time.perf_counter() - t0)
+            for _ in range(block):
+                t0 = time.perf_counter()
+                with ft.step() as st:
+                    if spec.compute_s:
+                        _burn(spec.compute_s, work)
+                    g = gradient(ft.step_count, ft.member_id)
+                    ft.all_reduce(g)
+                    t1 = time.perf_counter()
+                    if st.commit():
+                        w -= g
+                    commits.append(time.perf_counter() - t1)
+                fts.append(time.perf_counter() - t0)
+    finally:
+        ft.close()
+    return {"plain": plain, "ft": fts, "commit": commits}
+
+
+def _child(spec: WorkerSpec, results: Any, fn: Callable[[WorkerSpec], Any] = run_worker) -> None:
     out: tuple[int, bool, Any]
     try:
-        out = (spec.member_id, True, run_worker(spec))
+        out = (spec.member_id, True, fn(spec))
     except BaseException:
         out = (spec.member_id, False, traceback.format_exc())
     results.put(out)
@@ -314,8 +360,10 @@ class FTJob:
         self.reports: dict[int, dict[str, Any]] = {}
         self.errors: dict[int, str] = {}
 
-    def launch(self, spec: WorkerSpec) -> Any:
-        p = self._ctx.Process(target=_child, args=(spec, self._results), name=f"member{spec.member_id}", daemon=True)
+    def launch(self, spec: WorkerSpec, fn: Callable[[WorkerSpec], Any] = run_worker) -> Any:
+        """Start a member running ``fn(spec)`` (a module-level function; default :func:`run_worker`)."""
+        p = self._ctx.Process(target=_child, args=(spec, self._results, fn), name=f"member{spec.member_id}",
+                              daemon=True)
         p.start()
         self.procs[spec.member_id] = p
         return p
