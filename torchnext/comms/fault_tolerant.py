@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -210,8 +211,8 @@ class FaultTolerant:
         self.fault_hook: Callable[[str], None] | None = None
         """Testing seam (``torchnext.testing``): called with ``"reconfigure"`` before a generation's Communicator is
         built and ``"healing"`` on the donor before it streams state."""
-        self.commit_times: list[tuple[int, int, float]] = []
-        """``(generation, committed step count, time.monotonic())`` of each commit on this member."""
+        self.commit_times: deque[tuple[int, int, float]] = deque(maxlen=100_000)
+        """``(generation, committed step count, time.monotonic())`` of the last 100,000 commits on this member."""
         self._client = MemberClient(
             address, token, member_id=cfg.member_id, step=step, connect_timeout_s=cfg.connect_timeout_s,
             coordinator_timeout_s=cfg.coordinator_timeout_s, on_interrupt=self._on_interrupt,
