@@ -193,7 +193,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
 
         ft.on_reconfigure(on_reconfigure)
         give_up = time.monotonic() + spec.run_until_s
-        committed_in = list(ft.members)
+        committed_in: list[int] = []  # members of the generation that committed the last step this member saw
         logged_gen = -1
         armed = [False]
         if spec.sigusr1_raises:
