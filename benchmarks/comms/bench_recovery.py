@@ -233,6 +233,55 @@ def soak(seconds: float) -> dict[str, Any]:
             "events": wrong[:5]}
 
 
+# ------------------------------------------------------------------------------------------------ long chaos
+def chaos(n: int, seed: int) -> dict[str, Any]:
+    """``n`` random failure schedules on one 4-member job (like the CI chaos test, longer): a random member is
+    SIGKILLed, SIGSTOPped (SIGCONT after its removal) or made to raise inside a collective; removed members are
+    replaced; the next schedule starts when the group is back to 4. Returns agreement facts at the end."""
+    import random
+
+    rng = random.Random(seed)
+    tmp = tempfile.mkdtemp(prefix="ftchaos")
+    stop_file = os.path.join(tmp, "stop")
+    next_id = 100
+    kinds: dict[str, int] = {}
+    with Coordinator(CoordinatorConfig(membership=MembershipConfig(min_size=2, initial_size=N))) as coord, \
+            FTJob() as job:
+
+        def spec(member: int) -> WorkerSpec:
+            return WorkerSpec(coordinator=coord.address, token=coord.token, member_id=member, steps=0,
+                              stop_file=stop_file, sigusr1_raises=True, step_sleep_s=0.002)
+
+        for m in range(N):
+            job.launch(spec(m))
+        assert coord.wait_until(lambda c: c.step >= 2, 120)
+        for _ in range(n):
+            victim = rng.choice(list(coord.members))
+            kind = rng.choice(["kill", "kill", "raise", "stop"])
+            kinds[kind] = kinds.get(kind, 0) + 1
+            time.sleep(rng.uniform(0.02, 0.2))
+            gen, pid = coord.generation, job.pid(victim)
+            if kind == "raise":
+                os.kill(pid, signal.SIGUSR1)
+                assert coord.wait_until(lambda c, g=gen: c.generation > g, 30)
+            else:
+                os.kill(pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+                assert coord.wait_until(lambda c, v=victim: v not in c.members, 30)
+                if kind == "stop":
+                    os.kill(pid, signal.SIGCONT)
+                job.launch(spec(next_id))
+                next_id += 1
+            assert coord.wait_until(lambda c: len(c.members) == N and c.step > 0, 60)
+        with open(stop_file, "w") as fh:
+            fh.write(str(coord.step + 10))
+        reports = job.wait(sorted(job.procs), timeout=300)
+        steps = coord.step
+    ok = [r for r in reports.values() if r["error"] is None]
+    return {"schedules": n, "kinds": kinds, "committed_steps": steps, "survivors": len(ok),
+            "agree": len({(r["generation"], tuple(r["members"]), r["digest"], r["step"]) for r in ok}) == 1,
+            "removed_told": sum("you were removed" in (r["error"] or "") for r in reports.values())}
+
+
 def native_reconfigure_peer() -> str:
     import torch.distributed as dist
 
@@ -248,12 +297,17 @@ def main() -> None:
     ap.add_argument("--heal-mib", type=float, default=64.0, help="state carried by each member (MiB)")
     ap.add_argument("--steps", type=int, default=300, help="steps for the per-step overhead runs")
     ap.add_argument("--soak-only", action="store_true", help="run only the soak (e.g. --soak 600 once)")
+    ap.add_argument("--chaos", type=int, default=0, help="run only N random failure schedules (e.g. 200)")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"defaults: {MembershipConfig()}")
     print("peer:", native_reconfigure_peer())
 
+    if args.chaos:
+        t0 = time.monotonic()
+        print(f"## chaos: {chaos(args.chaos, seed=4321)} ({time.monotonic() - t0:.0f} s)")
+        return
     if args.soak_only:
         _print_soak(soak(args.soak))
         return
