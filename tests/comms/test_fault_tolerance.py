@@ -90,7 +90,10 @@ def test_kill_inside_reconfiguration() -> None:
     faults = [Fault(kind=KILL, member=1, step=4, where=IDLE), Fault(kind=KILL, member=3, step=4, where=RECONF)]
     reports, history = _run(4, 12, faults)
     check_survivors(reports, history, [0, 2])
-    assert any(h["event"] == "failure" and h["member"] == 3 for h in history)
+    # member 3 died after generation 2 ([0, 2, 3]) was announced, i.e. while the survivors were building it
+    gen2 = next(h for h in history if h["event"] == "generation" and h["gen"] == 2)
+    died = next(h for h in history if h["event"] == "failure" and h["member"] == 3)
+    assert 3 in gen2["members"] and died["at"] >= gen2["at"]
 
 
 def test_injected_collective_exception_regenerates_same_members() -> None:
