@@ -44,12 +44,20 @@ class EnvConfig:
     autotune_cache: str = str(Path.home() / ".cache" / "torchnext" / "autotune.json")
     """``TORCHNEXT_AUTOTUNE_CACHE``: path of the on-disk autotuner cache (JSON)."""
 
+    ft_coordinator: str | None = None
+    """``TORCHNEXT_FT_COORDINATOR``: ``host:port`` of the fault-tolerance coordinator (``torchnext coordinator``)."""
+
+    ft_token: str | None = None
+    """``TORCHNEXT_FT_TOKEN``: the job token members present to the coordinator (a shared secret)."""
+
 
 ENV_VARS = {
     "fr_buffer_size": "TORCHNEXT_FR_BUFFER_SIZE",
     "fr_dump_dir": "TORCHNEXT_FR_DUMP_DIR",
     "autotune": "TORCHNEXT_AUTOTUNE",
     "autotune_cache": "TORCHNEXT_AUTOTUNE_CACHE",
+    "ft_coordinator": "TORCHNEXT_FT_COORDINATOR",
+    "ft_token": "TORCHNEXT_FT_TOKEN",
 }
 
 

@@ -46,6 +46,8 @@ _BUILTIN: tuple[Subcommand, ...] = (
         module="torchnext.doctor.command",
         help="Show the environment, which torchnext backends can run here, and known hazards (--json, --strict).",
     ),
+    Subcommand(name="coordinator", module="torchnext.comms.coordinator",
+               help="run the fault-tolerance coordinator (TCPStore + membership service)"),
 )
 for _cmd in _BUILTIN:
     register_subcommand(_cmd)
