@@ -204,3 +204,17 @@ def test_construction_errors_and_shutdown() -> None:
 def test_reduce_op_coercion() -> None:
     assert ReduceOp.coerce("SUM") is ReduceOp.SUM and ReduceOp.coerce(ReduceOp.MAX) is ReduceOp.MAX
     assert ReduceOp.AVG.to_c10d() == dist.ReduceOp.AVG
+
+
+def test_global_ranks_are_reported_and_validated() -> None:
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    comm = Communicator(store, 0, 1, name="gr", global_ranks=[7])
+    try:
+        assert comm.ranks == [7]
+    finally:
+        comm.shutdown()
+    for bad in ([1, 2], [-1], [1.5]):
+        with pytest.raises(ValueError, match="global_ranks"):
+            Communicator(store, 0, 1, name="gr_bad", global_ranks=bad)  # type: ignore[list-item]

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torchnext.comms import _validate as v
 from torchnext.comms._ops import CollectiveOps, P2POp
 from torchnext.comms.backends import BackendConfig, BackendHandle, get_backend
-from torchnext.comms.errors import CommAborted, CommError
+from torchnext.comms.errors import CommAborted, CommError, PeerFailure
 from torchnext.comms.hooks import AbortHookArgs, HookList, OpInfo, PostHookArgs, RemovableHandle
 from torchnext.comms.reduce_op import ReduceOp
 from torchnext.comms.work import CompletionWaiter, Work, WorkStatus, future_callback
@@ -33,6 +33,10 @@ Timeout = float | timedelta | None
 _GRAVEYARD: list[BackendHandle] = []
 
 
+_PEER_FAILURE_KEY = "peer_failure"
+"""Store key (in the communicator's namespace) where the first rank that saw a PeerFailure publishes it."""
+
+
 def _abandon(handle: BackendHandle) -> None:
     _GRAVEYARD.append(handle)
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(handle.pg))  # survives module teardown at exit too
@@ -44,7 +48,9 @@ class Communicator(CollectiveOps):
     ``Communicator(store, rank, world_size, backend="gloo", timeout=timedelta(seconds=300), name="world",
     device=None)`` connects eagerly: it returns once every member joined (or raises after ``timeout``). Keys live
     under ``torchnext/<name>/`` in ``store``, so communicators with different names share one store; a name must not
-    be reused on the same store (fault-tolerant code uses a fresh name per generation).
+    be reused on the same store (fault-tolerant code uses a fresh name per generation). ``global_ranks`` gives the
+    stable ids of the members in rank order (default ``range(world_size)``); they are what ``ranks`` reports and what
+    diagnostics such as the Flight Recorder name ranks by (fault tolerance passes its member ids).
 
     Ops (meaning as in torch.distributed; ranks, roots and peers are ranks *in this communicator*): all_reduce,
     broadcast, reduce, all_gather, all_gather_single, reduce_scatter, reduce_scatter_single, all_to_all,
@@ -87,14 +93,21 @@ class Communicator(CollectiveOps):
         timeout: float | timedelta = timedelta(seconds=300),
         name: str = "world",
         device: torch.device | str | None = None,
+        global_ranks: Sequence[int] | None = None,
     ) -> None:
         if not isinstance(name, str) or not name or "/" in name:
             raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
         if not isinstance(store, dist.Store):
             raise TypeError(f"store must be a torch.distributed.Store, got {type(store).__name__}")
+        if global_ranks is None:
+            ranks = tuple(range(world_size)) if _is_int(world_size) else ()
+        else:
+            ranks = tuple(global_ranks)
+            if (len(ranks) != world_size or len(set(ranks)) != len(ranks)
+                    or not all(_is_int(r) and r >= 0 for r in ranks)):
+                raise ValueError(f"global_ranks must be {world_size} distinct non-negative ints, got {global_ranks!r}")
         prefixed = dist.PrefixStore(f"torchnext/{name}", store)
-        self._setup(prefixed, rank, world_size, tuple(range(world_size)) if _is_int(world_size) else (),
-                    backend=backend, timeout=timeout, name=name, device=device)
+        self._setup(prefixed, rank, world_size, ranks, backend=backend, timeout=timeout, name=name, device=device)
 
     @classmethod
     def from_env(
@@ -310,6 +323,44 @@ class Communicator(CollectiveOps):
             backend.shutdown_fn()
 
     # ------------------------------------------------------------------------------------------------ the engine
+    # -------------------------------------------------------------------------------- peer-failure reports
+    # Gloo tells a peer's death only to the ranks that talk to it in the failing op; the others would sit in the
+    # op until its timeout and see a plain CommTimeout. So the first rank that sees PeerFailure publishes it in the
+    # communicator's store namespace, and a rank whose op times out looks there: a published report turns its
+    # timeout into a PeerFailure naming the reporter. Both happen only on failure paths, off the hot path.
+
+    def _publish_peer_failure(self, exc: PeerFailure, within_s: float = 1.0) -> None:
+        """Record ``exc`` in the store for the other members, before the failing op returns to its caller (whose
+        next store request, e.g. building a new communicator, would otherwise queue ahead of it on a TCPStore
+        client); bounded: a store that does not answer within ``within_s`` is left behind (a daemon thread)."""
+        msg = f"rank {self._rank} (global {self._ranks[self._rank] if self._ranks else self._rank}): {exc}"
+
+        def publish() -> None:
+            try:
+                self._store.set(_PEER_FAILURE_KEY, msg)
+            except Exception:  # the store may be gone too; the report is best effort
+                pass
+
+        t = threading.Thread(target=publish, name=f"torchnext-{self._name}-report", daemon=True)
+        t.start()
+        t.join(within_s)
+
+    def _reported_peer_failure(self, within_s: float = 1.0) -> str | None:
+        """The failure another member published, if any (asked with a bounded wait: never hangs on a dead store)."""
+        box: list[str] = []
+
+        def ask() -> None:
+            try:
+                if self._store.check([_PEER_FAILURE_KEY]):
+                    box.append(self._store.get(_PEER_FAILURE_KEY).decode(errors="replace"))
+            except Exception:
+                pass
+
+        t = threading.Thread(target=ask, name=f"torchnext-{self._name}-ask", daemon=True)
+        t.start()
+        t.join(within_s)
+        return box[0] if box else None
+
     def _error_context(self, op: str | None, op_id: int | None) -> dict[str, Any]:
         return {"op": op, "op_id": op_id, "comm_name": self._name, "rank": self._rank, "ranks": self._ranks}
 

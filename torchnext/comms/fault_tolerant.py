@@ -439,7 +439,7 @@ class FaultTolerant:
             _quiet_abort(c, f"superseded by generation {gen}")
         if self.fault_hook is not None:
             self.fault_hook("reconfigure")
-        comm = self._build(gen, members.index(me), len(members), epoch, deadline)
+        comm = self._build(gen, tuple(members), members.index(me), epoch, deadline)
         if comm is None:
             return False
         self._gen = msg
@@ -469,9 +469,12 @@ class FaultTolerant:
             cb(info)
         return True
 
-    def _build(self, gen: int, rank: int, size: int, epoch: int, deadline: float) -> Communicator | None:
+    def _build(self, gen: int, members: tuple[int, ...], rank: int, epoch: int,
+               deadline: float) -> Communicator | None:
         """Connect generation ``gen``'s Communicator in a helper thread; give up (None) when a newer generation, a
-        quorum wait or a fatal error arrives first. An abandoned build is aborted when it finishes."""
+        quorum wait or a fatal error arrives first. An abandoned build is aborted when it finishes. Its ``ranks``
+        are the member ids."""
+        size = len(members)
         cfg = self.config
         box: dict[str, Any] = {}
         done = threading.Event()
@@ -484,7 +487,8 @@ class FaultTolerant:
                 store = dist.TCPStore(self._client.store_host, self._client.store_port, None, False,
                                       timeout=timedelta(seconds=cfg.timeout_s))
                 c = Communicator(store, rank, size, backend=cfg.backend, name=f"{cfg.name}.g{gen}",
-                                 timeout=timedelta(seconds=cfg.timeout_s), device=cfg.device)
+                                 timeout=timedelta(seconds=cfg.timeout_s), device=cfg.device,
+                                 global_ranks=members)
                 c.register_post_hook(_quarantine_cancelled)
                 with self._lock:
                     if box.get("abandoned"):

@@ -231,6 +231,14 @@ class Work:
         A failure (ERROR/TIMED_OUT) makes the communicator errored unless ``breaks_comm`` is False (the backend
         refused the op's arguments before issuing it)."""
         comm = self._comm
+        if breaks_comm and isinstance(exc, CommTimeout) and self.status is _IP:
+            report = comm._reported_peer_failure()  # a peer died elsewhere in the group: say so, not "timeout"
+            if report is not None:
+                failure = PeerFailure(f"a member reported a peer failure ({report}); this op could not complete",
+                                      **comm._error_context(self.op, self.op_id))
+                failure.__cause__ = exc
+                exc = failure
+        publish = False
         with comm._lock:
             if self.status is not _IP and self.status is not _NS:
                 return False
@@ -241,6 +249,11 @@ class Work:
             if status is WorkStatus.ERROR or status is WorkStatus.TIMED_OUT:
                 if breaks_comm and comm._error is None and isinstance(exc, CommError):
                     comm._error = exc
+                    # an original peer failure (not one learnt from another member's report)
+                    publish = isinstance(exc, PeerFailure) and not isinstance(exc.__cause__, CommTimeout)
+        if publish:
+            assert isinstance(exc, PeerFailure)
+            comm._publish_peer_failure(exc)
         info = self.info
         if info is not None and comm._post_hooks.snapshot:
             args = PostHookArgs(info, self, status, self._t_end - self._t0, exc)
