@@ -1,0 +1,629 @@
+"""Flight Recorder: a ring buffer of the collectives a rank issued, dumped to one self-describing file per rank.
+
+Semantics (a tiny reference)::
+
+    fr = FlightRecorder(capacity=2000, rank=r, world_size=n)
+    pg = fr.add_group("world", ranks=[0, 1, ..., n - 1], backend="gloo")
+    rid = fr.record(pg, "all_reduce", inputs=[t], outputs=[t])   # entry: state "started", collective_seq_id += 1
+    fr.complete(rid)                                             # state "completed", completion time, duration
+    fr.entries()        # the last `capacity` entries, oldest first, as dicts (PyTorch's FR fields + ours)
+    fr.dump("/dumps")   # /dumps/torchnext_fr_rank_<r>.json, written atomically
+
+The recorder is fed by the Communicator's hooks (:meth:`FlightRecorder.attach`); :meth:`record` /
+:meth:`complete` are the whole recording API, so any other source (tests, custom back ends) can feed it too.
+
+Cost: recording keeps raw, cheap objects in a preallocated ring (``torch.Size`` shapes, dtypes, integer times, code
+objects for frames) and formats them only when dumped. One ``time.time_ns()`` call per event; no locks on the hot path
+(record ids come from an atomic counter, every record owns its slot). Capacity 0 disables recording.
+
+States: ``scheduled`` -> ``started`` -> ``completed``, or ``error`` / ``timed_out`` / ``aborted``. On CPU back ends an
+op starts when it is issued, so :meth:`record` writes ``started`` by default (with the start time = creation time).
+
+Thread-safety: :meth:`record`, :meth:`complete` and :meth:`dump` may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import pickle
+import platform
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from enum import Enum
+from pathlib import Path
+from types import CodeType
+from typing import Any
+
+import torch
+
+from torchnext._config import env_config
+from torchnext.comms._fr_format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    FR_SCHEMA_VERSION,
+    atomic_write,
+    dtype_name,
+    dump_file_name,
+)
+
+__all__ = ["EntryState", "FlightRecorder", "FlightRecorderError", "P2P_OPS"]
+
+
+class FlightRecorderError(ValueError):
+    """Bad use of the Flight Recorder (unknown group, bad capacity, bad dump format, ...)."""
+
+
+class EntryState(str, Enum):
+    """Lifecycle of one recorded op."""
+
+    SCHEDULED = "scheduled"
+    STARTED = "started"
+    COMPLETED = "completed"
+    ERROR = "error"
+    TIMED_OUT = "timed_out"
+    ABORTED = "aborted"
+
+
+P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
+_FINAL_STATES = frozenset({"completed", "error", "timed_out", "aborted"})
+_DUMP_FORMATS = ("json", "pickle")
+
+# Slot layout of one ring entry (a list: the cheapest mutable record in CPython).
+(
+    _RID,
+    _PG,
+    _CSEQ,
+    _PSEQ,
+    _OPID,
+    _OP,
+    _ISP2P,
+    _PEER,
+    _TAG,
+    _INSHAPES,
+    _INDTYPES,
+    _OUTSHAPES,
+    _OUTDTYPES,
+    _TIMEOUT,
+    _TCREATED,
+    _TSTARTED,
+    _TDONE,
+    _STATE,
+    _FRAMES,
+    _TID,
+    _GEN,
+    _ASYNC,
+    _ERROR,
+) = range(23)
+
+# Per-group counters: [collective seq, p2p seq, last enq/started/completed collective, last enq/started/completed p2p]
+_G_CSEQ, _G_PSEQ, _G_CENQ, _G_CSTART, _G_CDONE, _G_PENQ, _G_PSTART, _G_PDONE = range(8)
+
+
+class _Group:
+    """One communicator known to the recorder."""
+
+    __slots__ = ("backend", "counters", "desc", "generation", "key", "name", "pg_id", "rank", "ranks", "timeout_ms")
+
+    def __init__(
+        self,
+        *,
+        pg_id: int,
+        key: str,
+        name: str,
+        desc: str,
+        ranks: list[int],
+        rank: int,
+        backend: str,
+        generation: int,
+        timeout_ms: int | None,
+    ) -> None:
+        self.pg_id = pg_id
+        self.key = key
+        self.name = name
+        self.desc = desc
+        self.ranks = ranks
+        self.rank = rank
+        self.backend = backend
+        self.generation = generation
+        self.timeout_ms = timeout_ms
+        self.counters = [0, 0, -1, -1, -1, -1, -1, -1]
+
+
+def _shapes(tensors: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    return tuple(t.shape for t in tensors), tuple(t.dtype for t in tensors)
+
+
+class FlightRecorder:
+    """Ring buffer of collective records for one rank (see the module docstring for semantics).
+
+    Args:
+        capacity: ring size; ``None`` reads ``TORCHNEXT_FR_BUFFER_SIZE`` (default 2000); 0 disables recording.
+        rank: this process's global rank (names the dump file).
+        world_size: global world size (written in the dump).
+        record_frames: capture the caller's Python stack (capped at ``max_frames``) on every record.
+        max_frames: depth cap for ``record_frames``.
+        dump_dir: folder for automatic dumps; ``None`` reads ``TORCHNEXT_FR_DUMP_DIR`` (unset: no automatic dumps).
+        auto_dump_formats: formats written by automatic dumps.
+        generation: communicator generation stamped on new groups and entries (settable later).
+    """
+
+    def __init__(
+        self,
+        capacity: int | None = None,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        record_frames: bool = False,
+        max_frames: int = 16,
+        dump_dir: str | os.PathLike[str] | None = None,
+        auto_dump_formats: Sequence[str] = ("json",),
+        generation: int = 0,
+    ) -> None:
+        cfg = env_config()
+        if capacity is None:
+            capacity = cfg.fr_buffer_size
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
+            raise FlightRecorderError(f"Flight Recorder capacity must be an int >= 0, got {capacity!r}")
+        if max_frames < 1:
+            raise FlightRecorderError(f"max_frames must be >= 1, got {max_frames}")
+        for fmt in auto_dump_formats:
+            if fmt not in _DUMP_FORMATS:
+                raise FlightRecorderError(f"unknown dump format {fmt!r}; expected one of {_DUMP_FORMATS}")
+        self.capacity = capacity
+        self.rank = rank
+        self.world_size = world_size
+        self.record_frames = record_frames
+        self.max_frames = max_frames
+        if dump_dir is None and cfg.fr_dump_dir is not None:
+            dump_dir = cfg.fr_dump_dir
+        self.dump_dir: Path | None = Path(dump_dir) if dump_dir is not None else None
+        self.auto_dump_formats = tuple(auto_dump_formats)
+        self.generation = generation
+        self._ring: list[list[Any] | None] = [None] * capacity
+        self._ids = itertools.count()
+        self._next_id = 0  # records handed out (kept beside the counter, read by dump)
+        self._groups: list[_Group] = []
+        self._group_keys: dict[str, _Group] = {}
+        self._lock = threading.Lock()  # group registration and dumps only; never on the record path
+        self._skip_prefix = os.path.dirname(os.path.abspath(__file__))
+        self._detachers: list[Callable[[], None]] = []
+        self.last_dump_paths: list[Path] = []
+        self.dump_errors: list[str] = []
+
+    # ------------------------------------------------------------------ groups
+    @property
+    def enabled(self) -> bool:
+        """False when the capacity is 0 (nothing is recorded)."""
+        return self.capacity > 0
+
+    def add_group(
+        self,
+        name: str,
+        *,
+        ranks: Sequence[int],
+        rank: int | None = None,
+        desc: str = "",
+        backend: str = "gloo",
+        timeout_ms: int | None = None,
+    ) -> int:
+        """Register a communicator and return its ``pg_id`` (the handle :meth:`record` takes).
+
+        ``ranks`` are the members' global ranks (in group-rank order); ``rank`` is this process's rank in the group
+        (default: the index of :attr:`rank` in ``ranks``). Groups are keyed by name, plus ``@g<generation>`` when
+        the generation is not 0, so a rebuilt communicator keeps a distinct key in ``pg_config``.
+        """
+        ranks = [int(r) for r in ranks]
+        if rank is None:
+            if self.rank not in ranks:
+                raise FlightRecorderError(
+                    f"rank {self.rank} is not a member of group {name!r} (ranks {ranks}); pass rank= explicitly"
+                )
+            rank = ranks.index(self.rank)
+        key = name if self.generation == 0 else f"{name}@g{self.generation}"
+        with self._lock:
+            base, n = key, 1
+            while key in self._group_keys:
+                # Same name registered twice (e.g. sibling splits with one name): keep pg_config keys unique.
+                existing = self._group_keys[key]
+                if existing.ranks == ranks and existing.generation == self.generation:
+                    break
+                n += 1
+                key = f"{base}#{n}"
+            group = _Group(
+                pg_id=len(self._groups),
+                key=key,
+                name=name,
+                desc=desc or name,
+                ranks=ranks,
+                rank=rank,
+                backend=backend,
+                generation=self.generation,
+                timeout_ms=timeout_ms,
+            )
+            self._groups.append(group)
+            self._group_keys[key] = group
+        return group.pg_id
+
+    def group_key(self, pg_id: int) -> str:
+        """The ``pg_config`` key of group ``pg_id``."""
+        return self._group(pg_id).key
+
+    def _group(self, pg_id: int) -> _Group:
+        try:
+            return self._groups[pg_id]
+        except (IndexError, TypeError):
+            raise FlightRecorderError(f"unknown Flight Recorder group id {pg_id!r}") from None
+
+    # ------------------------------------------------------------------ recording (hot path)
+    def record(
+        self,
+        pg_id: int,
+        op: str,
+        *,
+        inputs: Sequence[Any] = (),
+        outputs: Sequence[Any] = (),
+        op_id: int = -1,
+        peer: int | None = None,
+        tag: int = 0,
+        timeout_ms: int | None = None,
+        async_op: bool = False,
+        state: str = "started",
+        t_ns: int | None = None,
+    ) -> int:
+        """Record that this rank entered ``op`` on group ``pg_id``; return the record id (-1 when disabled).
+
+        ``inputs`` / ``outputs`` are tensors (only their shapes and dtypes are kept); ``peer`` is the group rank of
+        the p2p partner; ``t_ns`` overrides the wall-clock time (tests, replays).
+        """
+        if not self.capacity:
+            return -1
+        group = self._groups[pg_id]
+        c = group.counters
+        is_p2p = op in P2P_OPS
+        if is_p2p:
+            c[_G_PSEQ] += 1
+            cseq = c[_G_CSEQ]
+            pseq = c[_G_PSEQ]
+            c[_G_PENQ] = pseq
+        else:
+            c[_G_CSEQ] += 1
+            cseq = c[_G_CSEQ]
+            pseq = c[_G_PSEQ]
+            c[_G_CENQ] = cseq
+        now = time.time_ns() if t_ns is None else t_ns
+        started = None
+        if state == "started":
+            started = now
+            if is_p2p:
+                c[_G_PSTART] = pseq
+            else:
+                c[_G_CSTART] = cseq
+        in_shapes = tuple([t.shape for t in inputs])
+        in_dtypes = tuple([t.dtype for t in inputs])
+        if outputs is inputs:
+            out_shapes, out_dtypes = in_shapes, in_dtypes
+        else:
+            out_shapes = tuple([t.shape for t in outputs])
+            out_dtypes = tuple([t.dtype for t in outputs])
+        rid = next(self._ids)
+        self._next_id = rid + 1
+        self._ring[rid % self.capacity] = [
+            rid,
+            pg_id,
+            cseq,
+            pseq,
+            op_id,
+            op,
+            is_p2p,
+            peer,
+            tag,
+            in_shapes,
+            in_dtypes,
+            out_shapes,
+            out_dtypes,
+            group.timeout_ms if timeout_ms is None else timeout_ms,
+            now,
+            started,
+            None,
+            state,
+            self._frames() if self.record_frames else None,
+            threading.get_ident(),
+            self.generation,
+            async_op,
+            None,
+        ]
+        return rid
+
+    def mark_started(self, record_id: int, *, t_ns: int | None = None) -> None:
+        """Move a ``scheduled`` record to ``started``."""
+        e = self._slot(record_id)
+        if e is None or e[_STATE] != "scheduled":
+            return
+        e[_TSTARTED] = time.time_ns() if t_ns is None else t_ns
+        e[_STATE] = "started"
+        c = self._groups[e[_PG]].counters
+        if e[_ISP2P]:
+            c[_G_PSTART] = max(c[_G_PSTART], e[_PSEQ])
+        else:
+            c[_G_CSTART] = max(c[_G_CSTART], e[_CSEQ])
+
+    def complete(
+        self, record_id: int, state: str = "completed", *, error: str | None = None, t_ns: int | None = None
+    ) -> None:
+        """Finish record ``record_id`` with ``state`` (completed, error, timed_out, aborted).
+
+        A record already overwritten by the ring, or already finished, is left alone.
+        """
+        e = self._slot(record_id)
+        if e is None or e[_STATE] in _FINAL_STATES:
+            return
+        now = time.time_ns() if t_ns is None else t_ns
+        if e[_TSTARTED] is None:
+            e[_TSTARTED] = e[_TCREATED]
+        e[_TDONE] = now
+        e[_STATE] = state
+        if error is not None:
+            e[_ERROR] = error
+        if state == "completed":
+            c = self._groups[e[_PG]].counters
+            if e[_ISP2P]:
+                if e[_PSEQ] > c[_G_PDONE]:
+                    c[_G_PDONE] = e[_PSEQ]
+            elif e[_CSEQ] > c[_G_CDONE]:
+                c[_G_CDONE] = e[_CSEQ]
+
+    def _slot(self, record_id: int) -> list[Any] | None:
+        if record_id < 0 or not self.capacity:
+            return None
+        e = self._ring[record_id % self.capacity]
+        if e is None or e[_RID] != record_id:
+            return None
+        return e
+
+    def _frames(self) -> tuple[tuple[CodeType, int], ...]:
+        """The caller's stack, innermost first, without the recorder's and the Communicator's own frames."""
+        f: Any = sys._getframe(1)
+        skip = self._skip_prefix
+        while f is not None and f.f_code.co_filename.startswith(skip):
+            f = f.f_back
+        out = []
+        cap = self.max_frames
+        while f is not None and len(out) < cap:
+            out.append((f.f_code, f.f_lineno))
+            f = f.f_back
+        return tuple(out)
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def recorded(self) -> int:
+        """Records made since creation (including those the ring dropped)."""
+        return self._next_id
+
+    @property
+    def dropped(self) -> int:
+        """Records overwritten by the ring."""
+        return max(0, self._next_id - self.capacity) if self.capacity else 0
+
+    def _live(self) -> list[list[Any]]:
+        if not self.capacity:
+            return []
+        ring = list(self._ring)  # snapshot; slots keep mutating (states), which is fine
+        live = [e for e in ring if e is not None]
+        live.sort(key=lambda e: e[_RID])
+        return live
+
+    def entries(self) -> list[dict[str, Any]]:
+        """The live records, oldest first, in the dump's entry schema (see :mod:`torchnext.comms._fr_format`)."""
+        return self._format_entries(self._live(), as_tuple=False)
+
+    def pg_config(self) -> dict[str, dict[str, Any]]:
+        """Every registered communicator: key -> name, desc, ranks (PyTorch's string form and a list), ..."""
+        return {
+            g.key: {
+                "name": g.key,
+                "desc": g.desc,
+                "ranks": str(g.ranks),
+                "ranks_list": list(g.ranks),
+                "comm_name": g.name,
+                "generation": g.generation,
+                "backend": g.backend,
+                "pg_id": g.pg_id,
+                "rank": g.rank,
+            }
+            for g in self._groups
+        }
+
+    def pg_status(self) -> dict[str, dict[str, int]]:
+        """Per communicator: the last enqueued / started / completed collective and p2p sequence numbers (-1: none)."""
+        return {
+            g.key: {
+                "last_enqueued_collective": g.counters[_G_CENQ],
+                "last_started_collective": g.counters[_G_CSTART],
+                "last_completed_collective": g.counters[_G_CDONE],
+                "last_enqueued_p2p": g.counters[_G_PENQ],
+                "last_started_p2p": g.counters[_G_PSTART],
+                "last_completed_p2p": g.counters[_G_PDONE],
+            }
+            for g in self._groups
+        }
+
+    def _format_entries(self, live: list[list[Any]], *, as_tuple: bool) -> list[dict[str, Any]]:
+        thread_names = {t.ident: t.name for t in threading.enumerate()}
+        frame_cache: dict[tuple[tuple[CodeType, int], ...], list[dict[str, Any]]] = {}
+        shape_cache: dict[tuple[Any, ...], list[list[int]]] = {}
+        dtype_cache: dict[tuple[Any, ...], list[str]] = {}
+        groups = self._groups
+        out = []
+        for e in live:
+            g = groups[e[_PG]]
+            op = e[_OP]
+            peer = e[_PEER]
+            if e[_ISP2P] and peer is not None:
+                bare = "send" if op in ("send", "isend") else "recv"
+                if bare == "send":
+                    prof = f"{g.backend}:send {g.rank}->{peer}"
+                else:
+                    prof = f"{g.backend}:recv {g.rank}<-{peer}"
+            else:
+                prof = f"{g.backend}:{op}"
+            frames_raw = e[_FRAMES]
+            frames: list[dict[str, Any]] = []
+            if frames_raw:
+                frames = frame_cache.get(frames_raw)  # type: ignore[assignment]
+                if frames is None:
+                    frames = [{"name": c.co_name, "filename": c.co_filename, "line": ln} for c, ln in frames_raw]
+                    frame_cache[frames_raw] = frames
+            sizes = []
+            for key in (e[_INSHAPES], e[_OUTSHAPES]):
+                s = shape_cache.get(key)
+                if s is None:
+                    s = [list(x) for x in key]
+                    shape_cache[key] = s
+                sizes.append(s)
+            dts = []
+            for key in (e[_INDTYPES], e[_OUTDTYPES]):
+                d = dtype_cache.get(key)
+                if d is None:
+                    d = [dtype_name(x) for x in key]
+                    dtype_cache[key] = d
+                dts.append(d)
+            t0, t1 = e[_TCREATED], e[_TDONE]
+            state = e[_STATE]
+            tid = e[_TID]
+            out.append(
+                {
+                    "record_id": e[_RID],
+                    "pg_id": g.pg_id,
+                    "process_group": (g.key, g.desc) if as_tuple else [g.key, g.desc],
+                    "collective_seq_id": e[_CSEQ],
+                    "p2p_seq_id": e[_PSEQ],
+                    "op_id": e[_OPID],
+                    "profiling_name": prof,
+                    "time_created_ns": t0,
+                    "time_discovered_started_ns": e[_TSTARTED],
+                    "time_discovered_completed_ns": t1,
+                    "duration_ms": (t1 - t0) / 1e6 if t1 is not None else None,
+                    "state": state,
+                    "input_sizes": sizes[0],
+                    "output_sizes": sizes[1],
+                    "input_dtypes": dts[0],
+                    "output_dtypes": dts[1],
+                    "timeout_ms": e[_TIMEOUT],
+                    "is_p2p": e[_ISP2P],
+                    "retired": state in _FINAL_STATES,
+                    "frames": frames,
+                    "thread_name": thread_names.get(tid, "unknown"),
+                    "thread_id": str(tid),
+                    "op": op,
+                    "backend": g.backend,
+                    "rank": g.rank,
+                    "global_rank": self.rank,
+                    "generation": e[_GEN],
+                    "peer": peer,
+                    "peer_global": g.ranks[peer] if peer is not None and 0 <= peer < len(g.ranks) else None,
+                    "tag": e[_TAG],
+                    "async_op": e[_ASYNC],
+                    "error": e[_ERROR],
+                }
+            )
+        return out
+
+    # ------------------------------------------------------------------ dumping
+    def snapshot(self, *, reason: str = "manual", as_tuple: bool = False) -> dict[str, Any]:
+        """The whole dump as a dict (what :meth:`dump` writes)."""
+        live = self._live()
+        return {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "version": FR_SCHEMA_VERSION,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "versions": {
+                "torchnext": _torchnext_version(),
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+            },
+            "generation": self.generation,
+            "capacity": self.capacity,
+            "recorded": self._next_id,
+            "dropped": self.dropped,
+            "dump_reason": reason,
+            "time_dumped_ns": time.time_ns(),
+            "comm_lib_version": "",
+            "pg_config": self.pg_config(),
+            "pg_status": self.pg_status(),
+            "stacks": _thread_stacks(self.max_frames * 4),
+            "entries": self._format_entries(live, as_tuple=as_tuple),
+        }
+
+    def dump(
+        self, path_or_dir: str | os.PathLike[str], *, format: str = "json", reason: str = "manual", fsync: bool = False
+    ) -> Path:
+        """Write this rank's dump atomically and return its path.
+
+        ``path_or_dir``: an existing folder, or a path ending in a separator, gets the standard file name
+        (``torchnext_fr_rank_<rank>.json`` / ``torchnext_fr_trace_rank_<rank>``); anything else is the file path.
+        ``format="pickle"`` writes the dict torchfrtrace (``python -m torch.distributed.flight_recorder.fr_trace``)
+        reads; JSON is the default and the one to share (reading it runs no code).
+        """
+        if format not in _DUMP_FORMATS:
+            raise FlightRecorderError(f"unknown dump format {format!r}; expected one of {_DUMP_FORMATS}")
+        raw = os.fspath(path_or_dir)
+        target = Path(raw)
+        if target.is_dir() or raw.endswith(("/", os.sep)):
+            target = target / dump_file_name(self.rank, format)
+        with self._lock:
+            snap = self.snapshot(reason=reason, as_tuple=format == "pickle")
+            if format == "json":
+                data = json.dumps(snap, separators=(",", ":"), default=str).encode()
+            else:
+                data = pickle.dumps(snap, protocol=4)
+            atomic_write(target, data, fsync=fsync)
+        return target
+
+    def auto_dump(self, reason: str) -> list[Path]:
+        """Dump to :attr:`dump_dir` in :attr:`auto_dump_formats` (no-op without a dump folder). Never raises:
+        failures are kept in :attr:`dump_errors` and reported on stderr, since this runs inside hooks and handlers."""
+        if self.dump_dir is None:
+            return []
+        paths = []
+        for fmt in self.auto_dump_formats:
+            try:
+                paths.append(self.dump(str(self.dump_dir) + os.sep, format=fmt, reason=reason))
+            except Exception as exc:  # a failed dump must not turn a diagnosable failure into a crash
+                msg = f"torchnext Flight Recorder: rank {self.rank}: {fmt} dump ({reason}) failed: {exc!r}"
+                self.dump_errors.append(msg)
+                print(msg, file=sys.stderr)
+        self.last_dump_paths = paths
+        return paths
+
+
+def _thread_stacks(depth: int) -> dict[str, list[dict[str, Any]]]:
+    """Python stack of every thread right now (innermost first), keyed ``"<name> (<ident>)"``; the dumping
+    thread's own frames inside this module are left out."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    here = os.path.abspath(__file__)
+    out: dict[str, list[dict[str, Any]]] = {}
+    for ident, frame in sys._current_frames().items():
+        frames = []
+        f: Any = frame
+        while f is not None and f.f_code.co_filename == here:
+            f = f.f_back
+        while f is not None and len(frames) < depth:
+            frames.append({"name": f.f_code.co_name, "filename": f.f_code.co_filename, "line": f.f_lineno})
+            f = f.f_back
+        out[f"{names.get(ident, 'unknown')} ({ident})"] = frames
+    return out
+
+
+def _torchnext_version() -> str:
+    from torchnext import __version__
+
+    return __version__
