@@ -40,7 +40,9 @@ def register_subcommand(cmd: Subcommand) -> None:
     SUBCOMMANDS[cmd.name] = cmd
 
 
-_BUILTIN: tuple[Subcommand, ...] = ()
+_BUILTIN: tuple[Subcommand, ...] = (
+    Subcommand(name="fr", module="torchnext.comms.fr_cli", help="Flight Recorder: analyze dumps (fr analyze DIR)"),
+)
 for _cmd in _BUILTIN:
     register_subcommand(_cmd)
 
