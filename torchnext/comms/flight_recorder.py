@@ -42,6 +42,8 @@ from typing import Any
 import torch
 
 from torchnext._config import env_config
+from torchnext.comms._fr_attach import Attachment, install_excepthook, install_signal_handler
+from torchnext.comms._fr_attach import AutoDumper as _AutoDumper
 from torchnext.comms._fr_format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -189,11 +191,90 @@ class FlightRecorder:
         self._next_id = 0  # records handed out (kept beside the counter, read by dump)
         self._groups: list[_Group] = []
         self._group_keys: dict[str, _Group] = {}
-        self._lock = threading.Lock()  # group registration and dumps only; never on the record path
+        # Group registration and dumps only, never on the record path. Re-entrant: a signal handler may dump while
+        # the interrupted main thread is inside a dump.
+        self._lock = threading.RLock()
         self._skip_prefix = os.path.dirname(os.path.abspath(__file__))
-        self._detachers: list[Callable[[], None]] = []
+        self._attachments: list[Any] = []
+        self._undo: list[Callable[[], None]] = []
+        self._auto = _AutoDumper()
         self.last_dump_paths: list[Path] = []
         self.dump_errors: list[str] = []
+
+    # ------------------------------------------------------------------ attaching
+    @classmethod
+    def attach(
+        cls,
+        comm: Any,
+        capacity: int | None = 2000,
+        *,
+        record_frames: bool = False,
+        max_frames: int = 16,
+        dump_dir: str | os.PathLike[str] | None = None,
+        auto_dump_formats: Sequence[str] = ("json",),
+        generation: int = 0,
+        dump_on_exception: bool = False,
+        dump_on_signal: int | None = None,
+    ) -> FlightRecorder:
+        """A new recorder fed by ``comm``'s hooks (and those of the children ``comm.split`` creates later).
+
+        ``capacity=None`` reads ``TORCHNEXT_FR_BUFFER_SIZE``; capacity 0 returns a disabled recorder and registers
+        no hooks (zero cost). Automatic dumps (timeout, peer failure, other op errors, ``abort()``) go to
+        ``dump_dir`` (default ``TORCHNEXT_FR_DUMP_DIR``). ``dump_on_exception`` dumps on an unhandled exception;
+        ``dump_on_signal=signal.SIGUSR1`` dumps when that signal arrives (main thread only).
+        """
+        ranks = list(comm.ranks)
+        rec = cls(
+            capacity,
+            rank=ranks[comm.rank],
+            world_size=len(ranks) if ranks == list(range(len(ranks))) else max(ranks) + 1,
+            record_frames=record_frames,
+            max_frames=max_frames,
+            dump_dir=dump_dir,
+            auto_dump_formats=auto_dump_formats,
+            generation=generation,
+        )
+        rec.add_communicator(comm)
+        if dump_on_exception:
+            rec.enable_dump_on_exception()
+        if dump_on_signal is not None:
+            rec.enable_dump_on_signal(dump_on_signal)
+        return rec
+
+    def add_communicator(self, comm: Any, *, generation: int | None = None) -> int:
+        """Record ``comm`` too (a split child, or a communicator rebuilt for a new ``generation``); returns its
+        pg id (-1 when the recorder is disabled). Its future split children are attached automatically."""
+        if not self.enabled:
+            return -1
+        att = Attachment(self, comm, generation)
+        with self._lock:
+            self._attachments.append(att)
+        comm._flight_recorder = self
+        return att.pg_id
+
+    def detach(self) -> None:
+        """Stop recording: remove every hook and handler this recorder installed (entries stay readable)."""
+        with self._lock:
+            attachments, self._attachments = self._attachments, []
+            undo, self._undo = self._undo, []
+        for att in attachments:
+            att.detach()
+            if getattr(att.comm, "_flight_recorder", None) is self:
+                att.comm._flight_recorder = None
+        for fn in reversed(undo):
+            fn()
+
+    def enable_dump_on_exception(self) -> None:
+        """Dump (to :attr:`dump_dir`) when an exception reaches ``sys.excepthook`` (an unhandled exception)."""
+        self._undo.append(install_excepthook(self))
+
+    def enable_dump_on_signal(self, signum: int) -> None:
+        """Dump (to :attr:`dump_dir`) when ``signum`` (e.g. ``signal.SIGUSR1``) arrives. Main thread only."""
+        self._undo.append(install_signal_handler(self, signum))
+
+    def _auto_dump_once(self, kind: str, detail: str) -> None:
+        if self.dump_dir is not None and self._auto.should_dump(kind):
+            self.auto_dump(f"{kind}: {detail}")
 
     # ------------------------------------------------------------------ groups
     @property
@@ -391,7 +472,7 @@ class FlightRecorder:
         skip = self._skip_prefix
         while f is not None and f.f_code.co_filename.startswith(skip):
             f = f.f_back
-        out = []
+        out: list[tuple[CodeType, int]] = []
         cap = self.max_frames
         while f is not None and len(out) < cap:
             out.append((f.f_code, f.f_lineno))
@@ -458,7 +539,7 @@ class FlightRecorder:
         shape_cache: dict[tuple[Any, ...], list[list[int]]] = {}
         dtype_cache: dict[tuple[Any, ...], list[str]] = {}
         groups = self._groups
-        out = []
+        out: list[dict[str, Any]] = []
         for e in live:
             g = groups[e[_PG]]
             op = e[_OP]
@@ -547,7 +628,7 @@ class FlightRecorder:
             "pid": os.getpid(),
             "versions": {
                 "torchnext": _torchnext_version(),
-                "torch": torch.__version__,
+                "torch": str(torch.__version__),
                 "python": platform.python_version(),
             },
             "generation": self.generation,
@@ -609,12 +690,12 @@ def _thread_stacks(depth: int) -> dict[str, list[dict[str, Any]]]:
     """Python stack of every thread right now (innermost first), keyed ``"<name> (<ident>)"``; the dumping
     thread's own frames inside this module are left out."""
     names = {t.ident: t.name for t in threading.enumerate()}
-    here = os.path.abspath(__file__)
+    here = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fr_attach.py")}
     out: dict[str, list[dict[str, Any]]] = {}
     for ident, frame in sys._current_frames().items():
-        frames = []
+        frames: list[dict[str, Any]] = []
         f: Any = frame
-        while f is not None and f.f_code.co_filename == here:
+        while f is not None and f.f_code.co_filename in here:
             f = f.f_back
         while f is not None and len(frames) < depth:
             frames.append({"name": f.f_code.co_name, "filename": f.f_code.co_filename, "line": f.f_lineno})

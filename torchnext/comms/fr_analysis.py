@@ -368,7 +368,7 @@ def _analyze_p2p(key: str, group: GroupInfo, by_rank: dict[int, RankDump], repor
             report.notes.append(f"p2p {src}->{dst} on {key!r}: a ring dropped entries, pairs not checked")
             continue
         s_list, r_list = sends.get(pair, []), recvs.get(pair, [])
-        for s, rv in zip(s_list, r_list):
+        for s, rv in zip(s_list, r_list, strict=False):
             if s.get("input_sizes") != rv.get("output_sizes"):
                 report.issues.append(
                     Issue(

@@ -118,14 +118,16 @@ def _decode(path: Path, data: bytes, *, allow_pickle: bool) -> tuple[str, Any]:
         except UnicodeDecodeError as exc:
             raise DumpFormatError(f"malformed JSON (not UTF-8 text: {exc.reason} at byte {exc.start})") from None
         except json.JSONDecodeError as exc:
-            hint = "truncated" if exc.pos >= len(data.rstrip()) - 1 else "malformed"
-            raise DumpFormatError(f"{hint} JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+            tail = data.rstrip()[-1:]
+            hint = "truncated" if tail not in (b"}", b"]") or exc.pos >= len(data.rstrip()) - 1 else "malformed"
+            raise DumpFormatError(f"{hint} JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
     if not allow_pickle:
         raise DumpFormatError("pickle file skipped: pass --allow-pickle to read it (unpickling can run code)")
     try:
         return kind, _RestrictedUnpickler(io.BytesIO(data)).load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
-        reason = "truncated pickle" if isinstance(exc, EOFError) else f"unreadable pickle: {exc}"
+        truncated = isinstance(exc, EOFError) or "truncated" in str(exc)
+        reason = "truncated pickle (the file ends early)" if truncated else f"unreadable pickle: {exc}"
         raise DumpFormatError(reason) from None
 
 
