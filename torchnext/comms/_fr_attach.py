@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from time import time_ns
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,9 @@ class Attachment:
             timeout_ms=int(comm.timeout.total_seconds() * 1000),
         )
         self._rids: dict[int, int] = {}
+        from torchnext.comms.work import WorkStatus
+
+        self._completed = WorkStatus.COMPLETED
         self._default_td = comm.timeout
         self._default_ms = int(self._default_td.total_seconds() * 1000)
         self._handles = [
@@ -58,22 +62,29 @@ class Attachment:
 
     def pre(self, info: Any) -> None:
         td = info.timeout
-        ms = self._default_ms if td == self._default_td else int(td.total_seconds() * 1000)
-        rid = self.recorder.record(
+        rec = self.recorder
+        rid = rec._record(
             self.pg_id,
             info.op,
-            inputs=info.inputs,
-            outputs=info.outputs,
-            op_id=info.op_id,
-            peer=info.peer,
-            timeout_ms=ms,
-            async_op=info.async_op,
+            info.inputs,
+            info.outputs,
+            info.op_id,
+            info.peer,
+            0,
+            self._default_ms if td is self._default_td or td == self._default_td else int(td.total_seconds() * 1000),
+            info.async_op,
+            True,
+            time_ns(),
         )
         self._rids[info.op_id] = rid
 
     def post(self, args: Any) -> None:
         rid = self._rids.pop(args.info.op_id, -1)
-        state = _STATES.get(args.status.name, "error")
+        status = args.status
+        if status is self._completed:
+            self.recorder.complete(rid)
+            return
+        state = _STATES.get(status.name, "error")
         exc = args.exception
         self.recorder.complete(rid, state, error=None if exc is None else f"{type(exc).__name__}: {exc}")
         if state == "timed_out":

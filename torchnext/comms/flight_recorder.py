@@ -33,6 +33,7 @@ import socket
 import sys
 import threading
 import time
+from _thread import get_ident
 from collections.abc import Callable, Sequence
 from enum import Enum
 from pathlib import Path
@@ -244,12 +245,12 @@ class FlightRecorder:
     def add_communicator(self, comm: Any, *, generation: int | None = None) -> int:
         """Record ``comm`` too (a split child, or a communicator rebuilt for a new ``generation``); returns its
         pg id (-1 when the recorder is disabled). Its future split children are attached automatically."""
+        comm._flight_recorder = self
         if not self.enabled:
-            return -1
+            return -1  # no hooks: a disabled recorder costs nothing
         att = Attachment(self, comm, generation)
         with self._lock:
             self._attachments.append(att)
-        comm._flight_recorder = self
         return att.pg_id
 
     def detach(self) -> None:
@@ -361,32 +362,56 @@ class FlightRecorder:
         ``inputs`` / ``outputs`` are tensors (only their shapes and dtypes are kept); ``peer`` is the group rank of
         the p2p partner; ``t_ns`` overrides the wall-clock time (tests, replays).
         """
+        if state not in ("started", "scheduled"):
+            raise FlightRecorderError(f"a new record is 'started' or 'scheduled', not {state!r}")
         if not self.capacity:
             return -1
+        return self._record(
+            pg_id, op, inputs, outputs, op_id, peer, tag, timeout_ms, async_op, state == "started",
+            time.time_ns() if t_ns is None else t_ns,
+        )
+
+    def _record(
+        self,
+        pg_id: int,
+        op: str,
+        inputs: Sequence[Any],
+        outputs: Sequence[Any],
+        op_id: int,
+        peer: int | None,
+        tag: int,
+        timeout_ms: int | None,
+        async_op: bool,
+        started: bool,
+        now: int,
+    ) -> int:
+        """The hot path (positional arguments; the hooks call it directly)."""
         group = self._groups[pg_id]
         c = group.counters
-        is_p2p = op in P2P_OPS
-        if is_p2p:
-            c[_G_PSEQ] += 1
-            cseq = c[_G_CSEQ]
-            pseq = c[_G_PSEQ]
-            c[_G_PENQ] = pseq
+        if op in P2P_OPS:
+            is_p2p = True
+            c[1] += 1  # _G_PSEQ
+            cseq = c[0]
+            pseq = c[1]
+            c[5] = pseq  # _G_PENQ
+            if started:
+                c[6] = pseq  # _G_PSTART
         else:
-            c[_G_CSEQ] += 1
-            cseq = c[_G_CSEQ]
-            pseq = c[_G_PSEQ]
-            c[_G_CENQ] = cseq
-        now = time.time_ns() if t_ns is None else t_ns
-        started = None
-        if state == "started":
-            started = now
-            if is_p2p:
-                c[_G_PSTART] = pseq
-            else:
-                c[_G_CSTART] = cseq
-        in_shapes = tuple([t.shape for t in inputs])
-        in_dtypes = tuple([t.dtype for t in inputs])
-        if outputs is inputs:
+            is_p2p = False
+            c[0] += 1  # _G_CSEQ
+            cseq = c[0]
+            pseq = c[1]
+            c[2] = cseq  # _G_CENQ
+            if started:
+                c[3] = cseq  # _G_CSTART
+        if len(inputs) == 1:
+            t = inputs[0]
+            in_shapes: tuple[Any, ...] = (t.shape,)
+            in_dtypes: tuple[Any, ...] = (t.dtype,)
+        else:
+            in_shapes = tuple([t.shape for t in inputs])
+            in_dtypes = tuple([t.dtype for t in inputs])
+        if len(outputs) == 1 and len(inputs) == 1 and outputs[0] is inputs[0]:
             out_shapes, out_dtypes = in_shapes, in_dtypes
         else:
             out_shapes = tuple([t.shape for t in outputs])
@@ -409,11 +434,11 @@ class FlightRecorder:
             out_dtypes,
             group.timeout_ms if timeout_ms is None else timeout_ms,
             now,
-            started,
+            now if started else None,
             None,
-            state,
+            "started" if started else "scheduled",
             self._frames() if self.record_frames else None,
-            threading.get_ident(),
+            get_ident(),
             self.generation,
             async_op,
             None,
@@ -440,8 +465,10 @@ class FlightRecorder:
 
         A record already overwritten by the ring, or already finished, is left alone.
         """
-        e = self._slot(record_id)
-        if e is None or e[_STATE] in _FINAL_STATES:
+        if record_id < 0 or not self.capacity:
+            return
+        e = self._ring[record_id % self.capacity]
+        if e is None or e[0] != record_id or e[_STATE] in _FINAL_STATES:
             return
         now = time.time_ns() if t_ns is None else t_ns
         if e[_TSTARTED] is None:
