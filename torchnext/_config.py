@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-__all__ = ["EnvConfig", "env_config", "ENV_VARS"]
+__all__ = ["DistEnv", "EnvConfig", "dist_env", "env_config", "ENV_VARS"]
 
 
 def _int(name: str, default: int) -> int:
@@ -70,3 +70,34 @@ def env_config() -> EnvConfig:
     if int(values["fr_buffer_size"]) < 0:  # type: ignore[call-overload]
         raise ValueError(f"TORCHNEXT_FR_BUFFER_SIZE={values['fr_buffer_size']!r} must be >= 0")
     return EnvConfig(**values)  # type: ignore[arg-type]
+
+
+@dataclass(kw_only=True, frozen=True)
+class DistEnv:
+    """The standard torchrun / ``env://`` variables (not TORCHNEXT_*: launchers set them)."""
+
+    rank: int
+    """``RANK``: global rank of this process."""
+    world_size: int
+    """``WORLD_SIZE``: number of processes."""
+    master_addr: str
+    """``MASTER_ADDR``: host of the TCPStore."""
+    master_port: int
+    """``MASTER_PORT``: port of the TCPStore."""
+    local_rank: int
+    """``LOCAL_RANK`` (default: ``RANK``)."""
+
+
+def dist_env() -> DistEnv:
+    """Read RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK; a missing required one raises ValueError."""
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise ValueError(f"environment variables {missing} are not set (expected from torchrun or an env:// launcher)")
+    rank = _int("RANK", 0)
+    return DistEnv(
+        rank=rank,
+        world_size=_int("WORLD_SIZE", 1),
+        master_addr=os.environ["MASTER_ADDR"],
+        master_port=_int("MASTER_PORT", 0),
+        local_rank=_int("LOCAL_RANK", rank),
+    )
