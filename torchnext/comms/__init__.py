@@ -3,6 +3,7 @@
 Public names::
 
     from torchnext.comms import Communicator, Work, WorkStatus, ReduceOp, CommError, CommTimeout, CommAborted, PeerFailure
+    from torchnext.comms import FlightRecorder          # collective trace + hang analysis (docs/flight_recorder.md)
 
 See ``docs/comms.md`` for the contract (ops, Work, hooks, abort, split, errors, thread-safety).
 """
@@ -18,6 +19,7 @@ from torchnext.comms.errors import CommError as CommError
 from torchnext.comms.errors import CommTimeout as CommTimeout
 from torchnext.comms.errors import HookError as HookError
 from torchnext.comms.errors import PeerFailure as PeerFailure
+from torchnext.comms.flight_recorder import FlightRecorder as FlightRecorder
 from torchnext.comms.hooks import AbortHookArgs as AbortHookArgs
 from torchnext.comms.hooks import OpInfo as OpInfo
 from torchnext.comms.hooks import PostHookArgs as PostHookArgs
@@ -34,6 +36,7 @@ __all__ = [
     "CommError",
     "CommTimeout",
     "Communicator",
+    "FlightRecorder",
     "HookError",
     "OpInfo",
     "P2POp",

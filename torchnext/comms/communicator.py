@@ -7,7 +7,7 @@ import threading
 import zlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,9 @@ from torchnext.comms.errors import CommAborted, CommError
 from torchnext.comms.hooks import AbortHookArgs, HookList, OpInfo, PostHookArgs, RemovableHandle
 from torchnext.comms.reduce_op import ReduceOp
 from torchnext.comms.work import CompletionWaiter, Work, WorkStatus
+
+if TYPE_CHECKING:
+    from torchnext.comms.flight_recorder import FlightRecorder
 
 __all__ = ["Communicator", "P2POp"]
 
@@ -84,6 +87,7 @@ class Communicator(CollectiveOps):
         timeout: float | timedelta = timedelta(seconds=300),
         name: str = "world",
         device: torch.device | str | None = None,
+        flight_recorder: bool | FlightRecorder = False,
     ) -> None:
         if not isinstance(name, str) or not name or "/" in name:
             raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
@@ -92,6 +96,12 @@ class Communicator(CollectiveOps):
         prefixed = dist.PrefixStore(f"torchnext/{name}", store)
         self._setup(prefixed, rank, world_size, tuple(range(world_size)) if _is_int(world_size) else (),
                     backend=backend, timeout=timeout, name=name, device=device)
+        if flight_recorder is True:
+            from torchnext.comms.flight_recorder import FlightRecorder as _FR
+
+            _FR.attach(self, capacity=None)  # TORCHNEXT_FR_BUFFER_SIZE (default 2000; 0 disables)
+        elif flight_recorder is not False:
+            flight_recorder.add_communicator(self)
 
     @classmethod
     def from_env(
@@ -158,6 +168,7 @@ class Communicator(CollectiveOps):
         self._pre_hooks: HookList[OpInfo] = HookList("pre")
         self._post_hooks: HookList[PostHookArgs] = HookList("post")
         self._abort_hooks: HookList[AbortHookArgs] = HookList("abort")
+        self._flight_recorder: FlightRecorder | None = None  # set by FlightRecorder.add_communicator
         dev = None if device is None else torch.device(device)
         cfg = BackendConfig(store=store, rank=rank, size=size, timeout=self._timeout, device=dev, name=name)
         self._backend = factory(cfg)
@@ -192,6 +203,11 @@ class Communicator(CollectiveOps):
     @property
     def backend(self) -> str:
         return self._backend_name
+
+    @property
+    def flight_recorder(self) -> FlightRecorder | None:
+        """The :class:`~torchnext.comms.FlightRecorder` recording this communicator (and its split children)."""
+        return self._flight_recorder
 
     @property
     def timeout(self) -> timedelta:
@@ -456,6 +472,8 @@ class Communicator(CollectiveOps):
             backend=self._backend_name, timeout=self._timeout,
             name=name or f"{self._name}.{seq}.{color}", device=self._device,
         )
+        if self._flight_recorder is not None:
+            self._flight_recorder.add_communicator(child)  # children are recorded by the parent's recorder
         return child
 
 
