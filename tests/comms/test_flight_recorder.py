@@ -132,6 +132,12 @@ def test_bad_arguments() -> None:
         fr.add_group("other", ranks=[0, 2])
     with pytest.raises(FlightRecorderError, match="unknown dump format"):
         FlightRecorder(4, auto_dump_formats=("xml",))
+    with pytest.raises(FlightRecorderError, match="needs a dump folder"):
+        fr.enable_dump_on_signal(signal.SIGUSR1)
+    with pytest.raises(FlightRecorderError, match="needs a dump folder"):
+        fr.enable_dump_on_exception()
+    with pytest.raises(FlightRecorderError, match="'started' or 'scheduled'"):
+        fr.record(0, "all_reduce", state="completed")
 
 
 def test_frames_are_the_callers_and_capped() -> None:

@@ -143,6 +143,15 @@ def test_pickle_needs_flag_and_is_restricted(tmp_path: Path, capsys: pytest.Capt
     assert "refusing to load global" in err and "evil_rank_9" in err
 
 
+def test_both_flavours_of_one_rank_count_once(tmp_path: Path) -> None:
+    write_scenario("missing_rank", tmp_path, formats=("json", "pickle"))
+    report = analyze_dir(tmp_path, allow_pickle=True)
+    assert [d.rank for d in report.dumps] == [0, 1, 2] and report.problems == []
+    assert all(d.source == "torchnext-json" for d in report.dumps)
+    assert sum("another dump of rank" in n for n in report.notes) == 3
+    assert [(i.kind, i.ranks) for i in report.issues] == [("missing_ranks", [2])]
+
+
 def test_truncated_pickle(tmp_path: Path) -> None:
     write_scenario("healthy", tmp_path, formats=("pickle",))
     p = tmp_path / "torchnext_fr_trace_rank_0"

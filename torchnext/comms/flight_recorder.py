@@ -45,12 +45,27 @@ import torch
 from torchnext._config import env_config
 from torchnext.comms._fr_attach import Attachment, install_excepthook, install_signal_handler
 from torchnext.comms._fr_attach import AutoDumper as _AutoDumper
+from torchnext.comms._fr_entries import (
+    _CSEQ,
+    _ERROR,
+    _FINAL_STATES,
+    _ISP2P,
+    _PG,
+    _PSEQ,
+    _RID,
+    _STATE,
+    _TCREATED,
+    _TDONE,
+    _TSTARTED,
+    P2P_OPS,
+    entries_json,
+    format_entries,
+)
 from torchnext.comms._fr_format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     FR_SCHEMA_VERSION,
     atomic_write,
-    dtype_name,
     dump_file_name,
 )
 
@@ -72,36 +87,7 @@ class EntryState(str, Enum):
     ABORTED = "aborted"
 
 
-P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
-_FINAL_STATES = frozenset({"completed", "error", "timed_out", "aborted"})
 _DUMP_FORMATS = ("json", "pickle")
-
-# Slot layout of one ring entry (a list: the cheapest mutable record in CPython).
-(
-    _RID,
-    _PG,
-    _CSEQ,
-    _PSEQ,
-    _OPID,
-    _OP,
-    _ISP2P,
-    _PEER,
-    _TAG,
-    _INSHAPES,
-    _INDTYPES,
-    _OUTSHAPES,
-    _OUTDTYPES,
-    _TIMEOUT,
-    _TCREATED,
-    _TSTARTED,
-    _TDONE,
-    _STATE,
-    _FRAMES,
-    _TID,
-    _GEN,
-    _ASYNC,
-    _ERROR,
-) = range(23)
 
 # Per-group counters: [collective seq, p2p seq, last enq/started/completed collective, last enq/started/completed p2p]
 _G_CSEQ, _G_PSEQ, _G_CENQ, _G_CSTART, _G_CDONE, _G_PENQ, _G_PSTART, _G_PDONE = range(8)
@@ -267,11 +253,17 @@ class FlightRecorder:
 
     def enable_dump_on_exception(self) -> None:
         """Dump (to :attr:`dump_dir`) when an exception reaches ``sys.excepthook`` (an unhandled exception)."""
+        self._require_dump_dir("dump_on_exception")
         self._undo.append(install_excepthook(self))
 
     def enable_dump_on_signal(self, signum: int) -> None:
         """Dump (to :attr:`dump_dir`) when ``signum`` (e.g. ``signal.SIGUSR1``) arrives. Main thread only."""
+        self._require_dump_dir("dump_on_signal")
         self._undo.append(install_signal_handler(self, signum))
+
+    def _require_dump_dir(self, what: str) -> None:
+        if self.dump_dir is None:
+            raise FlightRecorderError(f"{what} needs a dump folder: pass dump_dir= or set TORCHNEXT_FR_DUMP_DIR")
 
     def _auto_dump_once(self, kind: str, detail: str) -> None:
         if self.dump_dir is not None and self._auto.should_dump(kind):
@@ -527,7 +519,7 @@ class FlightRecorder:
 
     def entries(self) -> list[dict[str, Any]]:
         """The live records, oldest first, in the dump's entry schema (see :mod:`torchnext.comms._fr_format`)."""
-        return self._format_entries(self._live(), as_tuple=False)
+        return format_entries(self._live(), self._groups, self.rank, torch_compat=False)
 
     def pg_config(self) -> dict[str, dict[str, Any]]:
         """Every registered communicator: key -> name, desc, ranks (PyTorch's string form and a list), ..."""
@@ -560,91 +552,14 @@ class FlightRecorder:
             for g in self._groups
         }
 
-    def _format_entries(self, live: list[list[Any]], *, as_tuple: bool) -> list[dict[str, Any]]:
-        thread_names = {t.ident: t.name for t in threading.enumerate()}
-        frame_cache: dict[tuple[tuple[CodeType, int], ...], list[dict[str, Any]]] = {}
-        shape_cache: dict[tuple[Any, ...], list[list[int]]] = {}
-        dtype_cache: dict[tuple[Any, ...], list[str]] = {}
-        groups = self._groups
-        out: list[dict[str, Any]] = []
-        for e in live:
-            g = groups[e[_PG]]
-            op = e[_OP]
-            peer = e[_PEER]
-            if e[_ISP2P] and peer is not None:
-                bare = "send" if op in ("send", "isend") else "recv"
-                if bare == "send":
-                    prof = f"{g.backend}:send {g.rank}->{peer}"
-                else:
-                    prof = f"{g.backend}:recv {g.rank}<-{peer}"
-            else:
-                prof = f"{g.backend}:{op}"
-            frames_raw = e[_FRAMES]
-            frames: list[dict[str, Any]] = []
-            if frames_raw:
-                frames = frame_cache.get(frames_raw)  # type: ignore[assignment]
-                if frames is None:
-                    frames = [{"name": c.co_name, "filename": c.co_filename, "line": ln} for c, ln in frames_raw]
-                    frame_cache[frames_raw] = frames
-            sizes = []
-            for key in (e[_INSHAPES], e[_OUTSHAPES]):
-                s = shape_cache.get(key)
-                if s is None:
-                    s = [list(x) for x in key]
-                    shape_cache[key] = s
-                sizes.append(s)
-            dts = []
-            for key in (e[_INDTYPES], e[_OUTDTYPES]):
-                d = dtype_cache.get(key)
-                if d is None:
-                    d = [dtype_name(x) for x in key]
-                    dtype_cache[key] = d
-                dts.append(d)
-            t0, t1 = e[_TCREATED], e[_TDONE]
-            state = e[_STATE]
-            tid = e[_TID]
-            out.append(
-                {
-                    "record_id": e[_RID],
-                    "pg_id": g.pg_id,
-                    "process_group": (g.key, g.desc) if as_tuple else [g.key, g.desc],
-                    "collective_seq_id": e[_CSEQ],
-                    "p2p_seq_id": e[_PSEQ],
-                    "op_id": e[_OPID],
-                    "profiling_name": prof,
-                    "time_created_ns": t0,
-                    "time_discovered_started_ns": e[_TSTARTED],
-                    "time_discovered_completed_ns": t1,
-                    "duration_ms": (t1 - t0) / 1e6 if t1 is not None else None,
-                    "state": state,
-                    "input_sizes": sizes[0],
-                    "output_sizes": sizes[1],
-                    "input_dtypes": dts[0],
-                    "output_dtypes": dts[1],
-                    "timeout_ms": e[_TIMEOUT],
-                    "is_p2p": e[_ISP2P],
-                    "retired": state in _FINAL_STATES,
-                    "frames": frames,
-                    "thread_name": thread_names.get(tid, "unknown"),
-                    "thread_id": str(tid),
-                    "op": op,
-                    "backend": g.backend,
-                    "rank": g.rank,
-                    "global_rank": self.rank,
-                    "generation": e[_GEN],
-                    "peer": peer,
-                    "peer_global": g.ranks[peer] if peer is not None and 0 <= peer < len(g.ranks) else None,
-                    "tag": e[_TAG],
-                    "async_op": e[_ASYNC],
-                    "error": e[_ERROR],
-                }
-            )
-        return out
-
     # ------------------------------------------------------------------ dumping
     def snapshot(self, *, reason: str = "manual", as_tuple: bool = False) -> dict[str, Any]:
         """The whole dump as a dict (what :meth:`dump` writes)."""
-        live = self._live()
+        snap = self._header(reason)
+        snap["entries"] = format_entries(self._live(), self._groups, self.rank, torch_compat=as_tuple)
+        return snap
+
+    def _header(self, reason: str) -> dict[str, Any]:
         return {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
@@ -668,7 +583,6 @@ class FlightRecorder:
             "pg_config": self.pg_config(),
             "pg_status": self.pg_status(),
             "stacks": _thread_stacks(self.max_frames * 4),
-            "entries": self._format_entries(live, as_tuple=as_tuple),
         }
 
     def dump(
@@ -688,11 +602,12 @@ class FlightRecorder:
         if target.is_dir() or raw.endswith(("/", os.sep)):
             target = target / dump_file_name(self.rank, format)
         with self._lock:
-            snap = self.snapshot(reason=reason, as_tuple=format == "pickle")
             if format == "json":
-                data = json.dumps(snap, separators=(",", ":"), default=str).encode()
+                live = self._live()
+                header = json.dumps(self._header(reason), separators=(",", ":"), default=str)
+                data = (header[:-1] + ',"entries":' + entries_json(live, self._groups, self.rank) + "}").encode()
             else:
-                data = pickle.dumps(snap, protocol=4)
+                data = pickle.dumps(self.snapshot(reason=reason, as_tuple=True), protocol=4)
             atomic_write(target, data, fsync=fsync)
         return target
 

@@ -250,7 +250,8 @@ def _analyze_group(
             where = {str(r): _where(by_rank.get(r)) for r in culprits}
             states = {str(r): e["state"] for r, e in entered.items()}
             names = ", ".join(
-                f"rank {r} {'(no dump)' if r in no_dump else 'was at ' + _fmt_last(where[str(r)]['last_entry'])}"
+                f"rank {r} " + ("left no dump (dead, or its dump failed)" if r in no_dump
+                                else "was at " + _fmt_last(where[str(r)]["last_entry"]))
                 for r in culprits
             )
             issues.append(

@@ -75,6 +75,7 @@ class RankDump:
     generation: int = 0
     dropped: int | None = None
     """Records the ring overwrote; ``None`` when the dump does not say (PyTorch's)."""
+    recorded: int | None = None
     host: str | None = None
     pid: int | None = None
     dump_reason: str | None = None
@@ -245,6 +246,7 @@ def load_file(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Ra
         world_size=obj.get("world_size"),
         generation=gen,
         dropped=obj.get("dropped"),
+        recorded=obj.get("recorded"),
         host=obj.get("host"),
         pid=obj.get("pid"),
         dump_reason=obj.get("dump_reason"),
@@ -288,6 +290,25 @@ def load_file(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Ra
     return dump
 
 
+def _same_event(a: RankDump, b: RankDump) -> bool:
+    """Two flavours written by one dump call (same process, same records, within a second)."""
+    return (
+        a.pid == b.pid
+        and a.recorded == b.recorded
+        and abs((a.time_dumped_ns or 0) - (b.time_dumped_ns or 0)) < 1_000_000_000
+    )
+
+
+def _pick(a: RankDump, b: RankDump) -> RankDump:
+    """Of two dumps of one rank keep the newest; of two flavours of one dump keep the JSON one."""
+    if _same_event(a, b) and a.source.endswith("json") != b.source.endswith("json"):
+        keep, drop = (a, b) if a.source.endswith("json") else (b, a)
+    else:
+        keep, drop = (b, a) if (b.time_dumped_ns or 0) > (a.time_dumped_ns or 0) else (a, b)
+    keep.notes.append(f"another dump of rank {keep.rank} ignored: {drop.path}")
+    return keep
+
+
 def load_dir(directory: str | os.PathLike[str], *, allow_pickle: bool = False) -> tuple[list[RankDump], list[LoadProblem]]:
     """Read every (non-hidden) file in ``directory``: the usable dumps (one per rank: the newest when a rank has
     several, e.g. a JSON and a pickle dump) and one problem per file that could not be used."""
@@ -306,11 +327,7 @@ def load_dir(directory: str | os.PathLike[str], *, allow_pickle: bool = False) -
             continue
         prev = dumps.get(dump.rank)
         if prev is not None:
-            newer, older = (dump, prev) if (dump.time_dumped_ns or 0) > (prev.time_dumped_ns or 0) else (prev, dump)
-            if older.source.endswith("json") and older.time_dumped_ns == newer.time_dumped_ns:
-                newer, older = older, newer
-            newer.notes.append(f"another dump of rank {dump.rank} ignored: {older.path}")
-            dump = newer
+            dump = _pick(prev, dump)
         dumps[dump.rank] = dump
     versions = {dmp.version for dmp in dumps.values()}
     if len(versions) > 1:
