@@ -100,7 +100,7 @@ def _render_png(report: Report, path: Path) -> None:
     culprits = set(report.hang_point.ranks) if report.hang_point else set()
     if hang_s is not None:
         ax.axvline(hang_s, color="red", linestyle="--", linewidth=1.5)
-        ax.text(hang_s, len(ranks) - 0.4, label, color="red", fontsize=8, va="bottom")
+        ax.text(hang_s, -0.45, label, color="red", fontsize=8, va="bottom")
     ax.set_yticks(range(len(ranks)))
     ax.set_yticklabels(
         [f"rank {r}" + (" (no dump)" if r in report.ranks_without_dump else "") + (" !" if r in culprits else "")
@@ -108,7 +108,7 @@ def _render_png(report: Report, path: Path) -> None:
     )
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the first recorded op")
-    ax.set_title("torchnext Flight Recorder timeline")
+    ax.set_title("torchnext Flight Recorder timeline", pad=16)
     ax.legend(handles=[Patch(color=c, label=s) for s, c in STATE_COLORS.items()], loc="lower right", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -8,6 +8,7 @@ and dumps them. Real multi-rank runs with scripted faults live in ``tests/comms/
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,6 @@ from torchnext.comms.flight_recorder import FlightRecorder
 
 __all__ = ["SCENARIOS", "Op", "Scenario", "write_scenario"]
 
-_T0 = 1_700_000_000_000_000_000
 _STEP = 10_000_000  # 10 ms between ops
 
 
@@ -90,6 +90,7 @@ def write_scenario(
     sc = SCENARIOS[scenario]() if isinstance(scenario, str) else scenario
     groups = sc.groups or {"world": list(range(sc.world_size))}
     paths = []
+    t0 = time.time_ns() - 2 * _STEP * (1 + max((len(v) for v in sc.ops.values()), default=0))  # ends about now
     for r in range(sc.world_size):
         fr = FlightRecorder(sc.capacity, rank=r, world_size=sc.world_size, record_frames=True)
         pg_ids = {
@@ -98,7 +99,7 @@ def write_scenario(
             if r in ranks
         }
         for i, op in enumerate(sc.ops.get(r, [])):
-            t = _T0 + i * _STEP + op.delay_ns
+            t = t0 + i * _STEP + op.delay_ns
             x = torch.zeros(op.shape, dtype=op.dtype)
             rid = fr.record(pg_ids[op.pg], op.op, inputs=[x], outputs=[x], op_id=i + 1, peer=op.peer, t_ns=t)
             if op.done:
