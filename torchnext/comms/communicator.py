@@ -378,8 +378,10 @@ class Communicator(CollectiveOps):
             try:
                 backend_works = launch(td)
             except Exception as exc:
+                # Raised while issuing: a broken peer/timeout breaks the communicator; anything else is the backend
+                # refusing the arguments (nothing was issued), which leaves the communicator usable.
                 wrapped = work._wrap_backend_error(exc)
-                work._finish(WorkStatus.ERROR, wrapped)
+                work._finish(WorkStatus.ERROR, wrapped, breaks_comm=type(wrapped) is not CommError)
                 raise wrapped from exc
             if not async_op:
                 work._wait_sync(backend_works)
