@@ -53,19 +53,21 @@ def _attach(comm: Communicator, config: str) -> FlightRecorder | _Noop | None:
     return FlightRecorder.attach(comm, capacity=2000, record_frames=config == "on+frames")
 
 
-def _time_ops(comm: Communicator, t: torch.Tensor, n: int) -> float:
+def _time_ops(comm: Communicator, t: torch.Tensor, n: int) -> tuple[float, float]:
+    """(wall, process CPU) us per op. CPU time counts every thread of this process (the backend's included) and
+    not the time spent waiting for a CPU, so it stays meaningful on a loaded machine."""
     for _ in range(max(2, n // 10)):
         comm.all_reduce(t)
-    t0 = time.perf_counter_ns()
+    t0, c0 = time.perf_counter_ns(), time.process_time_ns()
     for _ in range(n):
         comm.all_reduce(t)
-    return (time.perf_counter_ns() - t0) / n / 1e3  # us per op
+    return (time.perf_counter_ns() - t0) / n / 1e3, (time.process_time_ns() - c0) / n / 1e3
 
 
-def two_rank_body(ctx: RankContext, rounds: int) -> dict[str, dict[str, list[float]]]:
+def two_rank_body(ctx: RankContext, rounds: int) -> dict[str, dict[str, list[tuple[float, float]]]]:
     """Many short batches, configurations rotated within each round: load drift hits all of them alike."""
     comm = Communicator(ctx.store, ctx.rank, ctx.world_size, timeout=timedelta(seconds=60))
-    out: dict[str, dict[str, list[float]]] = {s: {c: [] for c in CONFIGS} for s in SIZES}
+    out: dict[str, dict[str, list[tuple[float, float]]]] = {s: {c: [] for c in CONFIGS} for s in SIZES}
     tensors = {size: torch.ones(numel) for size, numel in SIZES.items()}
     for r in range(rounds * 10):
         for size, numel in SIZES.items():
@@ -80,14 +82,14 @@ def two_rank_body(ctx: RankContext, rounds: int) -> dict[str, dict[str, list[flo
     return out
 
 
-def one_rank(rounds: int) -> tuple[dict[str, list[float]], FlightRecorder, FlightRecorder]:
+def one_rank(rounds: int) -> tuple[dict[str, list[tuple[float, float]]], FlightRecorder, FlightRecorder]:
     """The same configurations on a 1-rank communicator (no network: the per-op difference is resolvable)."""
     import torch.distributed as dist
 
     store = dist.HashStore()
     comm = Communicator(store, 0, 1, name="solo")
     t = torch.ones(1)
-    res: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    res: dict[str, list[tuple[float, float]]] = {c: [] for c in CONFIGS}
     keep: dict[str, Any] = {}
     for _ in range(rounds):
         for config in CONFIGS:
@@ -160,22 +162,24 @@ def main() -> None:
 
     print(f"load average before: {os.getloadavg()[0]:.2f}\n")
     two = run_ranks(two_rank_body, 2, args=(args.rounds,), timeout=900)[0]
-    print(f"1. 2-rank Gloo all_reduce, us/op (median of {args.rounds * 10} rotated batches)")
-    print("     size        off  noop-hooks        on  on+frames    on-off  on-noop  on+frames-off  on/off")
+    print(f"1. 2-rank Gloo all_reduce, rank 0, us/op, median of {args.rounds * 10} rotated batches: wall | process CPU")
+    print("     size          off   noop-hooks           on    on+frames |  CPU: off   noop     on  on+fr   on-off")
     for size in SIZES:
-        med = {c: statistics.median(two[size][c]) for c in CONFIGS}
-        figures[f"2rank {size}"] = med
-        print(f"   {size:>6} {med['off']:10.1f} {med['noop-hooks']:10.1f} {med['on']:10.1f} {med['on+frames']:10.1f}"
-              f" {med['on'] - med['off']:+9.2f} {med['on'] - med['noop-hooks']:+8.2f}"
-              f" {med['on+frames'] - med['off']:+14.2f}  {med['on'] / med['off']:.4f}")
+        w = {c: statistics.median(x[0] for x in two[size][c]) for c in CONFIGS}
+        c_ = {c: statistics.median(x[1] for x in two[size][c]) for c in CONFIGS}
+        figures[f"2rank {size}"] = {"wall_us": w, "cpu_us": c_}
+        print(f"   {size:>6} {w['off']:12.1f} {w['noop-hooks']:12.1f} {w['on']:12.1f} {w['on+frames']:12.1f} |"
+              f" {c_['off']:9.1f} {c_['noop-hooks']:6.1f} {c_['on']:6.1f} {c_['on+frames']:6.1f}"
+              f" {c_['on'] - c_['off']:+8.2f}   (wall ratio on/off {w['on'] / w['off']:.3f})")
 
     solo, fr_on, fr_frames = one_rank(args.rounds)
-    med = {c: statistics.median(solo[c]) for c in CONFIGS}
-    figures["1rank 4 B"] = med
-    print(f"\n2. 1-rank Gloo all_reduce 4 B, us/op: off {med['off']:.2f}, noop-hooks {med['noop-hooks']:.2f} "
-          f"({med['noop-hooks'] - med['off']:+.2f}), on {med['on']:.2f} ({med['on'] - med['off']:+.2f}; "
-          f"{med['on'] - med['noop-hooks']:+.2f} over noop-hooks), on+frames {med['on+frames']:.2f} "
-          f"({med['on+frames'] - med['off']:+.2f})")
+    print("\n2. 1-rank Gloo all_reduce 4 B (no network), us/op, median of rounds:")
+    for i, what in ((0, "wall"), (1, "process CPU")):
+        m = {c: statistics.median(x[i] for x in solo[c]) for c in CONFIGS}
+        figures[f"1rank 4 B {what}"] = m
+        print(f"   {what:12} off {m['off']:7.2f}  noop-hooks {m['noop-hooks']:7.2f} ({m['noop-hooks'] - m['off']:+.2f})"
+              f"  on {m['on']:7.2f} ({m['on'] - m['off']:+.2f}; {m['on'] - m['noop-hooks']:+.2f} over noop-hooks)"
+              f"  on+frames {m['on+frames']:7.2f} ({m['on+frames'] - m['off']:+.2f})")
 
     off_w, off_c = direct_hook_cost(False)
     on_w, on_c = direct_hook_cost(True)

@@ -280,3 +280,22 @@ def test_dump_on_unhandled_exception(tmp_path: Path) -> None:
     assert proc.returncode == 1 and "training diverged" in proc.stderr  # the normal traceback still prints
     d = json.loads((tmp_path / "torchnext_fr_rank_0.json").read_text())
     assert d["dump_reason"].startswith("unhandled_exception: ValueError: training diverged")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_dump_on_unhandled_exception_in_a_thread(tmp_path: Path) -> None:
+    fr, _ = _recorder(dump_dir=tmp_path)
+    before = (sys.excepthook, threading.excepthook)
+    fr.enable_dump_on_exception()
+    try:
+        def boom() -> None:
+            raise RuntimeError("worker died")
+
+        t = threading.Thread(target=boom, name="worker")
+        t.start()
+        t.join(timeout=30)
+    finally:
+        fr.detach()
+    assert (sys.excepthook, threading.excepthook) == before  # detach() restored both
+    d = json.loads((tmp_path / "torchnext_fr_rank_1.json").read_text())
+    assert d["dump_reason"] == "unhandled_exception: RuntimeError in thread worker: worker died"

@@ -120,18 +120,29 @@ class AutoDumper:
 
 
 def install_excepthook(recorder: FlightRecorder) -> Callable[[], None]:
-    """Chain ``sys.excepthook`` so an unhandled exception dumps before the interpreter reports it; returns an undo."""
+    """Chain ``sys.excepthook`` and ``threading.excepthook`` so an unhandled exception (main thread, or any other
+    thread) dumps before it is reported as usual; returns an undo."""
     previous = sys.excepthook
+    previous_thread = threading.excepthook
 
     def hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         recorder._auto_dump_once("unhandled_exception", f"{tp.__name__}: {value}")
         previous(tp, value, tb)
 
+    def thread_hook(args: Any) -> None:
+        if args.exc_type is not SystemExit:
+            name = args.thread.name if args.thread is not None else "?"
+            recorder._auto_dump_once("unhandled_exception", f"{args.exc_type.__name__} in thread {name}: {args.exc_value}")
+        previous_thread(args)
+
     sys.excepthook = hook
+    threading.excepthook = thread_hook
 
     def undo() -> None:
         if sys.excepthook is hook:
             sys.excepthook = previous
+        if threading.excepthook is thread_hook:
+            threading.excepthook = previous_thread
 
     return undo
 
