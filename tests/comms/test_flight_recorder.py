@@ -299,3 +299,42 @@ def test_dump_on_unhandled_exception_in_a_thread(tmp_path: Path) -> None:
     assert (sys.excepthook, threading.excepthook) == before  # detach() restored both
     d = json.loads((tmp_path / "torchnext_fr_rank_1.json").read_text())
     assert d["dump_reason"] == "unhandled_exception: RuntimeError in thread worker: worker died"
+
+
+def test_communicator_flag_attach_detach_and_split_single_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from torchnext.comms import Communicator
+
+    with pytest.raises(TypeError, match="flight_recorder must be a bool or a FlightRecorder"):
+        Communicator(dist.HashStore(), 0, 1, flight_recorder="yes")  # type: ignore[arg-type]
+    monkeypatch.setenv("TORCHNEXT_FR_BUFFER_SIZE", "7")
+    comm = Communicator(dist.HashStore(), 0, 1, name="solo", flight_recorder=True)
+    fr = comm.flight_recorder
+    assert fr is not None and fr.capacity == 7
+    t = torch.ones(3)
+    comm.all_reduce(t)
+    w = comm.broadcast(t, 0, async_op=True)
+    assert w is not None and w.wait()
+    child = comm.split([0], name="kid")
+    assert child is not None and child.flight_recorder is fr
+    child.all_reduce(t)
+    e = fr.entries()
+    assert [(x["process_group"][0], x["op"], x["collective_seq_id"], x["op_id"], x["state"]) for x in e] == [
+        ("solo", "all_reduce", 1, 1, "completed"),
+        ("solo", "broadcast", 2, 2, "completed"),
+        ("solo", "split", 3, 3, "completed"),
+        ("kid", "all_reduce", 1, 1, "completed"),
+    ]
+    assert e[1]["async_op"] is True and e[0]["timeout_ms"] == 300_000
+    assert fr.pg_config()["kid"]["ranks_list"] == [0] and fr.pg_status()["solo"]["last_completed_collective"] == 3
+    fr.detach()
+    comm.all_reduce(t)
+    child.all_reduce(t)
+    assert len(fr.entries()) == 4 and comm.flight_recorder is None
+    other = FlightRecorder(5, rank=0, world_size=1)
+    comm2 = Communicator(dist.HashStore(), 0, 1, name="second", flight_recorder=other)
+    comm2.all_reduce(t)
+    assert [x["process_group"][0] for x in other.entries()] == ["second"]
+    for c in (comm, child, comm2):
+        c.shutdown()

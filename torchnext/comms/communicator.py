@@ -91,14 +91,17 @@ class Communicator(CollectiveOps):
     ) -> None:
         if not isinstance(name, str) or not name or "/" in name:
             raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
+        if flight_recorder is not False:
+            from torchnext.comms.flight_recorder import FlightRecorder as _FR
+
+            if flight_recorder is not True and not isinstance(flight_recorder, _FR):
+                raise TypeError(f"flight_recorder must be a bool or a FlightRecorder, got {flight_recorder!r}")
         if not isinstance(store, dist.Store):
             raise TypeError(f"store must be a torch.distributed.Store, got {type(store).__name__}")
         prefixed = dist.PrefixStore(f"torchnext/{name}", store)
         self._setup(prefixed, rank, world_size, tuple(range(world_size)) if _is_int(world_size) else (),
                     backend=backend, timeout=timeout, name=name, device=device)
         if flight_recorder is True:
-            from torchnext.comms.flight_recorder import FlightRecorder as _FR
-
             _FR.attach(self, capacity=None)  # TORCHNEXT_FR_BUFFER_SIZE (default 2000; 0 disables)
         elif flight_recorder is not False:
             flight_recorder.add_communicator(self)
@@ -112,6 +115,7 @@ class Communicator(CollectiveOps):
         name: str = "world",
         device: torch.device | str | None = None,
         host_store: bool = False,
+        flight_recorder: bool | FlightRecorder = False,
     ) -> Communicator:
         """Build from torchrun / ``env://`` variables: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 
@@ -126,7 +130,8 @@ class Communicator(CollectiveOps):
             env.master_addr, env.master_port, env.world_size, is_master,
             timeout=_as_timedelta(timeout), wait_for_workers=False,
         )
-        return cls(store, env.rank, env.world_size, backend=backend, timeout=timeout, name=name, device=device)
+        return cls(store, env.rank, env.world_size, backend=backend, timeout=timeout, name=name, device=device,
+                   flight_recorder=flight_recorder)
 
     def _setup(
         self,
