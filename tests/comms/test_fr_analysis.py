@@ -112,6 +112,17 @@ def test_corrupt_files_get_a_message_each_and_analysis_continues(
     assert "--allow-pickle" in msgs["torchnext_fr_trace_rank_0"]
 
 
+def test_text_output_escapes_text_from_dumps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Error messages in dumps contain brackets ("[/__w/pytorch/.../pair.cc:553]"): never read as rich markup."""
+    fr = FlightRecorder(8, rank=0, world_size=1, record_frames=True)
+    pg = fr.add_group("w[/x]", ranks=[0])
+    rid = fr.record(pg, "all_reduce", inputs=[torch.ones(1)])
+    fr.complete(rid, "error", error="PeerFailure: [/__w/gloo/pair.cc:553] Connection closed [bold]")
+    fr.dump(tmp_path, reason="peer_failure: [/__w/gloo/pair.cc:553] closed")
+    rc, out, _ = _cli(capsys, str(tmp_path))
+    assert rc == 0 and "[/__w/gloo/pair.cc:553] closed" in out and "w[/x]" in out
+
+
 def test_mixed_versions_are_flagged_but_used(tmp_path: Path) -> None:
     write_scenario("missing_rank", tmp_path)
     p = tmp_path / "torchnext_fr_rank_1.json"

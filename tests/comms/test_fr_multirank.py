@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from torchnext.cli import main as cli_main
 from torchnext.comms import CommAborted, CommError, CommTimeout, Communicator, FlightRecorder
 from torchnext.comms.fr_analysis import Report, analyze_dir
 from torchnext.testing import RankContext, crash_now, run_ranks
@@ -213,7 +214,7 @@ def generations_body(ctx: RankContext, d: str) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- tests
-def test_missing_rank_skipped_collective(tmp_path: Path) -> None:
+def test_missing_rank_skipped_collective(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_ranks(skip_body, 3, args=(str(tmp_path),), timeout=90)
     report = _analyze(tmp_path)
     assert _first(report) == ("missing_ranks", [2], 3, "all_reduce", "world")
@@ -232,6 +233,11 @@ def test_missing_rank_skipped_collective(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "missing ranks: {2}" in proc.stdout + proc.stderr
+    # the CLI on the same folder: JSON report and an HTML timeline
+    assert cli_main(["fr", "analyze", str(tmp_path), "--json", "--timeline", str(tmp_path / "t.html")]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["issues"][0]["kind"] == "missing_ranks" and doc["issues"][0]["ranks"] == [2]
+    assert "hang: all_reduce #3 on world" in (tmp_path / "t.html").read_text()
 
 
 def test_op_mismatch(tmp_path: Path) -> None:
@@ -263,13 +269,17 @@ def test_straggler(tmp_path: Path) -> None:
     assert len(report.issues) == 1 and report.last_completed["world"]["seq"] == 4
 
 
-def test_killed_rank(tmp_path: Path) -> None:
+def test_killed_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = run_ranks(killed_body, 3, args=(str(tmp_path),), timeout=90, allow_exit={2})
     assert all(out[r] for r in (0, 1))  # survivors dumped automatically on the failure
     report = _analyze(tmp_path)
     assert _first(report) == ("missing_ranks", [2], 3, "all_reduce", "world")
     assert report.ranks_without_dump == [2] and report.issues[0].detail["no_dump"] == [2]
     assert all(d.dump_reason.split(":")[0] in ("peer_failure", "timeout", "error") for d in report.dumps)
+    # the text report prints real backend errors (full of "[...]") verbatim
+    assert cli_main(["fr", "analyze", str(tmp_path), "--fail-on-issues"]) == 1
+    out = capsys.readouterr().out
+    assert "missing_ranks" in out and "left no dump" in out
 
 
 def test_abort_dumps_in_flight_ops(tmp_path: Path) -> None:

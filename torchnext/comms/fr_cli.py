@@ -71,43 +71,50 @@ def _frames_text(frames: list[dict[str, Any]], limit: int = 8) -> str:
 
 
 def _print_text(report: Any) -> None:
+    """Readable report. Every string that comes from a dump is escaped: dumps carry arbitrary text (error
+    messages with ``[...]``), which rich would otherwise read as markup."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
     console = Console(highlight=False, soft_wrap=True)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     for p in report.problems:
         tag = "skipped" if p.skipped else "warning"
-        err.print(f"[yellow]{tag}:[/] {p.path}: {p.message}", markup=True)
+        err.print(f"[yellow]{tag}:[/] {escape(p.path)}: {escape(p.message)}")
     table = Table(title="Flight Recorder dumps")
-    for col in ("rank", "source", "entries", "dropped", "generation", "reason", "host:pid"):
-        table.add_column(col)
+    for col in ("rank", "source", "entries", "dropped", "gen", "reason", "host:pid"):
+        table.add_column(col, no_wrap=True, min_width=len(col) if col != "reason" else 12)
     for d in report.dumps:
         table.add_row(
-            str(d.rank), d.source, str(len(d.entries)), str(d.dropped), str(d.generation), str(d.dump_reason),
-            f"{d.host}:{d.pid}",
+            *(Text(str(x)) for x in (d.rank, d.source, len(d.entries), d.dropped, d.generation,
+                                     str(d.dump_reason).split(":")[0], f"{d.host}:{d.pid}"))
         )
     console.print(table)
+    for d in report.dumps:
+        if d.dump_reason and ":" in d.dump_reason:
+            console.print(Text(f"rank {d.rank} dumped on {d.dump_reason}", style="dim"))
     if report.ranks_without_dump:
         console.print(f"[red]ranks without a dump:[/] {report.ranks_without_dump}")
     if not report.issues:
         console.print("[green]no issues found[/]")
     for i, issue in enumerate(report.issues, 1):
         colour = "red" if issue.kind in ("missing_ranks", "op_mismatch", "unmatched_p2p") else "yellow"
-        console.print(f"[bold {colour}]{i}. {issue.kind}[/] {issue.message}", markup=True)
+        console.print(f"[bold {colour}]{i}. {issue.kind}[/] {escape(issue.message)}")
         if issue.kind == "missing_ranks":
             for r, where in issue.detail.get("missing", {}).items():
                 if not where.get("dump"):
                     console.print(f"   rank {r}: no dump (process dead, or its dump failed)")
                     continue
                 stack = where.get("stack") or []
-                console.print(f"   rank {r} stack at dump time ({where.get('dump_reason')}):")
+                console.print(Text(f"   rank {r} stack at dump time ({where.get('dump_reason')}):"))
                 if stack:
-                    console.print(_frames_text(stack), markup=False)
+                    console.print(Text(_frames_text(stack)))
     for key, last in report.last_completed.items():
         if last is None:
-            console.print(f"last completed on {key!r}: none")
+            console.print(Text(f"last completed on {key!r}: none"))
         else:
-            console.print(f"last completed on {key!r}: {last['op']} #{last['seq']} (generation {last['generation']})")
+            console.print(Text(f"last completed on {key!r}: {last['op']} #{last['seq']} (generation {last['generation']})"))
     for n in report.notes:
-        console.print(f"[dim]note: {n}[/]", markup=True)
+        console.print(Text(f"note: {n}", style="dim"))
