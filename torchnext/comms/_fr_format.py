@@ -23,8 +23,11 @@ ENTRY carries PyTorch's FR fields (:data:`TORCH_ENTRY_FIELDS`) and ours (:data:`
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,6 +40,7 @@ __all__ = [
     "TORCH_ENTRY_FIELDS",
     "TORCHNEXT_ENTRY_FIELDS",
     "atomic_write",
+    "thread_stacks",
     "dtype_name",
     "dump_file_name",
 ]
@@ -142,3 +146,22 @@ def atomic_write(path: Path, data: bytes, *, fsync: bool = False) -> None:
         except OSError:
             pass
         raise
+
+
+def thread_stacks(depth: int) -> dict[str, list[dict[str, Any]]]:
+    """Python stack of every thread right now (innermost first), keyed ``"<name> (<ident>)"``; the dumping
+    recorder's own frames (flight_recorder, _fr_attach, _fr_format) on top of a stack are left out."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    folder = os.path.dirname(os.path.abspath(__file__))
+    here = {os.path.join(folder, f) for f in ("flight_recorder.py", "_fr_attach.py", "_fr_format.py")}
+    out: dict[str, list[dict[str, Any]]] = {}
+    for ident, frame in sys._current_frames().items():
+        frames: list[dict[str, Any]] = []
+        f: Any = frame
+        while f is not None and f.f_code.co_filename in here:
+            f = f.f_back
+        while f is not None and len(frames) < depth:
+            frames.append({"name": f.f_code.co_name, "filename": f.f_code.co_filename, "line": f.f_lineno})
+            f = f.f_back
+        out[f"{names.get(ident, 'unknown')} ({ident})"] = frames
+    return out

@@ -67,6 +67,7 @@ from torchnext.comms._fr_format import (
     FR_SCHEMA_VERSION,
     atomic_write,
     dump_file_name,
+    thread_stacks,
 )
 
 __all__ = ["EntryState", "FlightRecorder", "FlightRecorderError", "P2P_OPS"]
@@ -582,7 +583,7 @@ class FlightRecorder:
             "comm_lib_version": "",
             "pg_config": self.pg_config(),
             "pg_status": self.pg_status(),
-            "stacks": _thread_stacks(self.max_frames * 4),
+            "stacks": thread_stacks(self.max_frames * 4),
         }
 
     def dump(
@@ -626,24 +627,6 @@ class FlightRecorder:
                 print(msg, file=sys.stderr)
         self.last_dump_paths = paths
         return paths
-
-
-def _thread_stacks(depth: int) -> dict[str, list[dict[str, Any]]]:
-    """Python stack of every thread right now (innermost first), keyed ``"<name> (<ident>)"``; the dumping
-    thread's own frames inside this module are left out."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    here = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fr_attach.py")}
-    out: dict[str, list[dict[str, Any]]] = {}
-    for ident, frame in sys._current_frames().items():
-        frames: list[dict[str, Any]] = []
-        f: Any = frame
-        while f is not None and f.f_code.co_filename in here:
-            f = f.f_back
-        while f is not None and len(frames) < depth:
-            frames.append({"name": f.f_code.co_name, "filename": f.f_code.co_filename, "line": f.f_lineno})
-            f = f.f_back
-        out[f"{names.get(ident, 'unknown')} ({ident})"] = frames
-    return out
 
 
 def _torchnext_version() -> str:
