@@ -53,7 +53,8 @@ def _rank_main(ctx: RankContext, sizes: list[int], budget_s: float, min_pairs: i
     raw = dist.ProcessGroupGloo(dist.PrefixStore("bench_raw", ctx.store), ctx.rank, ctx.world_size, timedelta(seconds=120))
     # The Communicator runs on that very ProcessGroupGloo (a registered backend factory hands it over), so the
     # comparison isolates torchnext's layer: two separately created Gloo groups differ by up to 5x at 4 B here.
-    register_backend("bench-gloo", lambda cfg: BackendHandle(pg=raw, device=torch.device("cpu")), replace=True)
+    register_backend("bench-gloo", lambda cfg: BackendHandle(pg=raw, device=torch.device("cpu"), interruptible_wait=True),
+                     replace=True)
     comm = Communicator(ctx.store, ctx.rank, ctx.world_size, backend="bench-gloo", timeout=timedelta(seconds=120),
                         name="bench")
     counter = [0, 0]
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (smoke run)")
     p.add_argument("--budget-s", type=float, default=3.0, help="seconds of measurement per (op, size, world size)")
     p.add_argument("--max-pairs", type=int, default=3000, help="most ABBA pairs per point")
+    p.add_argument("--min-pairs", type=int, default=16, help="fewest ABBA pairs per point (large messages)")
     p.add_argument("--markdown", help="also write the table to this file")
     args = p.parse_args(argv)
     sizes = [4, 1024 * 1024] if args.quick else SIZES
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for ws in args.world_sizes:
         t0 = time.time()
-        results = run_ranks(_rank_main, ws, args=(sizes, budget, 5, args.max_pairs), timeout=1800)
+        results = run_ranks(_rank_main, ws, args=(sizes, budget, args.min_pairs, args.max_pairs), timeout=1800)
         rows.extend(results[0])
         print(f"world size {ws}: {time.time() - t0:.1f} s", flush=True)
     rows.sort(key=lambda r: (r["op"], r["world_size"], r["bytes"]))
