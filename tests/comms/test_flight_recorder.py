@@ -338,3 +338,21 @@ def test_communicator_flag_attach_detach_and_split_single_rank(monkeypatch: pyte
     assert [x["process_group"][0] for x in other.entries()] == ["second"]
     for c in (comm, child, comm2):
         c.shutdown()
+
+
+def test_a_recorder_failure_never_blocks_an_op(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch.distributed as dist
+
+    from torchnext.comms import Communicator
+
+    comm = Communicator(dist.HashStore(), 0, 1, name="solo", flight_recorder=True)
+    fr = comm.flight_recorder
+    assert fr is not None
+    fr._groups.clear()  # simulate a recorder bug: every record now fails
+    t = torch.ones(2)
+    comm.all_reduce(t)
+    comm.all_reduce(t)
+    assert torch.equal(t, torch.ones(2))
+    assert len(fr.dump_errors) == 1 and "pre hook failed" in fr.dump_errors[0]
+    assert "pre hook failed" in capsys.readouterr().err
+    comm.shutdown()

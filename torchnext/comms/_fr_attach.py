@@ -61,32 +61,37 @@ class Attachment:
         ]
 
     def pre(self, info: Any) -> None:
-        td = info.timeout
-        rec = self.recorder
-        rid = rec._record(
-            self.pg_id,
-            info.op,
-            info.inputs,
-            info.outputs,
-            info.op_id,
-            info.peer,
-            0,
-            self._default_ms if td is self._default_td or td == self._default_td else int(td.total_seconds() * 1000),
-            info.async_op,
-            True,
-            time_ns(),
-        )
-        self._rids[info.op_id] = rid
+        try:
+            td = info.timeout
+            self._rids[info.op_id] = self.recorder._record(
+                self.pg_id,
+                info.op,
+                info.inputs,
+                info.outputs,
+                info.op_id,
+                info.peer,
+                0,
+                self._default_ms if td is self._default_td or td == self._default_td else int(td.total_seconds() * 1e3),
+                info.async_op,
+                True,
+                time_ns(),
+            )
+        except Exception as exc:  # the recorder must never stop an op from being issued
+            self.recorder._internal_error("pre hook", exc)
 
     def post(self, args: Any) -> None:
-        rid = self._rids.pop(args.info.op_id, -1)
-        status = args.status
-        if status is self._completed:
-            self.recorder.complete(rid)
+        try:
+            rid = self._rids.pop(args.info.op_id, -1)
+            status = args.status
+            if status is self._completed:
+                self.recorder.complete(rid)
+                return
+            state = _STATES.get(status.name, "error")
+            exc = args.exception
+            self.recorder.complete(rid, state, error=None if exc is None else f"{type(exc).__name__}: {exc}")
+        except Exception as err:
+            self.recorder._internal_error("post hook", err)
             return
-        state = _STATES.get(status.name, "error")
-        exc = args.exception
-        self.recorder.complete(rid, state, error=None if exc is None else f"{type(exc).__name__}: {exc}")
         if state == "timed_out":
             self.recorder._auto_dump_once("timeout", f"{args.info.op} op_id={args.info.op_id} on {self.comm.name!r}")
         elif state == "error":

@@ -262,6 +262,13 @@ class FlightRecorder:
         self._require_dump_dir("dump_on_signal")
         self._undo.append(install_signal_handler(self, signum))
 
+    def _internal_error(self, where: str, exc: Exception) -> None:
+        """A recorder bug must not break communication: report it once per kind and keep going."""
+        msg = f"torchnext Flight Recorder: rank {self.rank}: {where} failed: {exc!r}"
+        if msg not in self.dump_errors:
+            self.dump_errors.append(msg)
+            print(msg, file=sys.stderr)
+
     def _require_dump_dir(self, what: str) -> None:
         if self.dump_dir is None:
             raise FlightRecorderError(f"{what} needs a dump folder: pass dump_dir= or set TORCHNEXT_FR_DUMP_DIR")
