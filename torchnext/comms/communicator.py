@@ -384,7 +384,7 @@ class Communicator(CollectiveOps):
             pre = self._pre_hooks.snapshot
             if pre or self._post_hooks.snapshot:  # positional: this is the hot path
                 info = OpInfo(op, op_id, self._name, self._ranks, self._rank, self._size, async_op, root, peer,
-                              None if reduce_op is None else reduce_op.value, tuple(inputs), tuple(outputs),
+                              None if reduce_op is None else reduce_op._value_, tuple(inputs), tuple(outputs),
                               td or self._timeout)
             # sync ops wait in this thread, in slices, where the backend's timed wait is only a wait (Gloo
             # collectives); elsewhere (Gloo send/recv: a timed wait *is* the op's timeout) they wait like async ops

@@ -61,6 +61,8 @@ SYNC_WAIT_SLICE = timedelta(milliseconds=10)
 _SLICE_TIMEOUT_TEXT = "Operation timed out!"  # c10d Work::wait(timeout) when the slice elapses
 
 _TERMINAL = frozenset({WorkStatus.COMPLETED, WorkStatus.ERROR, WorkStatus.TIMED_OUT, WorkStatus.ABORTED})
+_NS = WorkStatus.NOT_STARTED
+_IP = WorkStatus.IN_PROGRESS  # hot paths test "terminal" by identity: Enum.__hash__ is slow Python code
 _STATUS_OF: dict[type[CommError], WorkStatus] = {CommTimeout: WorkStatus.TIMED_OUT}
 
 
@@ -134,7 +136,7 @@ class Work:
     # ----------------------------------------------------------------------------------------------- public API
     def wait(self, timeout: float | timedelta | None = None) -> bool:
         """Block until terminal (see the class docstring). Returns True when COMPLETED."""
-        if self.status not in _TERMINAL:
+        if self.status is _IP or self.status is _NS:
             assert self._done is not None  # only async Works are handed out before they are terminal
             remaining = self._deadline - time.perf_counter()
             limit = remaining if timeout is None else min(_seconds(timeout), remaining)
@@ -148,7 +150,7 @@ class Work:
 
     def is_completed(self) -> bool:
         """True once the op is terminal (COMPLETED, ERROR, TIMED_OUT or ABORTED)."""
-        if self.status in _TERMINAL:
+        if self.status is not _IP and self.status is not _NS:
             return True
         if time.perf_counter() >= self._deadline:
             self._time_out()
@@ -167,7 +169,7 @@ class Work:
     @property
     def duration_s(self) -> float | None:
         """Seconds from issue to the terminal state (None while in flight)."""
-        return self._t_end - self._t0 if self.status in _TERMINAL else None
+        return self._t_end - self._t0 if self.status is not _IP and self.status is not _NS else None
 
     # ---------------------------------------------------------------------------------------------- internals
     def _outcome(self) -> bool:
@@ -230,7 +232,7 @@ class Work:
         refused the op's arguments before issuing it)."""
         comm = self._comm
         with comm._lock:
-            if self.status in _TERMINAL:
+            if self.status is not _IP and self.status is not _NS:
                 return False
             self.status = status
             self._exc = exc
@@ -267,7 +269,7 @@ class Work:
                 lock = _thread.allocate_lock()
                 lock.acquire()
                 self._done = lock  # publish, then check: a concurrent _finish either sees the lock or we see it
-                if self.status not in _TERMINAL:
+                if self.status is _IP or self.status is _NS:
                     backend_work.get_future().add_done_callback(future_callback(self))
                 return self.wait()
         self._part_done(None)
