@@ -142,8 +142,8 @@ def format_entries(
     return out
 
 
-def _j(x: Any) -> str:
-    return json.dumps(x, separators=(",", ":"))
+_j = json.JSONEncoder(separators=(",", ":")).encode
+_STATE_JSON = {st: _j(st) for st in ("scheduled", "started", *sorted(_FINAL_STATES))}
 
 
 def _n(x: int | None) -> str:
@@ -187,11 +187,11 @@ def entries_json(live: list[list[Any]], groups: list[Any], global_rank: int) -> 
             f'{{"record_id":{e[_RID]},{group_text},"collective_seq_id":{e[_CSEQ]},"p2p_seq_id":{e[_PSEQ]},'
             f'"op_id":{e[_OPID]},"time_created_ns":{t0},"time_discovered_started_ns":{_n(e[_TSTARTED])},'
             f'"time_discovered_completed_ns":{_n(t1)},'
-            f'"duration_ms":{"null" if t1 is None else repr((t1 - t0) / 1e6)},"state":{_j(state)},'
+            f'"duration_ms":{"null" if t1 is None else repr((t1 - t0) / 1e6)},"state":{_STATE_JSON.get(state) or _j(state)},'
             f'"input_sizes":{ins},"output_sizes":{outs},"input_dtypes":{ind},"output_dtypes":{outd},'
             f'"timeout_ms":{_n(e[_TIMEOUT])},"is_p2p":{"true" if e[_ISP2P] else "false"},'
             f'"retired":{"true" if state in _FINAL_STATES else "false"},"frames":{frames},{thread},'
-            f'"generation":{e[_GEN]},"tag":{_j(e[_TAG])},"async_op":{"true" if e[_ASYNC] else "false"},'
-            f'"error":{_j(e[_ERROR])}}}'
+            f'"generation":{e[_GEN]},"tag":{_n(e[_TAG])},"async_op":{"true" if e[_ASYNC] else "false"},'
+            f'"error":{"null" if e[_ERROR] is None else _j(e[_ERROR])}}}'
         )
     return "[" + ",".join(parts) + "]"
