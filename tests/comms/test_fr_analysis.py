@@ -276,3 +276,21 @@ def test_reads_pytorchs_own_dumps(tmp_path: Path) -> None:
         issue = report.issues[0]
         assert (issue.kind, issue.ranks, issue.seq, issue.op) == ("missing_ranks", [1], 3, "all_reduce")
         assert any("inferred from the dumps" in n for n in report.notes)
+
+
+def test_missing_rank_that_dumped_before_the_others_entered_is_flagged(tmp_path: Path) -> None:
+    """Dumps taken at different moments of a healthy job: rank 1 dumped before rank 0 entered all_reduce #2."""
+    x = torch.ones(2)
+    fr1 = FlightRecorder(10, rank=1, world_size=2)
+    pg1 = fr1.add_group("world", ranks=[0, 1])
+    fr1.complete(fr1.record(pg1, "all_reduce", inputs=[x]))
+    fr1.dump(tmp_path)
+    fr0 = FlightRecorder(10, rank=0, world_size=2)
+    pg0 = fr0.add_group("world", ranks=[0, 1])
+    fr0.complete(fr0.record(pg0, "all_reduce", inputs=[x]))
+    fr0.record(pg0, "all_reduce", inputs=[x])
+    fr0.dump(tmp_path)
+    issue = analyze_dir(tmp_path).issues[0]
+    assert (issue.kind, issue.ranks, issue.seq) == ("missing_ranks", [1], 2)
+    assert issue.detail["missing"]["1"]["dumped_before_others_entered"] is True
+    assert "not necessarily a hang" in issue.message

@@ -248,6 +248,13 @@ def _analyze_group(
         if missing or (no_dump and incomplete and entered):
             culprits = sorted(missing + (no_dump if incomplete else []))
             where = {str(r): _where(by_rank.get(r)) for r in culprits}
+            first_in = min((e["time_created_ns"] for e in entered.values()), default=None)
+            early = [
+                r for r in culprits
+                if r in by_rank and first_in is not None and (by_rank[r].time_dumped_ns or first_in) < first_in
+            ]
+            for r in early:
+                where[str(r)]["dumped_before_others_entered"] = True
             states = {str(r): e["state"] for r, e in entered.items()}
             names = ", ".join(
                 f"rank {r} " + ("left no dump (dead, or its dump failed)" if r in no_dump
@@ -268,7 +275,9 @@ def _analyze_group(
                         "missing": where,
                         "no_dump": [r for r in culprits if r in no_dump],
                     },
-                    message=f"{op} #{seq} on {key!r}: ranks {culprits} never entered it ({names})",
+                    message=f"{op} #{seq} on {key!r}: ranks {culprits} never entered it ({names})"
+                    + (f"; ranks {early} dumped before the others entered it, so they may simply not have got there"
+                       " yet (dumps taken at different times, not necessarily a hang)" if early else ""),
                 )
             )
             break
