@@ -47,6 +47,13 @@ def test_synthetic_diagnosis(scenario: str, tmp_path: Path) -> None:
     assert len(report.issues) == 1, [i.message for i in report.issues]
 
 
+def test_straggler_detail_has_every_ranks_lateness(tmp_path: Path) -> None:
+    write_scenario("straggler", tmp_path)
+    detail = analyze_dir(tmp_path).issues[0].detail
+    assert detail["entered_after_first_ms"] == {"0": 0.0, "1": 1500.0, "2": 0.0}
+    assert detail["late_count"] == 1 and detail["threshold_ms"] == 500.0
+
+
 def test_healthy_and_last_completed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_scenario("healthy", tmp_path)
     report = analyze_dir(tmp_path)

@@ -342,13 +342,25 @@ def _analyze_group(
                     seq=worst[1],
                     op=worst[2],
                     ranks=[r],
-                    detail={"late_ms": round(worst[0] / 1e6, 3), "late_count": count, "threshold_ms": straggler_ns / 1e6},
+                    detail={
+                        "late_ms": round(worst[0] / 1e6, 3),
+                        "late_count": count,
+                        "threshold_ms": straggler_ns / 1e6,
+                        "entered_after_first_ms": _offsets(seqs, worst[1]),
+                    },
                     message=f"rank {r} entered {worst[2]} #{worst[1]} on {key!r} {worst[0] / 1e6:.1f} ms after the "
                     f"first rank ({count} collective(s) late by more than {straggler_ns / 1e6:.0f} ms)",
                 )
             )
     report.issues.extend(issues)
     report.last_completed[key] = last_completed
+
+
+def _offsets(seqs: dict[int, dict[int, dict[str, Any]]], seq: int) -> dict[str, float]:
+    """How late each rank entered collective ``seq`` after the first one (ms)."""
+    times = {r: m[seq]["time_created_ns"] for r, m in seqs.items() if seq in m}
+    t0 = min(times.values())
+    return {str(r): round((t - t0) / 1e6, 3) for r, t in sorted(times.items())}
 
 
 def _fmt_last(last: dict[str, Any] | None) -> str:
