@@ -154,6 +154,15 @@ def _death_scenario(ctx: RankContext) -> dict[str, Any]:
         except PeerFailure as exc:
             out["peer"] = exc.peer
             out["p2p_status"] = WorkStatus.ERROR.name
+    # recovery, as the fault-tolerance layer does it: abort the broken communicators, survivors build a new one
+    # under a new name on the same store, and it works at once
+    t0 = time.perf_counter()
+    comm.abort("peer 2 died")
+    p2p.abort()
+    gen1 = Communicator(ctx.store, ctx.rank, ws - 1, timeout=timedelta(seconds=20), name="gen1")
+    t = torch.full((3,), float(ctx.rank + 1))
+    gen1.all_reduce(t)
+    out["recovered"] = (t.tolist(), time.perf_counter() - t0)
     return out
 
 
@@ -165,6 +174,8 @@ def test_peer_death_mid_op_raises_peer_failure() -> None:
         assert res[r]["errored"] == "PeerFailure"
         assert "all_reduce" in res[r]["msg"]
     assert res[0]["peer"] == 2
+    for r in (0, 1):
+        assert res[r]["recovered"][0] == [3.0, 3.0, 3.0] and res[r]["recovered"][1] < 20
 
 
 def _abort_p2p_scenario(ctx: RankContext) -> dict[str, Any]:

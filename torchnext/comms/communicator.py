@@ -386,8 +386,8 @@ class Communicator(CollectiveOps):
                 info = OpInfo(op, op_id, self._name, self._ranks, self._rank, self._size, async_op, root, peer,
                               None if reduce_op is None else reduce_op._value_, tuple(inputs), tuple(outputs),
                               td or self._timeout)
-            # sync ops wait in this thread, in slices, where the backend's timed wait is only a wait (Gloo
-            # collectives); elsewhere (Gloo send/recv: a timed wait *is* the op's timeout) they wait like async ops
+            # sync ops first wait in this thread where the backend's timed wait is only a wait (Gloo collectives);
+            # elsewhere (Gloo send/recv: a timed wait *is* the op's timeout) they wait like async ops
             sliced = not async_op and has_future and self._backend.interruptible_wait
             work = Work(self, op, op_id, info, outputs, timeout_s, peer, not sliced)
             if pre:
