@@ -21,6 +21,7 @@ from torchnext.comms.reduce_op import ReduceOp
 from torchnext.comms.work import CompletionWaiter, Work, WorkStatus, future_callback
 
 if TYPE_CHECKING:
+    from torchnext.comms.flight_recorder import FlightRecorder
     from torchnext.comms.window import Window
 
 __all__ = ["Communicator", "P2POp"]
@@ -94,9 +95,15 @@ class Communicator(CollectiveOps):
         name: str = "world",
         device: torch.device | str | None = None,
         global_ranks: Sequence[int] | None = None,
+        flight_recorder: bool | FlightRecorder = False,
     ) -> None:
         if not isinstance(name, str) or not name or "/" in name:
             raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
+        if flight_recorder is not False:
+            from torchnext.comms.flight_recorder import FlightRecorder as _FR
+
+            if flight_recorder is not True and not isinstance(flight_recorder, _FR):
+                raise TypeError(f"flight_recorder must be a bool or a FlightRecorder, got {flight_recorder!r}")
         if not isinstance(store, dist.Store):
             raise TypeError(f"store must be a torch.distributed.Store, got {type(store).__name__}")
         if global_ranks is None:
@@ -108,6 +115,10 @@ class Communicator(CollectiveOps):
                 raise ValueError(f"global_ranks must be {world_size} distinct non-negative ints, got {global_ranks!r}")
         prefixed = dist.PrefixStore(f"torchnext/{name}", store)
         self._setup(prefixed, rank, world_size, ranks, backend=backend, timeout=timeout, name=name, device=device)
+        if flight_recorder is True:
+            _FR.attach(self, capacity=None)  # TORCHNEXT_FR_BUFFER_SIZE (default 2000; 0 disables)
+        elif flight_recorder is not False:
+            flight_recorder.add_communicator(self)
 
     @classmethod
     def from_env(
@@ -118,6 +129,7 @@ class Communicator(CollectiveOps):
         name: str = "world",
         device: torch.device | str | None = None,
         host_store: bool = False,
+        flight_recorder: bool | FlightRecorder = False,
     ) -> Communicator:
         """Build from torchrun / ``env://`` variables: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 
@@ -132,7 +144,8 @@ class Communicator(CollectiveOps):
             env.master_addr, env.master_port, env.world_size, is_master,
             timeout=_as_timedelta(timeout), wait_for_workers=False,
         )
-        return cls(store, env.rank, env.world_size, backend=backend, timeout=timeout, name=name, device=device)
+        return cls(store, env.rank, env.world_size, backend=backend, timeout=timeout, name=name, device=device,
+                   flight_recorder=flight_recorder)
 
     def _setup(
         self,
@@ -176,6 +189,7 @@ class Communicator(CollectiveOps):
         self._pre_hooks: HookList[OpInfo] = HookList("pre")
         self._post_hooks: HookList[PostHookArgs] = HookList("post")
         self._abort_hooks: HookList[AbortHookArgs] = HookList("abort")
+        self._flight_recorder: FlightRecorder | None = None  # set by FlightRecorder.add_communicator
         dev = None if device is None else torch.device(device)
         cfg = BackendConfig(store=store, rank=rank, size=size, timeout=self._timeout, device=dev, name=name)
         self._backend = factory(cfg)
@@ -210,6 +224,11 @@ class Communicator(CollectiveOps):
     @property
     def backend(self) -> str:
         return self._backend_name
+
+    @property
+    def flight_recorder(self) -> FlightRecorder | None:
+        """The :class:`~torchnext.comms.FlightRecorder` recording this communicator (and its split children)."""
+        return self._flight_recorder
 
     @property
     def timeout(self) -> timedelta:
@@ -561,6 +580,8 @@ class Communicator(CollectiveOps):
             backend=self._backend_name, timeout=self._timeout,
             name=name or f"{self._name}.{seq}.{color}", device=self._device,
         )
+        if self._flight_recorder is not None:
+            self._flight_recorder.add_communicator(child)  # children are recorded by the parent's recorder
         return child
 
 
