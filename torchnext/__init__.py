@@ -20,7 +20,28 @@ __version__ = "0.1.0"
 _SUBMODULES = ("comms", "lowp", "control", "testing")
 
 # Curated top-level re-exports: public name -> (module, attribute). Filled in as the areas land.
-_REEXPORTS: dict[str, tuple[str, str]] = {}
+_REEXPORTS: dict[str, tuple[str, str]] = {
+    # torchnext.control
+    **{
+        name: ("torchnext.control", name)
+        for name in (
+            "switch",
+            "while_loop",
+            "fori_loop",
+            "dynamic_spec",
+            "compile",
+            "export",
+            "make_fx",
+            "ShapeSpecError",
+            "ShapeVar",
+            "IntVar",
+            "TensorSpec",
+            "STATIC",
+            "ParamsSpec",
+            "ShapesSpec",
+        )
+    },
+}
 
 __all__ = ["__version__", *_SUBMODULES]
 

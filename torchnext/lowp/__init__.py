@@ -1,1 +1,35 @@
-"""torchnext.lowp."""
+"""torchnext.lowp: block-scaled low-precision formats (NVFP4, MXFP8 E4M3/E5M2, MXFP4).
+
+``quantize(x, "nvfp4")`` returns a :class:`BlockScaledTensor` (codes, block scales, optional global scale, layout
+metadata); ``dequantize`` reads it back; ``quantization_error`` compares formats on your data. Bytes are identical
+to torchao 0.18's reference quantizers (see docs/lowp.md for the exact semantics and the documented differences).
+"""
+
+from __future__ import annotations
+
+from torchnext.lowp.errors import DeterminismError, FormatDTypeError, FormatError
+from torchnext.lowp.formats import FORMATS, ElementKind, ElementSpec, Format, FormatSpec, ScaleKind, format_spec
+from torchnext.lowp.options import QuantOptions
+from torchnext.lowp.quantize import dequantize, quantization_error, quantize
+from torchnext.lowp.scales import swizzle, unswizzle
+from torchnext.lowp.tensor import BlockScaledTensor
+
+__all__ = [
+    "FORMATS",
+    "BlockScaledTensor",
+    "DeterminismError",
+    "ElementKind",
+    "ElementSpec",
+    "Format",
+    "FormatDTypeError",
+    "FormatError",
+    "FormatSpec",
+    "QuantOptions",
+    "ScaleKind",
+    "dequantize",
+    "format_spec",
+    "quantization_error",
+    "quantize",
+    "swizzle",
+    "unswizzle",
+]

@@ -1,0 +1,41 @@
+"""``eager``: the decomposed path in eager torch ops, on any device. Fast LUT dequantize of each block-scaled
+operand to fp32 (:func:`torchnext.lowp.decode.dequantize_operand`), ``F.linear`` in fp32, then the epilogue as
+separate eager ops. It needs no compiler, so it is the fallback when ``inductor`` cannot compile."""
+
+from __future__ import annotations
+
+import torch
+
+from torchnext.lowp.backends import EPILOGUE_FEATURES, Capability, KernelBackend, Problem, check_capability
+from torchnext.lowp.backends._common import dense_operand
+from torchnext.lowp.epilogue import EpilogueOutput, apply_epilogue
+from torchnext.lowp.formats import FORMATS
+
+__all__ = ["BACKEND", "EagerBackend"]
+
+
+class EagerBackend:
+    name = KernelBackend.EAGER.value
+    autotune_candidate = True
+
+    def capability(self) -> Capability:
+        return Capability(
+            devices=frozenset({"cpu", "cuda", "xpu", "mps"}),
+            formats=frozenset({"dense", *(f.value for f in FORMATS)}),
+            epilogue=EPILOGUE_FEATURES,
+        )
+
+    def available(self) -> tuple[bool, str]:
+        return True, "always available (eager torch ops)"
+
+    def supports(self, problem: Problem) -> str | None:
+        return check_capability(self.capability(), problem)
+
+    def run(self, problem: Problem) -> EpilogueOutput:
+        a = dense_operand(problem.a)
+        w = dense_operand(problem.w)
+        acc = torch.nn.functional.linear(a, w)
+        return apply_epilogue(acc, problem.epilogue, problem.out_dtype)
+
+
+BACKEND = EagerBackend()

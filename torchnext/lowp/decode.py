@@ -1,0 +1,120 @@
+"""Operand decoding for the matmul backends: eager LUT dequantization, traceable decoders for Inductor, and the
+cached "prepared" (transposed) weight layout of the decode GEMV.
+
+* :func:`dequantize_operand` — eager, fast: FP4 bytes go through a 256-entry table whose entries are the *pair* of
+  fp32 values of a byte (low nibble first) stored as one int64, so one ``index_select`` decodes two elements; FP8
+  codes are cast; then one in-place multiply by the block scales (× global scale). Same values as
+  :func:`torchnext.lowp.dequantize` (tests compare).
+* :func:`fp4_times2` — traceable: ``2 * e2m1(code)`` from a 4-bit code with pure arithmetic
+  (``m + relu(m - 4) + 2 * relu(m - 6)``, sign from bit 3), which Inductor's C++ backend vectorizes (a table
+  lookup would become a scalar gather).
+* :func:`prepared_gemv_weight` — ``(codes_t (K / per_byte, N), scales_t (K / block, N) fp32)``: the weight with N
+  innermost, so a GEMV vectorizes along N and reads each code byte once; the fp32 scales fold in the global scale
+  (and the ½ of :func:`fp4_times2`). Built once per weight and cached (weakly keyed by its ``qdata``; rebuilt if the
+  tensor is modified in place).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from torchnext.lowp.formats import ElementKind, FormatSpec
+from torchnext.lowp.tensor import BlockScaledTensor
+
+__all__ = ["dequantize_operand", "fp4_times2", "is_fp4", "prepared_gemv_weight", "scale_factors"]
+
+_PAIR_LUT: torch.Tensor | None = None
+
+
+def is_fp4(spec: FormatSpec) -> bool:
+    return spec.element.kind is ElementKind.MINIFLOAT and spec.element.bits == 4
+
+
+def _pair_lut() -> torch.Tensor:
+    """(256,) int64: byte → (e2m1(low nibble), e2m1(high nibble)) as two fp32 bit patterns (little endian)."""
+    global _PAIR_LUT
+    if _PAIR_LUT is None:
+        mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+        vals = torch.cat([mags, -mags])
+        b = torch.arange(256)
+        pairs = torch.stack([vals[b & 15], vals[b >> 4]], dim=1).contiguous()
+        if not _little_endian():
+            pairs = pairs.flip(1).contiguous()
+        _PAIR_LUT = pairs.view(torch.int64).reshape(256)
+    return _PAIR_LUT
+
+
+def _little_endian() -> bool:
+    import sys
+
+    return sys.byteorder == "little"
+
+
+def scale_factors(q: BlockScaledTensor) -> torch.Tensor:
+    """fp32 block factors ``float(scale) * global_scale``, shape ``(*storage_shape[:-1], n_blocks)``."""
+    f = q.unswizzled_scales().to(torch.float32)
+    if q.global_scale is not None:
+        f = f * q.global_scale.to(torch.float32)
+    return f
+
+
+def dequantize_operand(q: BlockScaledTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dense values of ``q`` (blocks along its last dim), logical shape, as ``dtype`` — the eager fast path."""
+    if q.block_dim != len(q.shape) - 1:
+        raise ValueError(f"dequantize_operand expects blocks along the last dim, got block_dim={q.block_dim}")
+    spec = q.spec
+    rest = q.storage_shape[:-1]
+    kp = q.k_padded
+    nb = kp // spec.block_size
+    factors = scale_factors(q).reshape(*rest, nb, 1)
+    if is_fp4(spec):
+        lut = _pair_lut().to(q.device)
+        idx = q.qdata.reshape(-1).to(torch.int32)
+        vals = torch.index_select(lut, 0, idx).view(torch.float32).reshape(*rest, nb, spec.block_size)
+    elif spec.element.kind is ElementKind.TORCH_FLOAT8:
+        vals = q.qdata.to(torch.float32).reshape(*rest, nb, spec.block_size)
+    else:  # generic minifloat (e.g. a registered FP6): the formats' own decoder
+        from torchnext.lowp.quantize import dequantize
+
+        return dequantize(q, dtype)
+    vals.mul_(factors)
+    out = vals.reshape(*rest, kp)
+    if kp != q.k:
+        out = out[..., : q.k]
+    return out.to(dtype) if dtype != torch.float32 else out
+
+
+def fp4_times2(c: torch.Tensor) -> torch.Tensor:
+    """``2 * e2m1(c)`` in fp32 for 4-bit codes ``c`` (uint8 0..15): exact small integers (0, ±1, ..., ±12)."""
+    m = (c & 7).to(torch.float32)
+    mag = m + torch.relu(m - 4.0) + 2.0 * torch.relu(m - 6.0)
+    return torch.where(c >= 8, -mag, mag)
+
+
+class _Prepared:
+    __slots__ = ("codes_t", "scales_t", "version")
+
+    def __init__(self, codes_t: torch.Tensor, scales_t: torch.Tensor, version: tuple[int, ...]) -> None:
+        self.codes_t = codes_t
+        self.scales_t = scales_t
+        self.version = version
+
+
+_PREPARED: weakref.WeakKeyDictionary[torch.Tensor, _Prepared] = weakref.WeakKeyDictionary()
+
+
+def prepared_gemv_weight(w: BlockScaledTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes_t, scales_t)`` for an (N, K) weight blocked along K (see the module docstring); cached."""
+    version = (w.qdata._version, w.scales._version, -1 if w.global_scale is None else w.global_scale._version)
+    hit = _PREPARED.get(w.qdata)
+    if hit is not None and hit.version == version and hit.scales_t.shape[1] == w.shape[0]:
+        return hit.codes_t, hit.scales_t
+    codes_t = w.qdata.t().contiguous()
+    f = scale_factors(w)
+    if is_fp4(w.spec):
+        f = f * 0.5
+    scales_t = f.t().contiguous()
+    _PREPARED[w.qdata] = _Prepared(codes_t, scales_t, version)
+    return codes_t, scales_t

@@ -1,0 +1,144 @@
+"""Quantization options: :class:`QuantOptions`, one kw-only dataclass for every format.
+
+Fields that only apply to some formats default to ``None`` ("the format's default"); giving one to a format it does
+not apply to raises :class:`~torchnext.lowp.errors.FormatError` instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from torchnext.lowp.errors import DeterminismError, FormatError
+from torchnext.lowp.formats import FormatSpec, ScaleKind
+
+__all__ = ["BACKENDS", "NVFP4_RECIPES", "QuantOptions", "ROUNDINGS", "SCALE_MODES", "ResolvedOptions"]
+
+NVFP4_RECIPES = ("torchao", "te")
+"""``"torchao"``: block scale amax/6 clamped to [2**-6, 448]; ``"te"``: TransformerEngine/mslk/flashinfer, encode
+scale 2688/amax, no lower clamp. See docs/lowp.md for the exact formulas."""
+SCALE_MODES = ("floor", "rceil")
+"""MX E8M0 scale: ``"floor"`` (OCP MX v1.0) or ``"rceil"`` (cuBLAS: round the descale up to a power of two)."""
+ROUNDINGS = ("rne", "stochastic")
+"""Element rounding: round-to-nearest-even, or stochastic (unbiased; see :class:`QuantOptions`)."""
+BACKENDS = ("auto", "eager", "reference", "compiled")
+"""``"eager"``: vectorized, chunked torch ops (the default for ``"auto"``); ``"reference"``: the plain readable
+implementation; ``"compiled"``: the eager kernels through ``torch.compile`` (built lazily once per process)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class QuantOptions:
+    """How to quantize. Every field has a default; :func:`~torchnext.lowp.quantize` also takes them as keywords."""
+
+    recipe: str | None = None
+    """NVFP4 only: ``"torchao"`` (default) or ``"te"``."""
+    global_scale: bool | float | torch.Tensor | None = None
+    """NVFP4 only: the per-tensor (second-level) fp32 *decode* scale. ``None``: the recipe's default (torchao: no
+    global scale; te: computed). ``True``: computed from the tensor's amax (torchao: ``amax / (448 * 6)``; te:
+    ``1 / (2688 / amax)``). ``False``: none (torchao recipe only). A positive finite float or 0-d tensor: use it
+    (a calibrated scale)."""
+    scale_mode: str | None = None
+    """MX only: ``"floor"`` (default) or ``"rceil"``."""
+    rounding: str = "rne"
+    """``"rne"`` or ``"stochastic"``. Scales are always computed with round-to-nearest-even; stochastic rounding
+    applies to elements: ``|y|`` becomes the grid neighbour above with probability ``(|y| - lo) / (hi - lo)``."""
+    generator: torch.Generator | None = None
+    """Random source for stochastic rounding (same generator state, same input → same bytes)."""
+    deterministic: bool | None = None
+    """Whether results must be reproducible; ``None`` follows ``torch.are_deterministic_algorithms_enabled()``.
+    Stochastic rounding without a ``generator`` draws from torch's global RNG, which is refused (DeterminismError)
+    when determinism is requested."""
+    swizzle: bool = False
+    """Store scales in the cuBLAS/CUTLASS SWIZZLE_32_4_4 layout (padded to 128x4 tiles) instead of row-major."""
+    backend: str = "auto"
+    """Implementation: one of :data:`BACKENDS`. Every backend produces the same bytes."""
+
+    def resolve(self, spec: FormatSpec) -> ResolvedOptions:
+        """Check the options against ``spec`` and fill in the format's defaults.
+
+        Raises:
+            FormatError: an option that does not apply to the format, or an unknown value.
+            DeterminismError: stochastic rounding without a generator while determinism is requested.
+        """
+        _check_choice("rounding", self.rounding, ROUNDINGS)
+        _check_choice("backend", self.backend, BACKENDS)
+        if not isinstance(self.swizzle, bool):
+            raise FormatError(f"swizzle must be a bool, got {self.swizzle!r}")
+        if spec.scale is ScaleKind.E4M3:
+            if self.scale_mode is not None:
+                raise FormatError(f"scale_mode={self.scale_mode!r} applies to MX formats only, not {spec.name}")
+            recipe = self.recipe if self.recipe is not None else "torchao"
+            _check_choice("recipe", recipe, NVFP4_RECIPES)
+            scale_mode = None
+            gs = self.global_scale
+            if gs is None:
+                gs = recipe == "te"
+            if gs is False and recipe == "te":
+                raise FormatError("the 'te' NVFP4 recipe is two-level: global_scale=False is not allowed")
+            if not isinstance(gs, bool):
+                value = float(gs.detach().float().reshape(()).item()) if isinstance(gs, torch.Tensor) else gs
+                if isinstance(gs, torch.Tensor) and gs.numel() != 1:
+                    raise FormatError(f"global_scale tensor must hold one value, got shape {tuple(gs.shape)}")
+                if not isinstance(value, (int, float)) or not (2.0**-126 <= value < float("inf")):
+                    raise FormatError(
+                        f"global_scale must be a finite decode scale >= 2**-126 (its reciprocal must be finite), "
+                        f"got {gs!r}"
+                    )
+                gs = float(value)
+        else:
+            if self.recipe is not None:
+                raise FormatError(f"recipe={self.recipe!r} applies to NVFP4 only, not {spec.name}")
+            if self.global_scale not in (None, False):
+                raise FormatError(f"global_scale applies to NVFP4 only, not {spec.name}")
+            recipe = None
+            scale_mode = self.scale_mode if self.scale_mode is not None else "floor"
+            _check_choice("scale_mode", scale_mode, SCALE_MODES)
+            gs = False
+        deterministic = (
+            self.deterministic if self.deterministic is not None else torch.are_deterministic_algorithms_enabled()
+        )
+        if self.rounding == "stochastic" and self.generator is None and deterministic:
+            raise DeterminismError(
+                "rounding='stochastic' needs a torch.Generator when determinism is requested "
+                "(deterministic=True or torch.use_deterministic_algorithms(True)); pass generator=..."
+            )
+        if self.rounding != "stochastic" and self.generator is not None:
+            raise FormatError("generator is only used with rounding='stochastic'")
+        return ResolvedOptions(
+            recipe=recipe,
+            scale_mode=scale_mode,
+            global_scale=gs,
+            rounding=self.rounding,
+            generator=self.generator,
+            swizzle=self.swizzle,
+            backend=self.backend,
+        )
+
+    def with_(self, **changes: Any) -> QuantOptions:
+        """A copy with ``changes`` applied (unknown names raise FormatError)."""
+        known = set(self.__dataclass_fields__)
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise FormatError(f"unknown quantization option(s) {unknown}; known: {sorted(known)}")
+        return replace(self, **changes)
+
+
+@dataclass(kw_only=True, frozen=True)
+class ResolvedOptions:
+    """:class:`QuantOptions` checked against one format, defaults filled in (internal)."""
+
+    recipe: str | None
+    scale_mode: str | None
+    global_scale: bool | float
+    """False: none; True: computed from the tensor; float: given decode scale."""
+    rounding: str
+    generator: torch.Generator | None
+    swizzle: bool
+    backend: str
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise FormatError(f"{name}={value!r} is not one of {list(choices)}")

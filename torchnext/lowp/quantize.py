@@ -1,0 +1,196 @@
+"""Public entry points: :func:`quantize`, :func:`dequantize`, :func:`quantization_error`."""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from torchnext.lowp import eager, reference
+from torchnext.lowp import scales as _scales
+from torchnext.lowp.errors import FormatDTypeError, FormatError
+from torchnext.lowp.formats import Format, FormatSpec, format_spec
+from torchnext.lowp.options import QuantOptions, ResolvedOptions
+from torchnext.lowp.tensor import BlockScaledTensor
+
+__all__ = ["dequantize", "quantization_error", "quantize"]
+
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _backend(name: str) -> ModuleType:
+    if name in ("auto", "eager"):
+        return eager
+    if name == "reference":
+        return reference
+    if name == "compiled":
+        from torchnext.lowp import compiled
+
+        return compiled
+    raise FormatError(f"unknown backend {name!r}")
+
+
+def _check_input(x: Any, dim: int) -> int:
+    if not isinstance(x, torch.Tensor):
+        raise FormatDTypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise FormatDTypeError(
+            f"cannot quantize a {x.dtype} tensor: expected one of float32, bfloat16, float16 (convert first)"
+        )
+    if x.dim() == 0:
+        raise FormatError("cannot quantize a 0-d tensor: blocks need at least one dimension")
+    if not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise FormatError(f"dim={dim!r} is out of range for a {x.dim()}-d tensor of shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+def _global_scales(
+    x: torch.Tensor, spec: FormatSpec, opts: ResolvedOptions
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(decode, encode) 0-d fp32 global scales, or (None, None)."""
+    if not spec.two_level or opts.global_scale is False:
+        return None, None
+    if not isinstance(opts.global_scale, bool):
+        dec = torch.tensor(opts.global_scale, dtype=torch.float32, device=x.device)
+        return dec, 1.0 / dec
+    if x.numel():
+        lo, hi = torch.aminmax(x.float() if x.dtype != torch.float32 else x)
+        amax = torch.maximum(hi, -lo)
+    else:
+        amax = torch.zeros((), device=x.device)
+    if opts.recipe == "te":
+        enc = _scales.te_encode_scale(amax)
+        return 1.0 / enc, enc
+    dec = _scales.torchao_global_scale(amax)
+    return dec, 1.0 / dec
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: Format | str | FormatSpec,
+    *,
+    dim: int = -1,
+    options: QuantOptions | None = None,
+    **kwargs: Any,
+) -> BlockScaledTensor:
+    """Quantize ``x`` to a block-scaled format, blocks along ``dim``.
+
+    Meaning (per block ``b`` of ``block_size`` consecutive elements along ``dim``)::
+
+        scale[b], mult = recipe(amax(|x[b]|))            # see torchnext.lowp.scales
+        code[i] = round(clamp(x[i] * mult, -max, max))   # RNE (or stochastic), saturating; see .elements
+
+    The block dim is padded with zeros to a multiple of the block size (the logical shape is kept).
+
+    Args:
+        x: float32, bfloat16 or float16 tensor with at least one dimension (any shape, may be empty).
+        fmt: ``Format.NVFP4`` / ``"nvfp4"``, ``"mxfp8_e4m3"``, ``"mxfp8_e5m2"``, ``"mxfp4"``.
+        dim: the dimension the blocks run along.
+        options: a :class:`QuantOptions`; keyword arguments (``recipe="te"``, ``swizzle=True``, ...) override
+            its fields.
+
+    Raises:
+        FormatError: unknown format/option, option for another format, bad ``dim``.
+        FormatDTypeError: ``x`` is not a float32/bfloat16/float16 tensor.
+        DeterminismError: stochastic rounding without a generator while determinism is requested.
+
+    Example::
+
+        >>> q = quantize(torch.randn(128, 64), "nvfp4", recipe="te")
+        >>> q.dequantize().shape
+        torch.Size([128, 64])
+    """
+    spec = format_spec(fmt)
+    opts = options if options is not None else QuantOptions()
+    if kwargs:
+        opts = opts.with_(**kwargs)
+    ro = opts.resolve(spec)
+    dim = _check_input(x, dim)
+    backend = _backend(ro.backend)
+    block = spec.block_size
+    xm = x.movedim(dim, -1) if dim != x.dim() - 1 else x
+    k = xm.shape[-1]
+    k_padded = -(-k // block) * block
+    if k_padded != k:
+        xm = torch.nn.functional.pad(xm, (0, k_padded - k))
+    xm = xm.contiguous()
+    rest = xm.shape[:-1]
+    x2 = xm.reshape(-1, block) if xm.numel() else xm.new_empty(math.prod(rest) * (k_padded // block), block)
+    dec, enc = _global_scales(x, spec, ro)
+    noise = None
+    if ro.rounding == "stochastic":
+        noise = torch.rand(x2.shape, generator=ro.generator, device=x2.device, dtype=torch.float32)
+    codes, scales = backend.quantize_blocks(x2, spec, ro, _scales.ScaleInputs(spec, dec, enc), noise)
+    qdata = codes.reshape(*rest, k_padded // spec.element.per_byte)
+    n_blocks = k_padded // block
+    if ro.swizzle:
+        scale_t = _scales.swizzle(scales.reshape(math.prod(rest), n_blocks))
+    else:
+        scale_t = scales.reshape(*rest, n_blocks)
+    return BlockScaledTensor(
+        qdata=qdata,
+        scales=scale_t,
+        global_scale=dec,
+        spec=spec,
+        shape=x.shape,
+        block_dim=dim,
+        swizzled=ro.swizzle,
+        orig_dtype=x.dtype,
+        recipe=ro.recipe,
+        scale_mode=ro.scale_mode,
+        rounding=ro.rounding,
+    )
+
+
+def dequantize(
+    q: BlockScaledTensor, dtype: torch.dtype | None = None, *, backend: str = "auto"
+) -> torch.Tensor:
+    """Dense values of ``q``: ``decode(code) * float(scale) * global_scale`` computed in fp32, cast to ``dtype``
+    (default: the dtype that was quantized), padding dropped, logical shape and block dim restored (contiguous).
+
+    Raises:
+        FormatError: ``q`` is not a BlockScaledTensor, or ``dtype`` is not a floating dtype.
+    """
+    if not isinstance(q, BlockScaledTensor):
+        raise FormatError(f"dequantize expects a BlockScaledTensor, got {type(q).__name__}")
+    dtype = q.orig_dtype if dtype is None else dtype
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+        raise FormatError(f"dequantize dtype must be float16/bfloat16/float32/float64, got {dtype}")
+    impl = _backend(backend)
+    spec = q.spec
+    rows, n_blocks = q.scale_matrix_shape
+    block = spec.block_size
+    codes = q.qdata.reshape(rows * n_blocks, block // spec.element.per_byte)
+    scales = q.unswizzled_scales().reshape(rows * n_blocks)
+    vals = impl.dequantize_blocks(codes, scales, spec, q.global_scale, dtype)
+    storage = q.storage_shape
+    out = vals.reshape(storage)[..., : q.k]
+    if q.block_dim != len(q.shape) - 1:
+        out = out.movedim(-1, q.block_dim)
+    return out.contiguous()
+
+
+def quantization_error(x: torch.Tensor, fmt: Format | str | FormatSpec, **kwargs: Any) -> dict[str, float]:
+    """How much ``fmt`` (with the options in ``kwargs``, as for :func:`quantize`) loses on ``x``.
+
+    Returns a dict: ``sqnr_db`` (10·log10(Σx² / Σ(x - x̂)²), ``inf`` when exact), ``rel_l2`` (‖x - x̂‖ / ‖x‖),
+    ``max_abs_err``, ``mean_abs_err``, ``bits_per_element`` (storage incl. scales) and ``compression`` (dense bytes /
+    quantized bytes). Computed in float64 over all elements (NaN inputs propagate).
+    """
+    q = quantize(x, fmt, **kwargs)
+    ref = x.double()
+    err = q.dequantize(torch.float32).double() - ref
+    signal = float((ref * ref).sum())
+    noise = float((err * err).sum())
+    sqnr = math.inf if noise == 0 else (10 * math.log10(signal / noise) if signal > 0 else -math.inf)
+    n = max(1, x.numel())
+    return {
+        "sqnr_db": sqnr,
+        "rel_l2": math.sqrt(noise / signal) if signal > 0 else (0.0 if noise == 0 else math.inf),
+        "max_abs_err": float(err.abs().max()) if x.numel() else 0.0,
+        "mean_abs_err": float(err.abs().sum()) / n,
+        "bits_per_element": 8 * q.nbytes / n,
+        "compression": q.dense_nbytes / q.nbytes if q.nbytes else 1.0,
+    }
