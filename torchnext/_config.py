@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-__all__ = ["ENV_VARS", "EnvConfig", "env_config", "relevant_environment"]
+__all__ = ["ENV_VARS", "DistEnv", "EnvConfig", "dist_env", "env_config", "relevant_environment"]
 
 
 def _int(name: str, default: int) -> int:
@@ -44,12 +44,20 @@ class EnvConfig:
     autotune_cache: str = str(Path.home() / ".cache" / "torchnext" / "autotune.json")
     """``TORCHNEXT_AUTOTUNE_CACHE``: path of the on-disk autotuner cache (JSON)."""
 
+    ft_coordinator: str | None = None
+    """``TORCHNEXT_FT_COORDINATOR``: ``host:port`` of the fault-tolerance coordinator (``torchnext coordinator``)."""
+
+    ft_token: str | None = None
+    """``TORCHNEXT_FT_TOKEN``: the job token members present to the coordinator (a shared secret)."""
+
 
 ENV_VARS = {
     "fr_buffer_size": "TORCHNEXT_FR_BUFFER_SIZE",
     "fr_dump_dir": "TORCHNEXT_FR_DUMP_DIR",
     "autotune": "TORCHNEXT_AUTOTUNE",
     "autotune_cache": "TORCHNEXT_AUTOTUNE_CACHE",
+    "ft_coordinator": "TORCHNEXT_FT_COORDINATOR",
+    "ft_token": "TORCHNEXT_FT_TOKEN",
 }
 
 
@@ -105,3 +113,32 @@ def relevant_environment() -> dict[str, str]:
             continue
         out[name] = value
     return dict(sorted(out.items()))
+@dataclass(kw_only=True, frozen=True)
+class DistEnv:
+    """The standard torchrun / ``env://`` variables (not TORCHNEXT_*: launchers set them)."""
+
+    rank: int
+    """``RANK``: global rank of this process."""
+    world_size: int
+    """``WORLD_SIZE``: number of processes."""
+    master_addr: str
+    """``MASTER_ADDR``: host of the TCPStore."""
+    master_port: int
+    """``MASTER_PORT``: port of the TCPStore."""
+    local_rank: int
+    """``LOCAL_RANK`` (default: ``RANK``)."""
+
+
+def dist_env() -> DistEnv:
+    """Read RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK; a missing required one raises ValueError."""
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise ValueError(f"environment variables {missing} are not set (expected from torchrun or an env:// launcher)")
+    rank = _int("RANK", 0)
+    return DistEnv(
+        rank=rank,
+        world_size=_int("WORLD_SIZE", 1),
+        master_addr=os.environ["MASTER_ADDR"],
+        master_port=_int("MASTER_PORT", 0),
+        local_rank=_int("LOCAL_RANK", rank),
+    )

@@ -46,6 +46,10 @@ _BUILTIN: tuple[Subcommand, ...] = (
         module="torchnext.doctor.command",
         help="Show the environment, which torchnext backends can run here, and known hazards (--json, --strict).",
     ),
+    Subcommand(name="coordinator", module="torchnext.comms.coordinator",
+               help="run the fault-tolerance coordinator (TCPStore + membership service)"),
+    Subcommand(name="demo", module="torchnext.demo.cli",
+               help="fault-tolerant low-precision MoE training on local ranks that survives a killed rank"),
 )
 for _cmd in _BUILTIN:
     register_subcommand(_cmd)

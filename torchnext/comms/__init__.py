@@ -1,1 +1,72 @@
-"""torchnext.comms."""
+"""torchnext.comms: a Communicator with torch.distributed's full collective contract on every backend.
+
+Public names::
+
+    from torchnext.comms import Communicator, Work, WorkStatus, ReduceOp, CommError, CommTimeout, CommAborted, PeerFailure
+
+See ``docs/comms.md`` for the contract (ops, Work, hooks, abort, split, errors, thread-safety).
+"""
+
+from torchnext.comms._ops import P2POp as P2POp
+from torchnext.comms.backends import BackendConfig as BackendConfig
+from torchnext.comms.backends import BackendHandle as BackendHandle
+from torchnext.comms.backends import get_backend as get_backend
+from torchnext.comms.backends import register_backend as register_backend
+from torchnext.comms.communicator import Communicator as Communicator
+from torchnext.comms.coordinator import Coordinator as Coordinator
+from torchnext.comms.coordinator import CoordinatorConfig as CoordinatorConfig
+from torchnext.comms.errors import CommAborted as CommAborted
+from torchnext.comms.errors import CommError as CommError
+from torchnext.comms.errors import CommTimeout as CommTimeout
+from torchnext.comms.errors import HookError as HookError
+from torchnext.comms.errors import PeerFailure as PeerFailure
+from torchnext.comms.fault_tolerant import FaultTolerant as FaultTolerant
+from torchnext.comms.fault_tolerant import FaultTolerantConfig as FaultTolerantConfig
+from torchnext.comms.fault_tolerant import Reconfiguration as Reconfiguration
+from torchnext.comms.fault_tolerant import Step as Step
+from torchnext.comms.healing import HealingError as HealingError
+from torchnext.comms.hooks import AbortHookArgs as AbortHookArgs
+from torchnext.comms.hooks import OpInfo as OpInfo
+from torchnext.comms.hooks import PostHookArgs as PostHookArgs
+from torchnext.comms.hooks import RemovableHandle as RemovableHandle
+from torchnext.comms.membership import CoordinatorLost as CoordinatorLost
+from torchnext.comms.membership import MembershipConfig as MembershipConfig
+from torchnext.comms.membership import MembershipError as MembershipError
+from torchnext.comms.membership import QuorumLost as QuorumLost
+from torchnext.comms.membership import RemovedFromGroup as RemovedFromGroup
+from torchnext.comms.reduce_op import ReduceOp as ReduceOp
+from torchnext.comms.work import Work as Work
+from torchnext.comms.work import WorkStatus as WorkStatus
+
+__all__ = [
+    "AbortHookArgs",
+    "BackendConfig",
+    "BackendHandle",
+    "CommAborted",
+    "CommError",
+    "CommTimeout",
+    "Communicator",
+    "Coordinator",
+    "CoordinatorConfig",
+    "CoordinatorLost",
+    "FaultTolerant",
+    "FaultTolerantConfig",
+    "HealingError",
+    "MembershipConfig",
+    "MembershipError",
+    "QuorumLost",
+    "Reconfiguration",
+    "RemovedFromGroup",
+    "Step",
+    "HookError",
+    "OpInfo",
+    "P2POp",
+    "PeerFailure",
+    "PostHookArgs",
+    "ReduceOp",
+    "RemovableHandle",
+    "Work",
+    "WorkStatus",
+    "get_backend",
+    "register_backend",
+]

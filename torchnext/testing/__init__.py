@@ -1,1 +1,13 @@
-"""torchnext.testing."""
+"""torchnext.testing: multi-rank harness and fault injectors (used by torchnext's tests, usable by yours)."""
+
+from torchnext.testing.faults import crash_now as crash_now
+from torchnext.testing.faults import freeze_self as freeze_self
+from torchnext.testing.faults import kill as kill
+from torchnext.testing.faults import resume as resume
+from torchnext.testing.multiprocess import RankContext as RankContext
+from torchnext.testing.multiprocess import RankExited as RankExited
+from torchnext.testing.multiprocess import RankFailure as RankFailure
+from torchnext.testing.multiprocess import run_ranks as run_ranks
+from torchnext.testing.multiprocess import run_threads as run_threads
+
+__all__ = ["RankContext", "RankExited", "RankFailure", "crash_now", "freeze_self", "kill", "resume", "run_ranks", "run_threads"]

@@ -1,0 +1,476 @@
+"""The Communicator: one contract (collectives, Work, split, hooks, abort) over any registered backend."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import zlib
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchnext.comms import _validate as v
+from torchnext.comms._ops import CollectiveOps, P2POp
+from torchnext.comms.backends import BackendConfig, BackendHandle, get_backend
+from torchnext.comms.errors import CommAborted, CommError
+from torchnext.comms.hooks import AbortHookArgs, HookList, OpInfo, PostHookArgs, RemovableHandle
+from torchnext.comms.reduce_op import ReduceOp
+from torchnext.comms.work import CompletionWaiter, Work, WorkStatus
+
+__all__ = ["Communicator", "P2POp"]
+
+_C10D = torch._C._distributed_c10d
+Timeout = float | timedelta | None
+
+# Backends abandoned by abort(): kept alive forever so their destructors (which join worker threads still blocked in
+# the aborted op, up to the op's timeout) never run -- not even at interpreter exit.
+_GRAVEYARD: list[BackendHandle] = []
+
+
+def _abandon(handle: BackendHandle) -> None:
+    _GRAVEYARD.append(handle)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(handle.pg))  # survives module teardown at exit too
+
+
+class Communicator(CollectiveOps):
+    """A group of ranks that communicate tensors: torch.distributed's collective contract, complete on every backend.
+
+    ``Communicator(store, rank, world_size, backend="gloo", timeout=timedelta(seconds=300), name="world",
+    device=None)`` connects eagerly: it returns once every member joined (or raises after ``timeout``). Keys live
+    under ``torchnext/<name>/`` in ``store``, so communicators with different names share one store; a name must not
+    be reused on the same store (fault-tolerant code uses a fresh name per generation).
+
+    Ops (meaning as in torch.distributed; ranks, roots and peers are ranks *in this communicator*): all_reduce,
+    broadcast, reduce, all_gather, all_gather_single, reduce_scatter, reduce_scatter_single, all_to_all,
+    all_to_all_single, gather, scatter, send, recv, batch_p2p, barrier. Each takes ``async_op=False`` (True: return a
+    :class:`Work`; False: return None after completion) and ``timeout=None`` (per-op override of the default).
+    Arguments are validated before anything is issued (``TypeError``/``ValueError``).
+
+    Failure model:
+
+    * an op that exceeds its timeout raises :class:`CommTimeout`; a broken peer raises :class:`PeerFailure`; other
+      backend failures raise :class:`CommError`. After any of these the communicator is **errored**: the backend's
+      state is undefined, ``errored()`` returns the first such exception and every later op raises ``CommError``
+      (``from`` it). Recover by ``abort()`` and building a new communicator (new name).
+    * ``abort()`` (any thread, idempotent): marks the communicator aborted, runs abort hooks, cancels every op in
+      flight on this rank (their waiters raise :class:`CommAborted` at once) and abandons the backend (Gloo cannot
+      cancel an op: its worker threads finish or time out in the background; the tensors of cancelled ops may still
+      be written until then, so do not reuse them). Every later op raises ``CommAborted``. Children made by
+      ``split`` are independent: abort them separately.
+
+    Thread-safety: ops are issued by one thread at a time per communicator (a synchronous op holds the communicator
+    until it returns); a concurrent issue raises ``RuntimeError`` naming the op. ``Work.wait``, ``abort()``,
+    ``errored()`` and the properties may be used from any thread. Hooks: see :mod:`torchnext.comms.hooks`.
+
+    Example::
+
+        comm = Communicator(store, rank, 2)
+        t = torch.ones(4)
+        comm.all_reduce(t)                      # t == 2 everywhere
+        w = comm.all_gather_single(out, t, async_op=True); w.wait()
+        sub = comm.split([0])                   # Communicator on rank 0, None on rank 1
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        *,
+        backend: str = "gloo",
+        timeout: float | timedelta = timedelta(seconds=300),
+        name: str = "world",
+        device: torch.device | str | None = None,
+    ) -> None:
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
+        if not isinstance(store, dist.Store):
+            raise TypeError(f"store must be a torch.distributed.Store, got {type(store).__name__}")
+        prefixed = dist.PrefixStore(f"torchnext/{name}", store)
+        self._setup(prefixed, rank, world_size, tuple(range(world_size)) if _is_int(world_size) else (),
+                    backend=backend, timeout=timeout, name=name, device=device)
+
+    @classmethod
+    def from_env(
+        cls,
+        *,
+        backend: str = "gloo",
+        timeout: float | timedelta = timedelta(seconds=300),
+        name: str = "world",
+        device: torch.device | str | None = None,
+        host_store: bool = False,
+    ) -> Communicator:
+        """Build from torchrun / ``env://`` variables: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+
+        Connects a ``TCPStore`` client to MASTER_ADDR:MASTER_PORT (torchrun's agent hosts it). ``host_store=True``
+        makes rank 0 host it instead, for launchers that host none (then rank 0's death ends the job).
+        """
+        from torchnext._config import dist_env
+
+        env = dist_env()
+        is_master = host_store and env.rank == 0
+        store = dist.TCPStore(
+            env.master_addr, env.master_port, env.world_size, is_master,
+            timeout=_as_timedelta(timeout), wait_for_workers=False,
+        )
+        return cls(store, env.rank, env.world_size, backend=backend, timeout=timeout, name=name, device=device)
+
+    def _setup(
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        ranks: tuple[int, ...],
+        *,
+        backend: str,
+        timeout: float | timedelta,
+        name: str,
+        device: torch.device | str | None,
+    ) -> None:
+        if not _is_int(size) or size < 1:
+            raise ValueError(f"world_size must be a positive int, got {size!r}")
+        if not _is_int(rank) or not 0 <= rank < size:
+            raise ValueError(f"rank must be an int in [0, {size}), got {rank!r}")
+        self._timeout = _as_timedelta(timeout)
+        if self._timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        factory = get_backend(backend)
+        self._store = store
+        self._rank = rank
+        self._size = size
+        self._ranks = ranks
+        self._name = name
+        self._backend_name = backend
+        self._timeout_s = self._timeout.total_seconds()
+        self._lock = threading.Lock()  # guards terminal transitions, _in_flight, _error, _aborted
+        self._issue_lock = threading.Lock()  # one issuing thread at a time
+        self._in_flight: dict[int, Work] = {}
+        self._error: CommError | None = None
+        self._aborted: CommAborted | None = None
+        self._closed = False
+        self._op_counter = 0
+        self._split_seq = 0
+        self._opts: dict[tuple[str, object], Any] = {}
+        self._waiter: CompletionWaiter | None = None
+        self._pre_hooks: HookList[OpInfo] = HookList("pre")
+        self._post_hooks: HookList[PostHookArgs] = HookList("post")
+        self._abort_hooks: HookList[AbortHookArgs] = HookList("abort")
+        dev = None if device is None else torch.device(device)
+        cfg = BackendConfig(store=store, rank=rank, size=size, timeout=self._timeout, device=dev, name=name)
+        self._backend = factory(cfg)
+        self._pg = self._backend.pg
+        self._device = self._backend.device
+
+    # ------------------------------------------------------------------------------------------------ properties
+    @property
+    def rank(self) -> int:
+        """This process's rank in the communicator."""
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        """Number of members."""
+        return self._size
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def ranks(self) -> list[int]:
+        """Global ranks (ranks of the root communicator) of the members, in communicator-rank order."""
+        return list(self._ranks)
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the tensors this communicator's backend communicates."""
+        return self._device
+
+    @property
+    def backend(self) -> str:
+        return self._backend_name
+
+    @property
+    def timeout(self) -> timedelta:
+        """Default op timeout."""
+        return self._timeout
+
+    def __repr__(self) -> str:
+        state = "aborted" if self._aborted else "errored" if self._error else "closed" if self._closed else "ok"
+        return f"Communicator(name={self._name!r}, rank={self._rank}, size={self._size}, backend={self._backend_name!r}, {state})"
+
+    # ------------------------------------------------------------------------------------------------- hooks
+    def register_pre_hook(self, fn: Callable[[OpInfo], object]) -> RemovableHandle:
+        """Call ``fn(OpInfo)`` before each op is issued (see :mod:`torchnext.comms.hooks` for exact timing)."""
+        return self._pre_hooks.add(fn)
+
+    def register_post_hook(self, fn: Callable[[PostHookArgs], object]) -> RemovableHandle:
+        """Call ``fn(PostHookArgs)`` exactly once when each op reaches a terminal state."""
+        return self._post_hooks.add(fn)
+
+    def register_abort_hook(self, fn: Callable[[AbortHookArgs], object]) -> RemovableHandle:
+        """Call ``fn(AbortHookArgs)`` once when this communicator is aborted."""
+        return self._abort_hooks.add(fn)
+
+    # ------------------------------------------------------------------------------------------ state / lifecycle
+    def errored(self) -> Exception | None:
+        """The first failure that broke this communicator (timeout, peer failure, backend error), or the
+        ``CommAborted`` of ``abort()`` when there was none; None while healthy."""
+        return self._error or self._aborted
+
+    def abort(self, reason: str | None = None) -> None:
+        """Abort: unblock every in-flight op on this rank with ``CommAborted`` at once; refuse all later ops.
+
+        Any thread, idempotent (later calls do nothing). Order: mark aborted, run abort hooks, cancel in-flight ops
+        (their post hooks run here with status ABORTED), abandon the backend (calling its own abort when it has
+        one). A raising abort hook surfaces as ``HookError`` after all of that is done.
+        """
+        with self._lock:
+            if self._aborted is not None:
+                return
+            self._aborted = CommAborted(
+                f"communicator was aborted{f' ({reason})' if reason else ''}",
+                comm_name=self._name, rank=self._rank, ranks=self._ranks,
+            )
+            in_flight = sorted(self._in_flight.items())
+        hook_error = self._abort_hooks.run(
+            AbortHookArgs(comm_name=self._name, ranks=self._ranks, rank=self._rank, reason=reason,
+                          in_flight=tuple(op_id for op_id, _ in in_flight)),
+            stop_on_error=False,
+        )
+        for _, work in in_flight:
+            exc = CommAborted(f"cancelled by abort(){f' ({reason})' if reason else ''}",
+                              **self._error_context(work.op, work.op_id))
+            work._finish(WorkStatus.ABORTED, exc)
+        if not self._closed:
+            self._closed = True
+            backend = self._backend
+            if backend.abort_fn is not None:
+                try:
+                    backend.abort_fn()
+                except Exception:  # the backend is abandoned either way
+                    pass
+            _abandon(backend)
+        if hook_error is not None:
+            raise hook_error
+
+    def shutdown(self) -> None:
+        """Release the backend cleanly (idempotent). Waits for ops still in flight (each bounded by its timeout).
+
+        An errored or aborted communicator's backend is abandoned instead of destroyed (its threads may be blocked).
+        Later ops raise ``CommError`` (``CommAborted`` if aborted).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            pending = list(self._in_flight.values())
+        for work in pending:
+            try:
+                work.wait()
+            except Exception:
+                pass
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._waiter is not None:
+            self._waiter.close()
+        backend = self._backend
+        if self._error is not None:
+            _abandon(backend)
+        elif backend.shutdown_fn is not None:
+            backend.shutdown_fn()
+
+    # ------------------------------------------------------------------------------------------------ the engine
+    def _error_context(self, op: str | None, op_id: int | None) -> dict[str, Any]:
+        return {"op": op, "op_id": op_id, "comm_name": self._name, "rank": self._rank, "ranks": self._ranks}
+
+    def _refuse(self, op: str) -> None:
+        if self._aborted is not None:
+            raise CommAborted("communicator was aborted; create a new one", **self._error_context(op, None))
+        if self._error is not None:
+            raise CommError(f"communicator is errored since: {self._error}", **self._error_context(op, None)) from self._error
+        raise CommError("communicator was shut down", **self._error_context(op, None))
+
+    def _opt(self, kind: str, key: object, make: Callable[[], Any], timeout: timedelta | None) -> Any:
+        """Backend options object; cached when the default timeout is used (the backend copies it per call)."""
+        if timeout is None:
+            opts = self._opts.get((kind, key))
+            if opts is None:
+                opts = self._opts[(kind, key)] = make()
+            return opts
+        opts = make()
+        opts.timeout = timeout
+        return opts
+
+    def _issue(
+        self,
+        op: str,
+        async_op: bool,
+        timeout: Timeout,
+        launch: Callable[[timedelta | None], Sequence[Any]],
+        inputs: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor],
+        *,
+        root: int | None = None,
+        peer: int | None = None,
+        reduce_op: ReduceOp | None = None,
+        finalize: Callable[[], None] | None = None,
+        has_future: bool = True,
+    ) -> Work | None:
+        if self._closed or self._error is not None:
+            self._refuse(op)
+        if timeout is None:
+            td, timeout_s = None, self._timeout_s
+        else:
+            td = _as_timedelta(timeout)
+            timeout_s = td.total_seconds()
+            if timeout_s <= 0:
+                raise ValueError(f"{op}: timeout must be positive, got {timeout!r}")
+        if not self._issue_lock.acquire(blocking=False):
+            raise RuntimeError(
+                f"{op}: another thread is issuing an op on communicator {self._name!r}; ops must be issued by one "
+                "thread at a time (abort() is the exception)"
+            )
+        try:
+            self._op_counter += 1
+            op_id = self._op_counter
+            info = None
+            pre = self._pre_hooks.snapshot
+            if pre or self._post_hooks.snapshot:  # positional: this is the hot path
+                info = OpInfo(op, op_id, self._name, self._ranks, self._rank, self._size, async_op, root, peer,
+                              None if reduce_op is None else reduce_op.value, tuple(inputs), tuple(outputs),
+                              td or self._timeout)
+            work = Work(self, op, op_id, info, outputs, timeout_s, peer, async_op)
+            if pre:
+                hook_error = self._pre_hooks.run(info, stop_on_error=True)  # type: ignore[arg-type]
+                if hook_error is not None:
+                    work._finish(WorkStatus.ERROR, hook_error)
+                    raise hook_error
+            with self._lock:
+                raced = self._aborted is not None  # abort() ran since the check above
+                if not raced:
+                    self._in_flight[op_id] = work
+            if raced:
+                work._finish(WorkStatus.ABORTED, self._aborted)
+                self._refuse(op)
+            work._finalize = finalize
+            work.status = WorkStatus.IN_PROGRESS
+            try:
+                backend_works = launch(td)
+            except Exception as exc:
+                wrapped = work._wrap_backend_error(exc)
+                work._finish(WorkStatus.ERROR, wrapped)
+                raise wrapped from exc
+            if not async_op:
+                work._wait_sync(backend_works)
+                return None
+            if len(backend_works) != 1:
+                work._pending = len(backend_works)
+            for bw in backend_works:
+                if has_future:
+                    try:
+                        fut = bw.get_future()
+                    except RuntimeError:
+                        self._wait_in_thread(bw, work, td)
+                    else:
+                        fut.add_done_callback(work._on_future)
+                else:
+                    self._wait_in_thread(bw, work, td)
+            return work
+        finally:
+            self._issue_lock.release()
+
+    def _wait_in_thread(self, backend_work: Any, work: Work, td: timedelta | None) -> None:
+        if self._waiter is None:
+            self._waiter = CompletionWaiter(self._name)
+        self._waiter.put(backend_work, work, td)
+
+    def _reduce_args(self, op_name: str, op: object, dtype: torch.dtype) -> tuple[ReduceOp, Any, bool]:
+        """(ReduceOp, c10d op to pass, whether to divide by size on completion)."""
+        if op is ReduceOp.SUM:
+            return _SUM_ARGS
+        rop = ReduceOp.coerce(op)
+        rop.check_dtype(dtype)
+        if rop is ReduceOp.AVG and not self._backend.native_avg:
+            return rop, dist.ReduceOp.SUM, True
+        return rop, rop.to_c10d(), False
+
+    # --------------------------------------------------------------------------------------------------- split
+    def split(self, ranks: Sequence[int], name: str | None = None, *, timeout: Timeout = None) -> Communicator | None:
+        """Eager split: a new communicator of ``ranks`` (ranks of this communicator; child rank i is ``ranks[i]``).
+
+        Collective over this communicator: every member calls it with the same list (checked: a mismatch raises
+        ``ValueError`` on every rank). Members get a connected child; the others get None.
+        """
+        if not isinstance(ranks, (list, tuple)) or not ranks:
+            raise ValueError(f"split: ranks must be a non-empty list of ranks, got {ranks!r}")
+        for r in ranks:
+            v.check_rank(r, self._size, "ranks entry", "split")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"split: ranks contains duplicates: {list(ranks)}")
+        digest = zlib.crc32(",".join(map(str, ranks)).encode()) & 0x7FFFFFFF
+        member = self._rank in ranks
+        return self._split(
+            color=0 if member else None, key=ranks.index(self._rank) if member else 0, check=digest,
+            name=name, timeout=timeout,
+        )
+
+    def split_by_color(
+        self, color: int | None, key: int = 0, *, name: str | None = None, timeout: Timeout = None
+    ) -> Communicator | None:
+        """Eager split with MPI_Comm_split semantics: ranks with equal ``color`` form one child, ordered by
+        ``(key, rank)``; ``color=None`` means not a member (returns None). Collective over this communicator."""
+        if color is not None and not _is_int(color):
+            raise TypeError(f"split_by_color: color must be an int or None, got {color!r}")
+        if not _is_int(key):
+            raise TypeError(f"split_by_color: key must be an int, got {key!r}")
+        return self._split(color=color, key=key, check=0, name=name, timeout=timeout)
+
+    def _split(
+        self, *, color: int | None, key: int, check: int, name: str | None, timeout: Timeout
+    ) -> Communicator | None:
+        seq = self._split_seq
+        self._split_seq += 1
+        mine = torch.tensor([0 if color is None else 1, color or 0, key, check], dtype=torch.int64)
+        table = torch.empty(self._size * 4, dtype=torch.int64)
+
+        def launch(td: timedelta | None) -> list[Any]:
+            return [self._pg._allgather_base(table, mine, self._opt("allgather", None, _C10D.AllgatherOptions, td))]
+
+        self._issue("split", False, timeout, launch, [mine], [table])
+        rows = table.view(self._size, 4).tolist()
+        if len({row[3] for row in rows}) != 1:
+            raise ValueError(f"split: the ranks passed differ between members of {self._name!r} (rank {self._rank})")
+        if color is None:
+            return None
+        members = sorted((row[2], r) for r, row in enumerate(rows) if row[0] == 1 and row[1] == color)
+        child_rank = [r for _, r in members].index(self._rank)
+        child_ranks = tuple(self._ranks[r] for _, r in members)
+        child = Communicator.__new__(Communicator)
+        child._setup(
+            dist.PrefixStore(f"split{seq}/c{color}", self._store), child_rank, len(members), child_ranks,
+            backend=self._backend_name, timeout=self._timeout,
+            name=name or f"{self._name}.{seq}.{color}", device=self._device,
+        )
+        return child
+
+
+_SUM_ARGS = (ReduceOp.SUM, dist.ReduceOp.SUM, False)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _as_timedelta(t: float | timedelta) -> timedelta:
+    if isinstance(t, timedelta):
+        return t
+    if isinstance(t, (int, float)) and not isinstance(t, bool):
+        return timedelta(seconds=float(t))
+    raise TypeError(f"timeout must be a timedelta or seconds (float), got {t!r}")
+
+

@@ -1,0 +1,105 @@
+"""Exceptions raised by :mod:`torchnext.comms`.
+
+Callers tell failures apart by class::
+
+    CommError (RuntimeError)     any failure of an issued communication op
+    ├── CommTimeout              the op did not complete within its timeout
+    ├── CommAborted              the communicator was aborted (before or while the op ran)
+    └── PeerFailure              a peer died or its connection broke (``.peer`` when known)
+    HookError (RuntimeError)     a user hook raised (names the hook); not a communication failure
+
+Invalid arguments raise ``TypeError`` / ``ValueError`` before anything is issued.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+__all__ = ["CommAborted", "CommError", "CommTimeout", "HookError", "PeerFailure", "classify_backend_error"]
+
+
+class CommError(RuntimeError):
+    """A communication op failed. The message names the op, its op_id, the communicator and its ranks.
+
+    Attributes mirror the message so handlers need not parse it: ``op``, ``op_id``, ``comm_name``, ``rank``
+    (this process's rank in the communicator) and ``ranks`` (global ranks of the members).
+    """
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        op: str | None = None,
+        op_id: int | None = None,
+        comm_name: str | None = None,
+        rank: int | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> None:
+        self.detail = detail
+        self.op = op
+        self.op_id = op_id
+        self.comm_name = comm_name
+        self.rank = rank
+        self.ranks = tuple(ranks) if ranks is not None else None
+        where = []
+        if op is not None:
+            where.append(f"{op} (op_id={op_id})" if op_id is not None else op)
+        if comm_name is not None:
+            where.append(f"on communicator {comm_name!r}")
+        if rank is not None:
+            where.append(f"rank {rank}")
+        if self.ranks is not None:
+            where.append(f"ranks {list(self.ranks)}")
+        super().__init__(f"{' '.join(where)}: {detail}" if where else detail)
+
+
+class CommTimeout(CommError):
+    """The op did not complete within its timeout. The communicator is errored afterwards (see ``errored()``)."""
+
+
+class CommAborted(CommError):
+    """The communicator was aborted; the op was cancelled on this rank or refused."""
+
+
+class PeerFailure(CommError):
+    """A peer process died or its connection broke. ``peer`` is its rank in the communicator when known."""
+
+    def __init__(self, detail: str, *, peer: int | None = None, **kwargs: object) -> None:
+        self.peer = peer
+        if peer is not None:
+            detail = f"peer rank {peer} failed: {detail}"
+        super().__init__(detail, **kwargs)  # type: ignore[arg-type]
+
+
+class HookError(RuntimeError):
+    """A pre/post/abort hook raised. ``hook`` is the callable; the original exception is ``__cause__``."""
+
+    def __init__(self, message: str, *, hook: object) -> None:
+        self.hook = hook
+        super().__init__(message)
+
+
+# Backend error text -> our class. First match wins; no match -> CommError. Patterns cover Gloo and NCCL wording.
+_BACKEND_ERROR_PATTERNS: tuple[tuple[re.Pattern[str], type[CommError]], ...] = (
+    (re.compile(r"timed out|timeout|Watchdog caught collective operation timeout", re.IGNORECASE), CommTimeout),
+    (
+        re.compile(
+            r"closed by peer|reset by peer|connection reset|broken pipe|remote worker crashing|"
+            r"ECONNRESET|EPIPE|remote process exited|NCCL communicator was aborted|ncclRemoteError",
+            re.IGNORECASE,
+        ),
+        PeerFailure,
+    ),
+)
+
+
+def classify_backend_error(exc: BaseException) -> type[CommError]:
+    """Map an exception raised by a backend (Gloo, NCCL, ...) to the :class:`CommError` subclass callers catch."""
+    if isinstance(exc, CommError):
+        return type(exc)
+    text = str(exc)
+    for pattern, cls in _BACKEND_ERROR_PATTERNS:
+        if pattern.search(text):
+            return cls
+    return CommError

@@ -1,0 +1,164 @@
+"""Hook argument types and the hook lists of a :class:`~torchnext.comms.Communicator`.
+
+When hooks run (the contract the Flight Recorder builds on):
+
+* **pre hooks** run on the issuing thread, after argument validation and before the op is handed to the backend,
+  in registration order, each with an :class:`OpInfo`.
+* **post hooks** run **exactly once per op whose pre hooks ran**, when the op reaches a terminal state
+  (COMPLETED, ERROR, TIMED_OUT, ABORTED), in registration order, each with a :class:`PostHookArgs` carrying the
+  same ``op_id``. They run on the thread that moves the op to that state: the backend's completion thread
+  (or the issuing thread if the backend finished before the callback was attached) for COMPLETED/ERROR, the
+  waiting thread for TIMED_OUT, the thread calling ``abort()`` for ABORTED. They finish before any ``wait()`` on
+  the op returns, so after a synchronous op returns its post hooks have run. Keep them short and thread-safe.
+* **abort hooks** run once per communicator, on the thread calling ``abort()``, after the communicator is marked
+  aborted and before in-flight ops are cancelled, each with an :class:`AbortHookArgs`.
+
+A hook that raises: the remaining hooks of that list still run (post/abort) or are skipped (pre), and a
+:class:`~torchnext.comms.HookError` naming the hook surfaces: a pre hook's error is raised from the op call and the
+op is **not issued on this rank** (peers that did issue it wait until their timeout or an abort); a post hook's
+error is raised by ``Work.wait()`` / the synchronous op (the op itself completed); an abort hook's error is raised
+by ``abort()`` after the abort finished.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
+
+import torch
+
+from torchnext.comms.errors import HookError
+
+if TYPE_CHECKING:
+    from torchnext.comms.work import Work, WorkStatus
+
+__all__ = ["AbortHookArgs", "OpInfo", "PostHookArgs", "RemovableHandle"]
+
+
+class OpInfo(NamedTuple):
+    """What a pre hook sees: one op as issued on this rank (an immutable named tuple: cheap on the hot path)."""
+
+    op: str
+    """Op name, e.g. ``"all_reduce"`` (the Communicator method name; ``"split"`` for a split's exchange)."""
+    op_id: int
+    """Per-communicator counter, starting at 1, incremented for every op issued through the public API."""
+    comm_name: str
+    """Name of the communicator."""
+    ranks: tuple[int, ...]
+    """Global ranks of the communicator's members."""
+    rank: int
+    """This process's rank in the communicator."""
+    size: int
+    """Number of members."""
+    async_op: bool
+    """Whether the caller asked for a Work."""
+    root: int | None
+    """Root rank (broadcast, reduce, gather, scatter), else None."""
+    peer: int | None
+    """Peer rank (send, recv), else None. batch_p2p: None (see ``inputs``/``outputs``)."""
+    reduce_op: str | None
+    """The :class:`~torchnext.comms.ReduceOp` value for reductions, else None."""
+    inputs: tuple[torch.Tensor, ...]
+    """Tensors read by the op on this rank."""
+    outputs: tuple[torch.Tensor, ...]
+    """Tensors written by the op on this rank (in-place ops list the same tensor in both)."""
+    timeout: timedelta
+    """The op's effective timeout."""
+
+
+class PostHookArgs(NamedTuple):
+    """What a post hook sees: the op's terminal state (an immutable named tuple)."""
+
+    info: OpInfo
+    """The same object the pre hooks received (same ``op_id``)."""
+    work: Work
+    """The op's Work (terminal)."""
+    status: WorkStatus
+    """COMPLETED, ERROR, TIMED_OUT or ABORTED."""
+    duration_s: float
+    """Seconds from issue to the terminal state."""
+    exception: BaseException | None
+    """The op's exception (None when COMPLETED)."""
+
+    @property
+    def op_id(self) -> int:
+        """``info.op_id``."""
+        return self.info.op_id
+
+
+@dataclass(frozen=True, slots=True)
+class AbortHookArgs:
+    """What an abort hook sees."""
+
+    comm_name: str
+    ranks: tuple[int, ...]
+    rank: int
+    reason: str | None
+    """The ``reason`` passed to ``abort()``."""
+    in_flight: tuple[int, ...]
+    """op_ids of the ops in flight on this rank when abort was called (they are cancelled right after)."""
+
+
+A = TypeVar("A")
+
+
+class RemovableHandle:
+    """Returned by ``register_*_hook``; ``remove()`` unregisters the hook (idempotent)."""
+
+    __slots__ = ("_key", "_registry")
+
+    def __init__(self, registry: HookList[Any], key: int) -> None:
+        self._registry: HookList[Any] | None = registry
+        self._key = key
+
+    def remove(self) -> None:
+        if self._registry is not None:
+            self._registry._remove(self._key)
+            self._registry = None
+
+
+class HookList(Generic[A]):
+    """Ordered hooks of one kind. ``snapshot`` is a tuple replaced on change, so running never sees a half update."""
+
+    __slots__ = ("_hooks", "_keys", "kind", "snapshot")
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._hooks: dict[int, Callable[[A], object]] = {}
+        self._keys = itertools.count()
+        self.snapshot: tuple[Callable[[A], object], ...] = ()
+
+    def add(self, fn: Callable[[A], object]) -> RemovableHandle:
+        if not callable(fn):
+            raise TypeError(f"{self.kind} hook must be callable, got {fn!r}")
+        key = next(self._keys)
+        self._hooks[key] = fn
+        self.snapshot = tuple(self._hooks.values())
+        return RemovableHandle(self, key)
+
+    def _remove(self, key: int) -> None:
+        self._hooks.pop(key, None)
+        self.snapshot = tuple(self._hooks.values())
+
+    def run(self, args: A, *, stop_on_error: bool) -> HookError | None:
+        """Call every hook with ``args`` in order; return the first failure as a HookError (never raises)."""
+        first: HookError | None = None
+        for fn in self.snapshot:
+            try:
+                fn(args)
+            except Exception as exc:
+                if first is None:
+                    first = HookError(f"{self.kind} hook {_hook_name(fn)} raised {exc!r}", hook=fn)
+                    first.__cause__ = exc
+                if stop_on_error:
+                    break
+        return first
+
+
+def _hook_name(fn: object) -> str:
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    module = getattr(fn, "__module__", None)
+    return f"{module}.{name}" if module else str(name)

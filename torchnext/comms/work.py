@@ -1,0 +1,317 @@
+"""Work: the handle of one issued op, and its status.
+
+A :class:`Work` reaches exactly one terminal state, once::
+
+    NOT_STARTED -> IN_PROGRESS -> COMPLETED | ERROR | TIMED_OUT | ABORTED
+
+How completion is observed (this fixes the thread that runs post hooks, see :mod:`torchnext.comms.hooks`):
+
+* synchronous ops: the issuing thread waits on the backend Work in slices of ``SYNC_WAIT_SLICE`` (10 ms), checking
+  between slices for an abort or the op's deadline -- the lowest-latency wait, still interruptible by ``abort()``;
+* async ops: the backend Work's future callback (Gloo collectives, NCCL), or, for backend Works without a future
+  (Gloo send/recv), one waiter thread per communicator. ``Work.wait()`` blocks on our own lock, not on the backend,
+  so ``abort()`` wakes it at once.
+"""
+
+from __future__ import annotations
+
+import _thread
+import enum
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchnext.comms.errors import CommError, CommTimeout, HookError, PeerFailure, classify_backend_error
+from torchnext.comms.hooks import OpInfo, PostHookArgs
+
+if TYPE_CHECKING:
+    from torchnext.comms.communicator import Communicator
+
+__all__ = ["Work", "WorkStatus"]
+
+
+class WorkStatus(enum.Enum):
+    """Lifecycle of a :class:`Work`. The last four are terminal."""
+
+    NOT_STARTED = "not_started"
+    """Created; pre hooks running, not yet handed to the backend."""
+    IN_PROGRESS = "in_progress"
+    """Handed to the backend."""
+    COMPLETED = "completed"
+    ERROR = "error"
+    TIMED_OUT = "timed_out"
+    ABORTED = "aborted"
+
+    @property
+    def terminal(self) -> bool:
+        return self in _TERMINAL
+
+
+SYNC_WAIT_SLICE = timedelta(milliseconds=10)
+"""Slice of a synchronous op's wait: bounds how late it notices an abort."""
+_SLICE_TIMEOUT_TEXT = "Operation timed out!"  # c10d Work::wait(timeout) when the slice elapses
+
+_TERMINAL = frozenset({WorkStatus.COMPLETED, WorkStatus.ERROR, WorkStatus.TIMED_OUT, WorkStatus.ABORTED})
+_STATUS_OF: dict[type[CommError], WorkStatus] = {CommTimeout: WorkStatus.TIMED_OUT}
+
+
+class Work:
+    """Handle of one op issued by a :class:`~torchnext.comms.Communicator` (returned when ``async_op=True``).
+
+    * ``wait(timeout=None) -> bool``: block until the op is terminal. Returns True when it COMPLETED; raises its
+      exception otherwise (``CommTimeout``, ``PeerFailure``, ``CommAborted``, ``CommError``; or ``HookError``
+      when the op completed but a post hook raised). The op's own deadline is issue time + its timeout: when a
+      wait reaches it the op becomes TIMED_OUT and ``CommTimeout`` is raised. With ``timeout`` shorter than the
+      remaining time, a wait that elapses first returns **False** and the op keeps running.
+    * ``is_completed()``: True once terminal (success or failure).
+    * ``status``, ``exception()``, ``op``, ``op_id``, ``result()`` (waits, then returns the output tensors).
+
+    Waiting from several threads at once is allowed.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_comm",
+        "_deadline",
+        "_done",
+        "_exc",
+        "_finalize",
+        "_hook_error",
+        "_outputs",
+        "_pending",
+        "_t0",
+        "_t_end",
+        "info",
+        "op",
+        "op_id",
+        "peer",
+        "status",
+    )
+
+    def __init__(
+        self,
+        comm: Communicator,
+        op: str,
+        op_id: int,
+        info: OpInfo | None,
+        outputs: Sequence[torch.Tensor],
+        timeout_s: float,
+        peer: int | None,
+        async_op: bool,
+    ) -> None:
+        self._comm = comm
+        self.op = op
+        self.op_id = op_id
+        self.info = info
+        self.peer = peer
+        self._outputs = outputs
+        self.status = WorkStatus.NOT_STARTED
+        self._exc: BaseException | None = None
+        self._hook_error: HookError | None = None
+        self._finalize: Callable[[], None] | None = None
+        self._pending = 1
+        self._t0 = time.perf_counter()
+        self._t_end = 0.0
+        self._deadline = self._t0 + timeout_s
+        self._done: _thread.LockType | None = None
+        if async_op:
+            lock = _thread.allocate_lock()
+            lock.acquire()
+            self._done = lock  # released once when terminal; every waiter re-releases it (baton)
+
+    def __repr__(self) -> str:
+        return f"Work({self.op}, op_id={self.op_id}, comm={self._comm.name!r}, status={self.status.name})"
+
+    # ----------------------------------------------------------------------------------------------- public API
+    def wait(self, timeout: float | timedelta | None = None) -> bool:
+        """Block until terminal (see the class docstring). Returns True when COMPLETED."""
+        if self.status not in _TERMINAL:
+            assert self._done is not None  # only async Works are handed out before they are terminal
+            remaining = self._deadline - time.perf_counter()
+            limit = remaining if timeout is None else min(_seconds(timeout), remaining)
+            if self._done.acquire(timeout=min(max(limit, 0.0), threading.TIMEOUT_MAX)):
+                self._done.release()
+            elif time.perf_counter() >= self._deadline:
+                self._time_out()
+            else:
+                return False
+        return self._outcome()
+
+    def is_completed(self) -> bool:
+        """True once the op is terminal (COMPLETED, ERROR, TIMED_OUT or ABORTED)."""
+        if self.status in _TERMINAL:
+            return True
+        if time.perf_counter() >= self._deadline:
+            self._time_out()
+            return True
+        return False
+
+    def exception(self) -> BaseException | None:
+        """The op's exception once it failed, else None."""
+        return self._exc
+
+    def result(self) -> list[torch.Tensor]:
+        """Wait for completion (raising on failure) and return the op's output tensors on this rank."""
+        self.wait()
+        return list(self._outputs)
+
+    @property
+    def duration_s(self) -> float | None:
+        """Seconds from issue to the terminal state (None while in flight)."""
+        return self._t_end - self._t0 if self.status in _TERMINAL else None
+
+    # ---------------------------------------------------------------------------------------------- internals
+    def _outcome(self) -> bool:
+        if self.status is WorkStatus.COMPLETED:
+            if self._hook_error is not None:
+                raise self._hook_error
+            return True
+        assert self._exc is not None
+        raise self._exc
+
+    def _time_out(self) -> None:
+        comm = self._comm
+        exc = CommTimeout(
+            f"did not complete within {self._deadline - self._t0:.3f}s (the communicator is now errored)",
+            **comm._error_context(self.op, self.op_id),
+        )
+        self._finish(WorkStatus.TIMED_OUT, exc)
+
+    def _wrap_backend_error(self, exc: BaseException) -> CommError:
+        cls = classify_backend_error(exc)
+        ctx: dict[str, Any] = self._comm._error_context(self.op, self.op_id)
+        if cls is PeerFailure:
+            wrapped: CommError = PeerFailure(str(exc), peer=self.peer, **ctx)
+        else:
+            wrapped = cls(str(exc), **ctx)
+        wrapped.__cause__ = exc
+        return wrapped
+
+    def _on_future(self, fut: torch.futures.Future[Any]) -> None:
+        """Backend future callback (backend thread, or the issuing thread if already done)."""
+        try:
+            fut.value()
+        except Exception as exc:
+            self._part_done(exc)
+        else:
+            self._part_done(None)
+
+    def _part_done(self, exc: BaseException | None) -> None:
+        if exc is not None:
+            wrapped = self._wrap_backend_error(exc)
+            self._finish(_STATUS_OF.get(type(wrapped), WorkStatus.ERROR), wrapped)
+            return
+        if self._pending != 1:  # composite work (batch_p2p): complete when the last part does
+            with self._comm._lock:
+                self._pending -= 1
+                if self._pending:
+                    return
+        if self._finalize is not None:
+            try:
+                self._finalize()
+            except Exception as fin_exc:
+                self._finish(WorkStatus.ERROR, self._wrap_backend_error(fin_exc))
+                return
+        self._finish(WorkStatus.COMPLETED, None)
+
+    def _finish(self, status: WorkStatus, exc: BaseException | None) -> bool:
+        """Move to terminal ``status`` once (first caller wins); run post hooks; wake waiters."""
+        comm = self._comm
+        with comm._lock:
+            if self.status in _TERMINAL:
+                return False
+            self.status = status
+            self._exc = exc
+            self._t_end = time.perf_counter()
+            comm._in_flight.pop(self.op_id, None)
+            if status is WorkStatus.ERROR or status is WorkStatus.TIMED_OUT:
+                if comm._error is None and isinstance(exc, CommError):
+                    comm._error = exc
+        info = self.info
+        if info is not None and comm._post_hooks.snapshot:
+            args = PostHookArgs(info, self, status, self._t_end - self._t0, exc)
+            self._hook_error = comm._post_hooks.run(args, stop_on_error=False)
+        if self._done is not None:
+            self._done.release()
+        return True
+
+    def _wait_sync(self, backend_works: Sequence[Any]) -> bool:
+        """Synchronous op: wait on the backend Works in this thread, in slices, so abort/deadline are noticed."""
+        if len(backend_works) == 1:  # fast path: the common case completes within the first slice
+            try:
+                backend_works[0].wait(SYNC_WAIT_SLICE)
+            except RuntimeError:
+                pass
+            else:
+                if self._finalize is None:
+                    self._finish(WorkStatus.COMPLETED, None)
+                    return self._outcome()
+        for bw in backend_works:
+            while True:
+                try:
+                    bw.wait(SYNC_WAIT_SLICE)
+                    break
+                except RuntimeError as exc:
+                    if bw.is_completed():  # a real failure (or completion racing the slice): ask again
+                        try:
+                            bw.wait()
+                        except Exception as real:
+                            self._part_done(real)
+                            return self._outcome()
+                        break
+                    if self.status in _TERMINAL:  # aborted meanwhile
+                        return self._outcome()
+                    if time.perf_counter() >= self._deadline:
+                        self._time_out()
+                        return self._outcome()
+                    if str(exc) != _SLICE_TIMEOUT_TEXT:
+                        self._part_done(exc)
+                        return self._outcome()
+        self._pending = 1
+        self._part_done(None)
+        return self._outcome()
+
+
+def _seconds(t: float | timedelta) -> float:
+    return t.total_seconds() if isinstance(t, timedelta) else float(t)
+
+
+class CompletionWaiter:
+    """One daemon thread per communicator that waits on backend Works lacking a future (Gloo send/recv).
+
+    Works are waited on in issue order; a later op that finishes first is observed when the earlier one does
+    (completion is never missed, only its observation may be late). After an abort the thread may stay blocked in
+    the abandoned backend until that backend's own timeout; it is a daemon and holds nothing else.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, Work, timedelta | None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"torchnext-comms-waiter[{name}]", daemon=True)
+        self._thread.start()
+
+    def put(self, backend_work: Any, work: Work, timeout: timedelta | None) -> None:
+        self._queue.put((backend_work, work, timeout))
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            backend_work, work, timeout = item
+            try:
+                if timeout is None:
+                    backend_work.wait()
+                else:
+                    backend_work.wait(timeout)
+            except Exception as exc:
+                work._part_done(exc)
+            else:
+                work._part_done(None)

@@ -1,0 +1,147 @@
+"""Fault injectors for multi-rank tests: freeze, resume, kill, crash; scripted faults for fault-tolerant jobs."""
+
+from __future__ import annotations
+
+import enum
+import os
+import signal
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "Fault", "FaultInjector", "FaultKind", "FaultPoint", "crash_now", "drop_coordinator", "freeze_self", "kill",
+    "resume",
+]
+
+
+def freeze_self() -> None:
+    """SIGSTOP this process (it stops at once; another process must ``resume`` or ``kill`` it)."""
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def resume(pid: int) -> None:
+    """SIGCONT a frozen process."""
+    os.kill(pid, signal.SIGCONT)
+
+
+def kill(pid: int) -> None:
+    """SIGKILL a process (works on a frozen one too)."""
+    os.kill(pid, signal.SIGKILL)
+
+
+def crash_now(code: int = 3) -> None:
+    """End this process immediately without cleanup (``os._exit``), like a crash: sockets close, nothing flushes."""
+    os._exit(code)
+
+
+# ------------------------------------------------------------------------------------- scripted faults for FT jobs
+class FaultKind(enum.Enum):
+    """What a scripted :class:`Fault` does to the member it targets."""
+
+    KILL = "kill"
+    """SIGKILL itself (a crash: every socket closes at once)."""
+    STOP = "stop"
+    """SIGSTOP itself for ``seconds`` (a hang: sockets stay open, heartbeats stop); a helper process sends SIGCONT."""
+    RAISE = "raise"
+    """Raise ``PeerFailure`` from the collective (as if a connection broke), on this member only."""
+
+
+class FaultPoint(enum.Enum):
+    """Where in a fault-tolerant training loop the fault fires."""
+
+    IDLE = "idle"
+    """Between steps (before the step's collectives)."""
+    COLLECTIVE = "collective"
+    """Inside the step's all_reduce: the op is issued, then the fault fires while peers are blocked in it."""
+    RECONFIGURE = "reconfigure"
+    """While entering a new generation, before its Communicator is built (peers are connecting)."""
+    HEALING = "healing"
+    """On the donor, while a joiner is being healed (before the state is streamed)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    """``Fault(kind=KILL, member=2, step=5, where=COLLECTIVE)``: member 2 dies inside step 5's all_reduce.
+
+    ``step`` is the committed step count at which it fires (for RECONFIGURE: the first reconfiguration at or after
+    that step; for HEALING: the first healing this member donates at or after it). Each fault fires once.
+    """
+
+    kind: FaultKind
+    member: int
+    step: int
+    where: FaultPoint = FaultPoint.IDLE
+    seconds: float = 0.0
+    """STOP only: how long the process stays stopped."""
+
+    def __post_init__(self) -> None:
+        if self.kind is FaultKind.STOP and self.seconds <= 0:
+            raise ValueError("a STOP fault needs seconds > 0")
+        if self.step < 0:
+            raise ValueError(f"Fault.step must be >= 0, got {self.step}")
+
+
+class FaultInjector:
+    """Fires this member's :class:`Fault` s when the training loop calls ``at(point, step)``.
+
+    ``at`` returns normally when nothing fires; KILL never returns; STOP returns after the process was resumed;
+    RAISE raises ``PeerFailure``. Helper processes (the SIGCONT sender) are reaped by ``close()``.
+    """
+
+    def __init__(self, faults: Sequence[Fault], member: int) -> None:
+        self._faults = [f for f in faults if f.member == member]
+        self._fired: set[int] = set()
+        self._helpers: list[subprocess.Popen[bytes]] = []
+
+    def due(self, point: FaultPoint, step: int) -> Fault | None:
+        for i, f in enumerate(self._faults):
+            if i not in self._fired and f.where is point and step >= f.step:
+                if point in (FaultPoint.IDLE, FaultPoint.COLLECTIVE) and step != f.step:
+                    continue
+                self._fired.add(i)
+                return f
+        return None
+
+    def at(self, point: FaultPoint, step: int) -> None:
+        f = self.due(point, step)
+        if f is not None:
+            self.fire(f)
+
+    def fire(self, f: Fault) -> None:
+        if f.kind is FaultKind.KILL:
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif f.kind is FaultKind.STOP:
+            self._helpers.append(subprocess.Popen(
+                ["/bin/sh", "-c", f"sleep {f.seconds}; kill -CONT {os.getpid()}"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            ))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif f.kind is FaultKind.RAISE:
+            from torchnext.comms.errors import PeerFailure
+
+            raise PeerFailure(f"injected fault at step {f.step} ({f.where.value})", op="all_reduce")
+
+    def close(self) -> None:
+        for p in self._helpers:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self._helpers.clear()
+
+
+def drop_coordinator(target: Any) -> None:
+    """Kill the coordinator: a ``subprocess.Popen`` / pid of ``torchnext coordinator`` gets SIGKILL; an in-process
+    :class:`~torchnext.comms.Coordinator` is stopped (its connections and store close at once)."""
+    if isinstance(target, int):
+        os.kill(target, signal.SIGKILL)
+    elif isinstance(target, subprocess.Popen):
+        target.kill()
+        target.wait(timeout=30)
+    elif hasattr(target, "stop"):
+        target.stop()
+    else:
+        raise TypeError(f"drop_coordinator: expected a pid, Popen or Coordinator, got {type(target).__name__}")

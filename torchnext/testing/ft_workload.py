@@ -1,0 +1,253 @@
+"""A fault-tolerant training job for tests and benchmarks: an exact workload, scripted faults, a process launcher.
+
+The workload is chosen so that correctness is checkable **exactly**: the "model" is a float64 vector ``w`` (plus a
+buffer counting applied steps) trained by SGD(lr=1) on the all-reduced (SUM) gradient ``g(step, member)``, an
+integer vector. Integer sums in float64 are exact, so after the run::
+
+    w == w0 - sum(g(s, m) for s in range(steps) for m in members_of_generation_that_committed(s))
+
+bitwise, on every survivor; a lost step or a step applied twice changes ``w``. Optional ``compute_s`` burns CPU per
+step (a matmul loop) to emulate training compute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torchnext.testing.faults import Fault, FaultInjector, FaultPoint
+
+__all__ = ["FTJob", "WorkerSpec", "expected_weights", "gradient", "run_worker"]
+
+DIM = 64
+
+
+def gradient(step: int, member: int, dim: int = DIM) -> torch.Tensor:
+    """The integer gradient member ``member`` contributes at step ``step``."""
+    return (torch.arange(dim, dtype=torch.float64) % 7) * (member + 1) + (step + 1)
+
+
+def expected_weights(step_members: Sequence[Sequence[int]], dim: int = DIM) -> torch.Tensor:
+    """``w`` after committing step ``s`` with members ``step_members[s]`` (w0 = 0)."""
+    w = torch.zeros(dim, dtype=torch.float64)
+    for s, members in enumerate(step_members):
+        for m in members:
+            w -= gradient(s, m, dim)
+    return w
+
+
+@dataclass(kw_only=True)
+class WorkerSpec:
+    """What one member process does."""
+
+    coordinator: str
+    token: str
+    member_id: int
+    steps: int
+    faults: Sequence[Fault] = ()
+    min_size: int = 1
+    compute_s: float = 0.0
+    """CPU work per step (seconds, approximate)."""
+    state_mib: float = 0.0
+    """Extra float32 state (MiB) carried in the state_dict, to make healing move real bytes."""
+    timeout_s: float = 30.0
+    coordinator_timeout_s: float = 2.0
+    step_sleep_s: float = 0.0
+    """Sleep per step (lets a test act between steps without burning CPU)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, dim: int, state_mib: float) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(dim, dtype=torch.float64))
+        self.register_buffer("applied", torch.zeros((), dtype=torch.int64))
+        n = int(state_mib * (1 << 20) // 4)
+        self.register_buffer("ballast", torch.arange(n, dtype=torch.float32) if n else torch.zeros(0))
+
+
+def _digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() if v.numel() else b"")
+    return h.hexdigest()
+
+
+def _burn(seconds: float, a: torch.Tensor) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = a @ a
+        a = a / a.norm()
+
+
+def run_worker(spec: WorkerSpec) -> dict[str, Any]:
+    """Train ``spec.steps`` committed steps fault-tolerantly; return a report (never raises for membership ends:
+    the report's ``error`` names it)."""
+    from torchnext.comms import FaultTolerant, FaultTolerantConfig, MembershipError
+
+    torch.set_num_threads(1)
+    model = _Model(DIM, spec.state_mib)
+    if spec.member_id >= 100:  # replacements start from garbage: healing must overwrite it
+        with torch.no_grad():
+            model.w.fill_(12345.0)
+            model.applied.fill_(999)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    injector = FaultInjector(spec.faults, spec.member_id)
+    work = torch.randn(64, 64)
+    report: dict[str, Any] = {"member": spec.member_id, "pid": os.getpid(), "error": None}
+    ft = None
+    attempts = 0
+    t_start = time.monotonic()
+    try:
+        ft = FaultTolerant(
+            FaultTolerantConfig(coordinator=spec.coordinator, token=spec.token, member_id=spec.member_id,
+                                min_size=spec.min_size, timeout_s=spec.timeout_s,
+                                coordinator_timeout_s=spec.coordinator_timeout_s),
+            state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
+            load_state_dict=lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["optim"])),
+        )
+        report["joined_at"] = time.monotonic()
+
+        def hook(where: str) -> None:
+            assert ft is not None
+            injector.at(FaultPoint.RECONFIGURE if where == "reconfigure" else FaultPoint.HEALING, ft.step_count)
+
+        ft.fault_hook = hook
+        while ft.step_count < spec.steps:
+            injector.at(FaultPoint.IDLE, ft.step_count)
+            attempts += 1
+            with ft.step() as st:
+                s = ft.step_count
+                if spec.compute_s:
+                    _burn(spec.compute_s, work)
+                g = gradient(s, ft.member_id)
+                f = injector.due(FaultPoint.COLLECTIVE, s)
+                if f is not None:
+                    w = ft.all_reduce(g, async_op=True)
+                    time.sleep(0.005)  # peers are now blocked in the collective
+                    injector.fire(f)
+                    w.wait()
+                else:
+                    ft.all_reduce(g)
+                model.w.grad = g
+                if st.commit():
+                    opt.step()
+                    with torch.no_grad():
+                        model.applied += 1
+                opt.zero_grad(set_to_none=True)
+            if spec.step_sleep_s:
+                time.sleep(spec.step_sleep_s)
+    except MembershipError as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        injector.close()
+        if ft is not None:
+            report.update(
+                generation=ft.generation, members=list(ft.members), step=ft.step_count,
+                commits=[[g, s, t] for g, s, t in ft.commit_times],
+                generations={r.generation: list(r.members) for r in ft.reconfigurations},
+                reconfigurations=[{"gen": r.generation, "members": list(r.members), "donor": r.donor,
+                                   "joiners": list(r.joiners), "timings": r.timings,
+                                   "healed": None if r.healed is None else [r.healed.bytes, r.healed.seconds]}
+                                  for r in ft.reconfigurations],
+                w=model.w.detach().tolist(), applied=int(model.applied), digest=_digest(model),
+                attempts=attempts, started_at=t_start,
+            )
+            ft.close()
+    return report
+
+
+def _child(spec: WorkerSpec, results: Any) -> None:
+    try:
+        out = (spec.member_id, True, run_worker(spec))
+    except BaseException:
+        out = (spec.member_id, False, traceback.format_exc())
+    results.put(out)
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+class FTJob:
+    """Launch member processes (forkserver, torch preloaded) for one coordinator; collect reports; always reap.
+
+    ``launch(spec)`` starts a member (also later, for replacements); ``wait(ids, timeout)`` returns their reports
+    (a member that died has none: ``reports`` lacks it, ``exitcode(id)`` tells how it ended). ``close()`` (or
+    ``with``) kills and reaps everything still running.
+    """
+
+    def __init__(self) -> None:
+        from torchnext.testing.multiprocess import _mp_context
+
+        self._ctx = _mp_context("forkserver")
+        self._results = self._ctx.Queue()
+        self.procs: dict[int, Any] = {}
+        self.reports: dict[int, dict[str, Any]] = {}
+        self.errors: dict[int, str] = {}
+
+    def launch(self, spec: WorkerSpec) -> Any:
+        p = self._ctx.Process(target=_child, args=(spec, self._results), name=f"member{spec.member_id}", daemon=True)
+        p.start()
+        self.procs[spec.member_id] = p
+        return p
+
+    def pid(self, member: int) -> int:
+        return int(self.procs[member].pid)
+
+    def exitcode(self, member: int) -> int | None:
+        return self.procs[member].exitcode  # type: ignore[no-any-return]
+
+    def wait(self, members: Sequence[int], timeout: float) -> dict[int, dict[str, Any]]:
+        """Wait until each of ``members`` reported or exited; raise ``TimeoutError`` naming the stragglers."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._collect(0.02)
+            pending = [m for m in members if m not in self.reports and m not in self.errors
+                       and (self.procs[m].is_alive() or self._results_may_lag(m))]
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"members {pending} did not finish within {timeout}s")
+        if any(m in self.errors for m in members):
+            raise RuntimeError("\n".join(f"--- member {m} ---\n{self.errors[m]}" for m in members if m in self.errors))
+        return {m: self.reports[m] for m in members if m in self.reports}
+
+    def _results_may_lag(self, m: int) -> bool:
+        p = self.procs[m]
+        if p.exitcode is None:
+            return True
+        marks = getattr(self, "_exit_seen", {})
+        self._exit_seen = marks
+        first = marks.setdefault(m, time.monotonic())
+        return p.exitcode == 0 and time.monotonic() - first < 2.0
+
+    def _collect(self, timeout: float) -> None:
+        try:
+            member, ok, value = self._results.get(timeout=timeout)
+        except queue.Empty:
+            return
+        (self.reports if ok else self.errors)[member] = value
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.is_alive():
+                p.kill()
+        for p in self.procs.values():
+            p.join(timeout=10)
+        self._results.close()
+        self._results.cancel_join_thread()
+
+    def __enter__(self) -> FTJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

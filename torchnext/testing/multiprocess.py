@@ -1,0 +1,199 @@
+"""Run a function on N ranks -- real processes (:func:`run_ranks`) or threads (:func:`run_threads`).
+
+The caller (the parent) hosts the ``TCPStore`` on 127.0.0.1 with a free port: no rank hosts it, so a rank that dies
+does not take the store down. Every wait is bounded; every child is killed and reaped in ``finally``, even when the
+test fails. ``fn(ctx, *args)`` runs on each rank with a :class:`RankContext`; its return value (picklable) comes back
+in rank order.
+
+Process start: ``forkserver`` with ``torch`` and ``torchnext.comms`` preloaded (a fork of a server that imported
+torch once; importing torch per process costs 2-3 s here), ``spawn`` as an option. ``fn`` must be importable by name
+(a module-level function). A child ends with ``os._exit`` after reporting, so abandoned backends never delay it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["RankContext", "RankExited", "RankFailure", "run_ranks", "run_threads"]
+
+_PRELOAD = ["torch", "torch.distributed", "torchnext.comms"]
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised, exited unexpectedly, or did not finish in time. ``details`` maps rank -> text."""
+
+    def __init__(self, message: str, details: dict[int, str]) -> None:
+        self.details = details
+        text = "\n".join(f"--- rank {r} ---\n{d}" for r, d in sorted(details.items()))
+        super().__init__(f"{message}\n{text}")
+
+
+@dataclass(frozen=True)
+class RankExited:
+    """Result slot of a rank in ``allow_exit`` that ended without returning (e.g. ``os._exit`` or killed)."""
+
+    exitcode: int | None
+
+
+@dataclass(kw_only=True)
+class RankContext:
+    """What ``fn`` receives on each rank."""
+
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    store_timeout_s: float = 60.0
+    _store: Any = field(default=None, repr=False)
+
+    @property
+    def store(self) -> dist.TCPStore:
+        """A client of the parent's TCPStore (created on first use)."""
+        if self._store is None:
+            self._store = dist.TCPStore(
+                self.store_host, self.store_port, self.world_size, False,
+                timeout=timedelta(seconds=self.store_timeout_s),
+            )
+        return self._store
+
+
+def _host_store(world_size: int, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def _child(fn: Callable[..., Any], ctx: RankContext, args: Sequence[Any], results: Any) -> None:
+    try:
+        out = (ctx.rank, True, fn(ctx, *args))
+    except BaseException:
+        out = (ctx.rank, False, traceback.format_exc())
+    try:
+        results.put(out)
+    except Exception:  # unpicklable result
+        results.put((ctx.rank, False, traceback.format_exc()))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+_context_lock = threading.Lock()
+
+
+def _mp_context(start_method: str) -> Any:
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        with _context_lock:
+            ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Sequence[Any] = (),
+    timeout: float = 120.0,
+    start_method: str = "forkserver",
+    allow_exit: Collection[int] = (),
+    store_timeout: float = 60.0,
+) -> list[Any]:
+    """Run ``fn(ctx, *args)`` on ``world_size`` processes; return their results in rank order.
+
+    Raises :class:`RankFailure` (with every rank's traceback) when a rank raises, exits without a result (unless it
+    is in ``allow_exit``: its slot is then a :class:`RankExited`), or the whole run exceeds ``timeout`` seconds.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    store = _host_store(world_size, store_timeout)
+    ctx = _mp_context(start_method)
+    results = ctx.Queue()
+    procs = []
+    got: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        for rank in range(world_size):
+            rc = RankContext(rank=rank, world_size=world_size, store_host="127.0.0.1", store_port=store.port,
+                             store_timeout_s=store_timeout)
+            p = ctx.Process(target=_child, args=(fn, rc, tuple(args), results), name=f"rank{rank}", daemon=True)
+            p.start()
+            procs.append(p)
+        deadline = time.monotonic() + timeout
+        exited_at: dict[int, float] = {}
+        while len(got) + len(errors) < world_size:
+            now = time.monotonic()
+            if now > deadline:
+                for r in range(world_size):
+                    if r not in got and r not in errors:
+                        errors[r] = f"no result within {timeout}s (alive={procs[r].is_alive()})"
+                break
+            try:
+                rank, ok, value = results.get(timeout=0.05)
+            except queue.Empty:
+                pass
+            else:
+                (got if ok else errors)[rank] = value
+                continue
+            for r, p in enumerate(procs):
+                if r in got or r in errors or p.is_alive():
+                    continue
+                # exited: give its queued result a moment to arrive before judging
+                first = exited_at.setdefault(r, now)
+                if now - first > 1.0:
+                    if r in allow_exit:
+                        got[r] = RankExited(p.exitcode)
+                    else:
+                        errors[r] = f"process exited with code {p.exitcode} without a result"
+        if errors:
+            raise RankFailure(f"{len(errors)} of {world_size} ranks failed running {getattr(fn, '__name__', fn)}", errors)
+        return [got[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+        results.close()
+        results.cancel_join_thread()
+        del store
+
+
+def run_threads(
+    fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), timeout: float = 60.0, store_timeout: float = 30.0
+) -> list[Any]:
+    """Like :func:`run_ranks` but each rank is a daemon thread of this process (fast; no process-level faults).
+
+    A rank still running at ``timeout`` is reported in :class:`RankFailure` and left behind (threads cannot be killed).
+    """
+    store = _host_store(world_size, store_timeout)
+    got: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+
+    def body(rank: int) -> None:
+        rc = RankContext(rank=rank, world_size=world_size, store_host="127.0.0.1", store_port=store.port,
+                         store_timeout_s=store_timeout)
+        try:
+            got[rank] = fn(rc, *args)
+        except BaseException:
+            errors[rank] = traceback.format_exc()
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"rank{r}", daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for r, t in enumerate(threads):
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            errors.setdefault(r, f"no result within {timeout}s")
+    if errors:
+        raise RankFailure(f"{len(errors)} of {world_size} ranks failed running {getattr(fn, '__name__', fn)}", errors)
+    return [got[r] for r in range(world_size)]
