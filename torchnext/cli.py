@@ -50,6 +50,7 @@ _BUILTIN: tuple[Subcommand, ...] = (
                help="run the fault-tolerance coordinator (TCPStore + membership service)"),
     Subcommand(name="demo", module="torchnext.demo.cli",
                help="fault-tolerant low-precision MoE training on local ranks that survives a killed rank"),
+    Subcommand(name="fr", module="torchnext.comms.fr_cli", help="Flight Recorder: analyze dumps (fr analyze DIR)"),
 )
 for _cmd in _BUILTIN:
     register_subcommand(_cmd)

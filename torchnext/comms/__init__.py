@@ -3,6 +3,7 @@
 Public names::
 
     from torchnext.comms import Communicator, Work, WorkStatus, ReduceOp, CommError, CommTimeout, CommAborted, PeerFailure
+    from torchnext.comms import FlightRecorder          # collective trace + hang analysis (docs/flight_recorder.md)
 
 See ``docs/comms.md`` for the contract (ops, Work, hooks, abort, split, errors, thread-safety).
 """
@@ -24,6 +25,7 @@ from torchnext.comms.fault_tolerant import FaultTolerant as FaultTolerant
 from torchnext.comms.fault_tolerant import FaultTolerantConfig as FaultTolerantConfig
 from torchnext.comms.fault_tolerant import Reconfiguration as Reconfiguration
 from torchnext.comms.fault_tolerant import Step as Step
+from torchnext.comms.flight_recorder import FlightRecorder as FlightRecorder
 from torchnext.comms.healing import HealingError as HealingError
 from torchnext.comms.hooks import AbortHookArgs as AbortHookArgs
 from torchnext.comms.hooks import OpInfo as OpInfo
@@ -58,6 +60,7 @@ __all__ = [
     "Reconfiguration",
     "RemovedFromGroup",
     "Step",
+    "FlightRecorder",
     "HookError",
     "OpInfo",
     "P2POp",

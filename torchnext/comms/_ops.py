@@ -18,6 +18,7 @@ from torchnext.comms import _validate as v
 from torchnext.comms.reduce_op import ReduceOp
 
 if TYPE_CHECKING:
+    from torchnext.comms.backends import BackendHandle
     from torchnext.comms.work import Work
 
 __all__ = ["CollectiveOps", "P2POp"]
@@ -51,6 +52,7 @@ class CollectiveOps:
         _size: int
         _device: torch.device
         _pg: Any
+        _backend: BackendHandle
 
         def _issue(
             self,
@@ -162,7 +164,7 @@ class CollectiveOps:
 
         def launch(td: timedelta | None) -> list[Any]:
             make = lambda: _options(_C10D.ReduceScatterOptions, reduceOp=c_op)  # noqa: E731
-            return [pg._reduce_scatter_base(out, inp, self._opt("reduce_scatter", c_op, make, td))]
+            return [pg._reduce_scatter_base(out.view(-1), inp.view(-1), self._opt("reduce_scatter", c_op, make, td))]
 
         return self._issue(name, async_op, timeout, launch, (inp,), (out,), reduce_op=rop,
                            finalize=self._divide(out) if divide else None)
@@ -212,7 +214,7 @@ class CollectiveOps:
         pg = self._pg
 
         def launch(td: timedelta | None) -> list[Any]:
-            return [pg._allgather_base(out, t, self._opt("allgather", None, _C10D.AllgatherOptions, td))]
+            return [pg._allgather_base(out.view(-1), t.view(-1), self._opt("allgather", None, _C10D.AllgatherOptions, td))]
 
         return self._issue(name, async_op, timeout, launch, (t,), (out,))
 
@@ -224,7 +226,10 @@ class CollectiveOps:
         async_op: bool = False,
         timeout: Timeout = None,
     ) -> Work | None:
-        """``output_list[r] = xs[r][rank]`` where ``xs[r]`` is rank r's ``input_list`` (sizes may differ per pair)."""
+        """``output_list[r] = xs[r][rank]`` where ``xs[r]`` is rank r's ``input_list`` (sizes may differ per pair).
+
+        On backends whose list form needs equal sizes (Gloo) this runs as one ``all_to_all_single`` over flat
+        buffers (one copy in, one copy out)."""
         name = "all_to_all"
         outs = v.check_list(output_list, "output_list", name, self._device, self._size)
         ins = v.check_list(input_list, "input_list", name, self._device, self._size)
@@ -233,11 +238,27 @@ class CollectiveOps:
             raise ValueError(f"{name}: input_list[{self._rank}] and output_list[{self._rank}] (this rank's own chunk) "
                              f"differ in size: {tuple(ins[self._rank].shape)} vs {tuple(outs[self._rank].shape)}")
         pg = self._pg
+        if self._backend.uneven_all_to_all:
 
-        def launch(td: timedelta | None) -> list[Any]:
-            return [pg.alltoall(outs, ins, self._opt("alltoall", None, _C10D.AllToAllOptions, td))]
+            def launch(td: timedelta | None) -> list[Any]:
+                return [pg.alltoall(outs, ins, self._opt("alltoall", None, _C10D.AllToAllOptions, td))]
 
-        return self._issue(name, async_op, timeout, launch, ins, outs)
+            return self._issue(name, async_op, timeout, launch, ins, outs)
+        # Emulated (Gloo's list form needs equal sizes): one all_to_all_single over flat buffers, then unpack.
+        in_splits = [t.numel() for t in ins]
+        out_splits = [t.numel() for t in outs]
+        flat_in = torch.cat([t.reshape(-1) for t in ins])
+        flat_out = torch.empty(sum(out_splits), dtype=flat_in.dtype, device=flat_in.device)
+
+        def launch_flat(td: timedelta | None) -> list[Any]:
+            opts = self._opt("alltoall", None, _C10D.AllToAllOptions, td)
+            return [pg.alltoall_base(flat_out, flat_in, out_splits, in_splits, opts)]
+
+        def unpack() -> None:
+            for o, chunk in zip(outs, flat_out.split(out_splits), strict=True):
+                o.view(-1).copy_(chunk)
+
+        return self._issue(name, async_op, timeout, launch_flat, ins, outs, finalize=unpack)
 
     def all_to_all_single(
         self,

@@ -7,7 +7,7 @@ import threading
 import zlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,9 @@ from torchnext.comms.errors import CommAborted, CommError
 from torchnext.comms.hooks import AbortHookArgs, HookList, OpInfo, PostHookArgs, RemovableHandle
 from torchnext.comms.reduce_op import ReduceOp
 from torchnext.comms.work import CompletionWaiter, Work, WorkStatus
+
+if TYPE_CHECKING:
+    from torchnext.comms.flight_recorder import FlightRecorder
 
 __all__ = ["Communicator", "P2POp"]
 
@@ -84,14 +87,24 @@ class Communicator(CollectiveOps):
         timeout: float | timedelta = timedelta(seconds=300),
         name: str = "world",
         device: torch.device | str | None = None,
+        flight_recorder: bool | FlightRecorder = False,
     ) -> None:
         if not isinstance(name, str) or not name or "/" in name:
             raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
+        if flight_recorder is not False:
+            from torchnext.comms.flight_recorder import FlightRecorder as _FR
+
+            if flight_recorder is not True and not isinstance(flight_recorder, _FR):
+                raise TypeError(f"flight_recorder must be a bool or a FlightRecorder, got {flight_recorder!r}")
         if not isinstance(store, dist.Store):
             raise TypeError(f"store must be a torch.distributed.Store, got {type(store).__name__}")
         prefixed = dist.PrefixStore(f"torchnext/{name}", store)
         self._setup(prefixed, rank, world_size, tuple(range(world_size)) if _is_int(world_size) else (),
                     backend=backend, timeout=timeout, name=name, device=device)
+        if flight_recorder is True:
+            _FR.attach(self, capacity=None)  # TORCHNEXT_FR_BUFFER_SIZE (default 2000; 0 disables)
+        elif flight_recorder is not False:
+            flight_recorder.add_communicator(self)
 
     @classmethod
     def from_env(
@@ -102,6 +115,7 @@ class Communicator(CollectiveOps):
         name: str = "world",
         device: torch.device | str | None = None,
         host_store: bool = False,
+        flight_recorder: bool | FlightRecorder = False,
     ) -> Communicator:
         """Build from torchrun / ``env://`` variables: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 
@@ -116,7 +130,8 @@ class Communicator(CollectiveOps):
             env.master_addr, env.master_port, env.world_size, is_master,
             timeout=_as_timedelta(timeout), wait_for_workers=False,
         )
-        return cls(store, env.rank, env.world_size, backend=backend, timeout=timeout, name=name, device=device)
+        return cls(store, env.rank, env.world_size, backend=backend, timeout=timeout, name=name, device=device,
+                   flight_recorder=flight_recorder)
 
     def _setup(
         self,
@@ -158,6 +173,7 @@ class Communicator(CollectiveOps):
         self._pre_hooks: HookList[OpInfo] = HookList("pre")
         self._post_hooks: HookList[PostHookArgs] = HookList("post")
         self._abort_hooks: HookList[AbortHookArgs] = HookList("abort")
+        self._flight_recorder: FlightRecorder | None = None  # set by FlightRecorder.add_communicator
         dev = None if device is None else torch.device(device)
         cfg = BackendConfig(store=store, rank=rank, size=size, timeout=self._timeout, device=dev, name=name)
         self._backend = factory(cfg)
@@ -192,6 +208,11 @@ class Communicator(CollectiveOps):
     @property
     def backend(self) -> str:
         return self._backend_name
+
+    @property
+    def flight_recorder(self) -> FlightRecorder | None:
+        """The :class:`~torchnext.comms.FlightRecorder` recording this communicator (and its split children)."""
+        return self._flight_recorder
 
     @property
     def timeout(self) -> timedelta:
@@ -362,8 +383,10 @@ class Communicator(CollectiveOps):
             try:
                 backend_works = launch(td)
             except Exception as exc:
+                # Raised while issuing: a broken peer/timeout breaks the communicator; anything else is the backend
+                # refusing the arguments (nothing was issued), which leaves the communicator usable.
                 wrapped = work._wrap_backend_error(exc)
-                work._finish(WorkStatus.ERROR, wrapped)
+                work._finish(WorkStatus.ERROR, wrapped, breaks_comm=type(wrapped) is not CommError)
                 raise wrapped from exc
             if not async_op:
                 work._wait_sync(backend_works)
@@ -456,6 +479,8 @@ class Communicator(CollectiveOps):
             backend=self._backend_name, timeout=self._timeout,
             name=name or f"{self._name}.{seq}.{color}", device=self._device,
         )
+        if self._flight_recorder is not None:
+            self._flight_recorder.add_communicator(child)  # children are recorded by the parent's recorder
         return child
 
 

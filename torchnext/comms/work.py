@@ -219,8 +219,11 @@ class Work:
                 return
         self._finish(WorkStatus.COMPLETED, None)
 
-    def _finish(self, status: WorkStatus, exc: BaseException | None) -> bool:
-        """Move to terminal ``status`` once (first caller wins); run post hooks; wake waiters."""
+    def _finish(self, status: WorkStatus, exc: BaseException | None, *, breaks_comm: bool = True) -> bool:
+        """Move to terminal ``status`` once (first caller wins); run post hooks; wake waiters.
+
+        A failure (ERROR/TIMED_OUT) makes the communicator errored unless ``breaks_comm`` is False (the backend
+        refused the op's arguments before issuing it)."""
         comm = self._comm
         with comm._lock:
             if self.status in _TERMINAL:
@@ -230,7 +233,7 @@ class Work:
             self._t_end = time.perf_counter()
             comm._in_flight.pop(self.op_id, None)
             if status is WorkStatus.ERROR or status is WorkStatus.TIMED_OUT:
-                if comm._error is None and isinstance(exc, CommError):
+                if breaks_comm and comm._error is None and isinstance(exc, CommError):
                     comm._error = exc
         info = self.info
         if info is not None and comm._post_hooks.snapshot:

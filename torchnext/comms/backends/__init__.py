@@ -52,6 +52,8 @@ class BackendHandle:
     """Device of the tensors it communicates."""
     native_avg: bool = True
     """Whether ``ReduceOp.AVG`` can be passed to the backend (else SUM + divide is used)."""
+    uneven_all_to_all: bool = False
+    """Whether the list-form ``alltoall`` accepts chunks of different sizes (else it is emulated)."""
     abort_fn: Callable[[], None] | None = None
     """Cancels in-flight work in the backend itself (NCCL); None when the backend cannot (Gloo)."""
     shutdown_fn: Callable[[], None] | None = None

@@ -2,7 +2,7 @@
 
 Measured on torch 2.13.0: the constructor connects the full mesh (eager); every collective supports SUM, AVG
 (floating), PRODUCT, MIN, MAX on float32/bfloat16/int64; collective Works carry a future whose callback fires on a
-Gloo worker thread; send/recv Works have no future; ``abort()`` does nothing, so the Communicator abandons the backend
+Gloo worker thread; send/recv Works have no future; the list-form alltoall needs equal chunk sizes; ``abort()`` does nothing, so the Communicator abandons the backend
 instead (see ``Communicator.abort``).
 """
 

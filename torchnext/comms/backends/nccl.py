@@ -31,4 +31,4 @@ def create(cfg: BackendConfig) -> BackendHandle:
     opts._timeout = cfg.timeout
     pg = dist.ProcessGroupNCCL(cfg.store, cfg.rank, cfg.size, opts)
     pg.eager_connect_single_device(device)
-    return BackendHandle(pg=pg, device=device, native_avg=True, abort_fn=pg.abort, shutdown_fn=pg.shutdown)
+    return BackendHandle(pg=pg, device=device, native_avg=True, uneven_all_to_all=True, abort_fn=pg.abort, shutdown_fn=pg.shutdown)

@@ -1,0 +1,311 @@
+"""Real multi-rank Gloo runs with scripted faults: the recorder dumps, the analyzer names the rank, seq and kind.
+
+Every rank is a process started by the comms harness (``torchnext.testing.run_ranks``: parent-hosted store, bounded
+waits, children always reaped). Collective timeouts are short (2-3 s) so each scenario ends in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from torchnext.comms import CommAborted, CommError, CommTimeout, Communicator, FlightRecorder
+from torchnext.comms.fr_analysis import Report, analyze_dir
+from torchnext.testing import RankContext, crash_now, run_ranks
+
+FORMATS = ("json", "pickle")
+
+
+def _setup(ctx: RankContext, d: str, *, timeout: float = 2.0, capacity: int = 2000) -> tuple[Communicator, FlightRecorder]:
+    comm = Communicator(ctx.store, ctx.rank, ctx.world_size, timeout=timedelta(seconds=timeout))
+    fr = FlightRecorder.attach(comm, capacity=capacity, dump_dir=d, auto_dump_formats=FORMATS, record_frames=True)
+    return comm, fr
+
+
+def _dump(fr: FlightRecorder, d: str) -> None:
+    for fmt in FORMATS:
+        fr.dump(d + os.sep, format=fmt, reason="end of test")
+
+
+def _wait_key(ctx: RankContext, key: str, seconds: float = 30.0) -> None:
+    ctx.store.wait([key], timedelta(seconds=seconds))
+
+
+def _analyze(d: Path) -> Report:
+    report = analyze_dir(d)
+    # the pickle flavour (for torchfrtrace) sits beside the JSON dumps and is skipped without --allow-pickle
+    assert not [p for p in report.problems if p.skipped and "--allow-pickle" not in p.message], report.problems
+    return report
+
+
+def _first(report: Report) -> tuple[str, list[int], int | None, str | None, str]:
+    i = report.issues[0]
+    return i.kind, i.ranks, i.seq, i.op, i.pg
+
+
+# ---------------------------------------------------------------------------------------------- rank bodies
+def _stuck_in_compute(d: str, rank: int) -> None:
+    """Where rank 2 "hangs" instead of entering the collective; leaves once SIGUSR1 made it dump."""
+    target = os.path.join(d, f"torchnext_fr_rank_{rank}.json")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(target) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def skip_body(ctx: RankContext, d: str) -> Any:
+    comm, fr = _setup(ctx, d)
+    fr.enable_dump_on_signal(signal.SIGUSR1)
+    ctx.store.set(f"pid{ctx.rank}", str(os.getpid()))
+    t = torch.ones(4)
+    for _ in range(2):
+        comm.all_reduce(t)
+    if ctx.rank == 2:
+        _stuck_in_compute(d, 2)  # skips all_reduce #3
+        return None
+    with pytest.raises(CommTimeout):
+        comm.all_reduce(t)
+    if ctx.rank == 0:
+        os.kill(int(ctx.store.get("pid2")), signal.SIGUSR1)  # what an operator (or launcher) does to a stuck rank
+    return [str(p) for p in fr.last_dump_paths]
+
+
+def op_mismatch_body(ctx: RankContext, d: str) -> Any:
+    comm, fr = _setup(ctx, d)
+    t = torch.ones(4)
+    comm.all_reduce(t)
+    with pytest.raises(CommError):
+        if ctx.rank == 1:
+            comm.broadcast(t, 0)
+        else:
+            comm.all_reduce(t)
+    return fr.last_dump_paths != []
+
+
+def size_dtype_body(ctx: RankContext, d: str, kind: str) -> Any:
+    comm, fr = _setup(ctx, d)
+    t = torch.ones(4)
+    comm.all_reduce(t)
+    if kind == "size":  # rank 2 passes a bigger buffer: Gloo completes silently (a latent bug the analyzer finds)
+        comm.broadcast(torch.ones(8 if ctx.rank == 2 else 4), 0)
+    else:  # rank 2 passes int32 of the same byte size: Gloo reduces garbage silently
+        comm.all_reduce(torch.ones(4, dtype=torch.int32 if ctx.rank == 2 else torch.float32))
+    comm.all_reduce(t)
+    _dump(fr, d)
+
+
+def p2p_body(ctx: RankContext, d: str) -> Any:
+    comm, fr = _setup(ctx, d)
+    t = torch.ones(4)
+    comm.all_reduce(t)
+    if ctx.rank == 0:
+        try:
+            comm.send(t, 1, timeout=1.5)  # rank 1 never posts the recv
+        except CommTimeout:
+            pass
+        _dump(fr, d)
+        ctx.store.set("sent", "1")
+    else:
+        _wait_key(ctx, "sent")
+        _dump(fr, d)
+
+
+def straggler_body(ctx: RankContext, d: str) -> Any:
+    comm, fr = _setup(ctx, d, timeout=10.0)
+    t = torch.ones(4)
+    for i in range(4):
+        if i == 2 and ctx.rank == 1:
+            time.sleep(1.5)
+        comm.all_reduce(t)
+    _dump(fr, d)
+
+
+def killed_body(ctx: RankContext, d: str) -> Any:
+    comm, fr = _setup(ctx, d, timeout=5.0)
+    t = torch.ones(4)
+    for _ in range(2):
+        comm.all_reduce(t)
+    if ctx.rank == 2:
+        crash_now()
+    with pytest.raises(CommError):
+        comm.all_reduce(t)
+    return [str(p) for p in fr.last_dump_paths]
+
+
+def abort_body(ctx: RankContext, d: str) -> Any:
+    comm, fr = _setup(ctx, d, timeout=30.0)
+    t = torch.ones(4)
+    comm.all_reduce(t)
+    if ctx.rank == 1:
+        _wait_key(ctx, "aborted")
+        return None
+    threading.Timer(0.3, comm.abort, args=("operator gave up",)).start()
+    with pytest.raises(CommAborted):
+        comm.all_reduce(t)
+    ctx.store.set("aborted", "1")
+    dump = json.loads((Path(d) / "torchnext_fr_rank_0.json").read_text())
+    return dump["dump_reason"], [e["state"] for e in dump["entries"]], [e["state"] for e in fr.entries()]
+
+
+def split_body(ctx: RankContext, d: str) -> Any:
+    comm, fr = _setup(ctx, d)
+    t = torch.ones(4)
+    comm.all_reduce(t)
+    child = comm.split_by_color(ctx.rank // 2)
+    assert child is not None and child.flight_recorder is fr
+    comm.all_reduce(t)
+    child.all_reduce(t)
+    if ctx.rank == 3:  # skips its child's second all_reduce
+        _wait_key(ctx, "child_timed_out")
+    elif ctx.rank == 2:
+        with pytest.raises(CommTimeout):
+            child.all_reduce(t)
+        ctx.store.set("child_timed_out", "1")
+    else:
+        child.all_reduce(t)
+    _dump(fr, d)
+    return child.name
+
+
+def wrap_body(ctx: RankContext, d: str) -> Any:
+    comm, fr = _setup(ctx, d, capacity=8)
+    t = torch.ones(4)
+    for _ in range(20):
+        comm.all_reduce(t)
+    _dump(fr, d)
+    os.environ["TORCHNEXT_FR_BUFFER_SIZE"] = "0"
+    off = Communicator(ctx.store, ctx.rank, ctx.world_size, name="off", flight_recorder=True)
+    off.all_reduce(t)
+    rec = off.flight_recorder
+    no_hooks = not off._pre_hooks.snapshot and not off._post_hooks.snapshot
+    return rec is not None and not rec.enabled and rec.entries() == [] and no_hooks and fr.dropped == 12
+
+
+def generations_body(ctx: RankContext, d: str) -> Any:
+    comm, fr = _setup(ctx, d)
+    t = torch.ones(4)
+    for _ in range(2):
+        comm.all_reduce(t)
+    if ctx.rank == 2:  # leaves the job; the others rebuild without it (generation 1)
+        _dump(fr, d)
+        return None
+    comm1 = Communicator(ctx.store, ctx.rank, 2, name="world_g1", timeout=timedelta(seconds=2))
+    fr.add_communicator(comm1, generation=1)
+    comm1.all_reduce(t)
+    if ctx.rank == 0:
+        with pytest.raises(CommTimeout):
+            comm1.all_reduce(t)
+        ctx.store.set("g1_timed_out", "1")
+    else:
+        _wait_key(ctx, "g1_timed_out")
+        _dump(fr, d)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- tests
+def test_missing_rank_skipped_collective(tmp_path: Path) -> None:
+    run_ranks(skip_body, 3, args=(str(tmp_path),), timeout=90)
+    report = _analyze(tmp_path)
+    assert _first(report) == ("missing_ranks", [2], 3, "all_reduce", "world")
+    where = report.issues[0].detail["missing"]["2"]
+    assert where["stack"][0]["name"] == "_stuck_in_compute"  # the stuck rank's stack, from its SIGUSR1 dump
+    assert where["last_entry"]["seq"] == 2
+    assert report.last_completed["world"] == {"seq": 2, "op": "all_reduce", "generation": 0}
+    reasons = {d.rank: d.dump_reason for d in report.dumps}
+    assert reasons[0].startswith("timeout") and reasons[1].startswith("timeout") and reasons[2] == "signal SIGUSR1"
+    states = {d.rank: d.entries[-1]["state"] for d in report.dumps}
+    assert states == {0: "timed_out", 1: "timed_out", 2: "completed"}
+    # PyTorch's own analyzer reads the pickle flavour of the same dumps and reports the same missing rank
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "missing ranks: {2}" in proc.stdout + proc.stderr
+
+
+def test_op_mismatch(tmp_path: Path) -> None:
+    assert run_ranks(op_mismatch_body, 3, args=(str(tmp_path),), timeout=90) == [True] * 3  # every rank auto-dumped
+    assert _first(_analyze(tmp_path)) == ("op_mismatch", [1], 2, "all_reduce", "world")
+
+
+@pytest.mark.parametrize("kind", ["size", "dtype"])
+def test_size_and_dtype_mismatch(kind: str, tmp_path: Path) -> None:
+    run_ranks(size_dtype_body, 3, args=(str(tmp_path), kind), timeout=90)
+    report = _analyze(tmp_path)
+    expected_op = "broadcast" if kind == "size" else "all_reduce"
+    assert _first(report) == (f"{kind}_mismatch", [2], 2, expected_op, "world")
+    assert len(report.issues) == 1
+
+
+def test_send_without_recv(tmp_path: Path) -> None:
+    run_ranks(p2p_body, 2, args=(str(tmp_path),), timeout=90)
+    report = _analyze(tmp_path)
+    assert _first(report) == ("unmatched_p2p", [0], 1, "send", "world")
+    assert report.issues[0].detail["peer"] == 1
+
+
+def test_straggler(tmp_path: Path) -> None:
+    run_ranks(straggler_body, 3, args=(str(tmp_path),), timeout=90)
+    report = analyze_dir(tmp_path, straggler_ms=1000)  # 1.5 s scripted; a loaded CI box may add a few 100 ms
+    assert _first(report) == ("straggler", [1], 3, "all_reduce", "world")
+    assert report.issues[0].detail["late_ms"] > 1000
+    assert len(report.issues) == 1 and report.last_completed["world"]["seq"] == 4
+
+
+def test_killed_rank(tmp_path: Path) -> None:
+    out = run_ranks(killed_body, 3, args=(str(tmp_path),), timeout=90, allow_exit={2})
+    assert all(out[r] for r in (0, 1))  # survivors dumped automatically on the failure
+    report = _analyze(tmp_path)
+    assert _first(report) == ("missing_ranks", [2], 3, "all_reduce", "world")
+    assert report.ranks_without_dump == [2] and report.issues[0].detail["no_dump"] == [2]
+    assert all(d.dump_reason.split(":")[0] in ("peer_failure", "timeout", "error") for d in report.dumps)
+
+
+def test_abort_dumps_in_flight_ops(tmp_path: Path) -> None:
+    out = run_ranks(abort_body, 2, args=(str(tmp_path),), timeout=90)
+    reason, dumped_states, final_states = out[0]
+    assert reason.startswith("abort") and "operator gave up" in reason
+    assert dumped_states == ["completed", "started"]  # dumped before the in-flight op was cancelled
+    assert final_states == ["completed", "aborted"]
+
+
+def test_split_children_recorded_with_their_own_pg(tmp_path: Path) -> None:
+    names = run_ranks(split_body, 4, args=(str(tmp_path),), timeout=90)
+    report = _analyze(tmp_path)
+    child = names[2]
+    assert report.groups[child].ranks == [2, 3] and report.groups[names[0]].ranks == [0, 1]
+    assert report.groups["world"].ranks == [0, 1, 2, 3]
+    assert _first(report) == ("missing_ranks", [3], 2, "all_reduce", child)
+    assert len(report.issues) == 1
+    assert report.last_completed["world"] == {"seq": 3, "op": "all_reduce", "generation": 0}
+    assert report.last_completed[names[0]] == {"seq": 2, "op": "all_reduce", "generation": 0}
+    ops = [e["op"] for e in next(d for d in report.dumps if d.rank == 0).entries if e["pg"] == "world"]
+    assert ops == ["all_reduce", "split", "all_reduce"]
+
+
+def test_ring_wrap_and_capacity_zero(tmp_path: Path) -> None:
+    assert run_ranks(wrap_body, 2, args=(str(tmp_path),), timeout=90) == [True, True]
+    report = _analyze(tmp_path)
+    assert report.issues == [] and report.last_completed["world"]["seq"] == 20
+    assert [d.dropped for d in report.dumps] == [12, 12] and [len(d.entries) for d in report.dumps] == [8, 8]
+
+
+def test_generations_stitched(tmp_path: Path) -> None:
+    run_ranks(generations_body, 3, args=(str(tmp_path),), timeout=90)
+    report = _analyze(tmp_path)
+    assert [(i.kind, i.pg, i.generation, i.ranks, i.seq) for i in report.issues] == [
+        ("missing_ranks", "world_g1@g1", 1, [1], 2)
+    ]
+    assert report.last_completed["world"] == {"seq": 2, "op": "all_reduce", "generation": 0}
+    assert report.last_completed["world_g1@g1"] == {"seq": 1, "op": "all_reduce", "generation": 1}

@@ -1,0 +1,67 @@
+"""The multi-rank harness: results in rank order, failures reported with tracebacks, hung children killed."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from torchnext.testing import RankContext, RankExited, RankFailure, run_ranks, run_threads
+
+
+def _echo(ctx: RankContext, base: int) -> tuple[int, int, int]:
+    ctx.store.set(f"k{ctx.rank}", str(ctx.rank))
+    ctx.store.wait([f"k{r}" for r in range(ctx.world_size)])
+    return ctx.rank, base + ctx.world_size, os.getpid()
+
+
+def _fail_on_one(ctx: RankContext) -> int:
+    if ctx.rank == 1:
+        raise ValueError("rank one is broken")
+    return ctx.rank
+
+
+def _hang_on_one(ctx: RankContext) -> int:
+    if ctx.rank == 1:
+        ctx.store.set("hung_pid", str(os.getpid()))
+        time.sleep(600)
+    return ctx.rank
+
+
+def _exit_on_one(ctx: RankContext) -> int:
+    if ctx.rank == 1:
+        os._exit(7)
+    return ctx.rank
+
+
+def test_results_in_rank_order_from_separate_processes() -> None:
+    res = run_ranks(_echo, 3, args=(10,), timeout=60)
+    assert [r[:2] for r in res] == [(0, 13), (1, 13), (2, 13)]
+    assert len({r[2] for r in res} | {os.getpid()}) == 4
+
+
+def test_raising_rank_reported_with_traceback() -> None:
+    with pytest.raises(RankFailure, match="rank one is broken") as ei:
+        run_ranks(_fail_on_one, 2, timeout=60)
+    assert set(ei.value.details) == {1}
+
+
+def test_hung_rank_times_out_and_is_killed() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="no result within 3") as ei:
+        run_ranks(_hang_on_one, 2, timeout=3)
+    assert time.monotonic() - t0 < 20
+    assert set(ei.value.details) == {1}
+
+
+def test_exited_rank_fails_unless_allowed() -> None:
+    with pytest.raises(RankFailure, match="exited with code 7"):
+        run_ranks(_exit_on_one, 2, timeout=30)
+    assert run_ranks(_exit_on_one, 2, timeout=30, allow_exit={1}) == [0, RankExited(7)]
+
+
+def test_thread_ranks() -> None:
+    assert [r[:2] for r in run_threads(_echo, 2, args=(1,))] == [(0, 3), (1, 3)]
+    with pytest.raises(RankFailure, match="rank one is broken"):
+        run_threads(_fail_on_one, 2)
