@@ -61,6 +61,7 @@ def _env() -> dict[str, str]:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from torchnext.demo.launcher import DemoError, run_demo
@@ -78,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
                         TimeElapsedColumn(), console=console, disable=args.quiet)
     task = progress.add_task("train", total=cfg.steps, loss="-", size=cfg.ranks, gen=0, tps="-")
     seen_reconfig: set[int] = set()
+    failed_steps: set[int] = set()
 
     def on_event(ev: dict[str, Any]) -> None:
         kind = ev.get("event")
@@ -86,17 +88,20 @@ def run(args: argparse.Namespace) -> int:
                             gen=ev["generation"], tps=f"{ev['tokens_per_s']:.0f}")
         elif kind == "fault":
             progress.console.print(f"[red]✗ injected: {ev['kind']} rank {ev['rank']} after step {ev['step']}[/]")
-        elif kind == "step_failed" and ev.get("_member") == min(seen_reconfig | {ev.get('_member', 0)}):
-            progress.console.print(f"[yellow]! step {ev['step']} failed on member {ev['member']}: {ev['error']}[/]")
+        elif kind == "step_failed" and ev["step"] not in failed_steps:
+            failed_steps.add(ev["step"])
+            progress.console.print(f"[yellow]! step {ev['step']} failed on member {ev['member']}: "
+                                   f"{escape(ev['error'])}[/]")
         elif kind == "reconfigured" and ev["generation"] not in seen_reconfig:
             seen_reconfig.add(ev["generation"])
             t = ev.get("timings", {})
             rebuild = (t["built"] - t["start"]) * 1e3 if "built" in t and "start" in t else float("nan")
             progress.console.print(f"[green]✓ generation {ev['generation']}: members {ev['members']} "
-                                   f"({ev['reason']}), rebuilt in {rebuild:.1f} ms[/]")
+                                   f"({escape(str(ev['reason']))}), rebuilt in {rebuild:.1f} ms[/]")
             if ev.get("healed"):
                 h = ev["healed"]
-                progress.console.print(f"[green]✓ healed joiner(s) {ev['joiners']}: {h}[/]")
+                progress.console.print(f"[green]✓ healed joiner(s) {ev['joiners']}: "
+                                       f"{h.get('bytes', 0) / 2**20:.1f} MiB in {h.get('seconds', 0) * 1e3:.0f} ms[/]")
         elif kind == "rejoin_started":
             progress.console.print(f"[cyan]→ replacement member {ev['member']} launched[/]")
 
@@ -104,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         with progress:
             summary = run_demo(cfg, on_event)
     except DemoError as exc:
-        console.print(f"[red]demo failed:[/] {exc}")
+        console.print(f"[red]demo failed:[/] {escape(str(exc))}")
         return 1
     out = Path(cfg.out)
     rc = analyze_flight_recorder(out)

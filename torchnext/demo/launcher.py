@@ -36,7 +36,7 @@ class DemoConfig:
 
     ranks: int = 4
     """Local ranks to launch."""
-    steps: int = 60
+    steps: int = 200
     """Committed training steps."""
     precision: str = "nvfp4"
     """Weight precision: nvfp4, mxfp8, bf16, fp32."""
@@ -168,7 +168,6 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
     coord.start()
     fault_at: float | None = None
     fault_done = False
-    rejoined = False
     try:
         for m in range(cfg.ranks):
             launcher.spawn(m, coord.address, coord.token)
@@ -200,16 +199,15 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
                         os.killpg(victim.proc.pid, signal.SIGSTOP)
                         victim.state = "hung"
                     fault_done = True
+                    if cfg.rejoin:
+                        new_id = launcher.next_member
+                        launcher.next_member += 1
+                        launcher.spawn(new_id, coord.address, coord.token)
+                        emit({"event": "rejoin_started", "member": new_id})
                     emit({"event": "fault", "kind": "kill" if cfg.kill_rank is not None else "hang",
                           "rank": target, "step": step})
             elif kind == "reconfigured":
                 launcher.reconfigs.append(ev)
-                if fault_at is not None and not rejoined and cfg.rejoin and ev.get("reason") != "grow":
-                    rejoined = True
-                    new_id = launcher.next_member
-                    launcher.next_member += 1
-                    launcher.spawn(new_id, coord.address, coord.token)
-                    emit({"event": "rejoin_started", "member": new_id})
                 if cfg.hang_rank is not None:
                     victim = launcher.ranks[cfg.hang_rank]
                     if victim.state == "hung":  # removed: let it run again, it must be refused
@@ -224,16 +222,21 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
                     raise DemoError(f"member {member} exited unexpectedly (code {ev['code']}); its log:\n"
                                     + _log_tail(out / "logs" / f"member_{member}.log"))
             emit(ev)
+    except BaseException as exc:
+        error = exc
+        raise
+    else:
+        error = None
     finally:
         history = coord.history()
         launcher.cleanup()
         coord.stop()
-    wall = time.monotonic() - t_start
-    return _summarize(cfg, launcher, history, fault_at, target, wall)
+        summary = _summarize(cfg, launcher, history, fault_at, target, time.monotonic() - t_start, error)
+    return summary
 
 
 def _summarize(cfg: DemoConfig, launcher: _Launcher, history: list[dict[str, Any]], fault_at: float | None,
-               target: int | None, wall: float) -> dict[str, Any]:
+               target: int | None, wall: float, error: BaseException | None = None) -> dict[str, Any]:
     out = Path(cfg.out)
     failures: list[dict[str, Any]] = []
     if fault_at is not None and target is not None:
@@ -262,9 +265,11 @@ def _summarize(cfg: DemoConfig, launcher: _Launcher, history: list[dict[str, Any
         "final_members": sorted(digests),
         "precision": cfg.precision,
         "wall_s": round(wall, 2),
+        "error": None if error is None else f"{type(error).__name__}: {error}",
         "config": asdict(cfg),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "coordinator_history.json").write_text(json.dumps(history, indent=1, default=str))
     (out / "loss.json").write_text(json.dumps({str(s): launcher.losses[s] for s in sorted(launcher.losses)}))
     _plot_loss(out / "loss.png", launcher.losses, failures)
     return summary

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 class TrainConfig:
     """What one rank trains."""
 
-    steps: int = 60
+    steps: int = 200
     """Committed steps to train."""
     precision: str = "nvfp4"
     """Weight precision: nvfp4, mxfp8, bf16, fp32."""
@@ -73,6 +73,26 @@ def param_digest(model: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def _flatten_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    """Copy every gradient into ``flat`` (zeros for a parameter without one, e.g. an expert no sequence chose)."""
+    off = 0
+    for p in params:
+        n = p.numel()
+        if p.grad is None:
+            flat[off:off + n].zero_()
+        else:
+            flat[off:off + n].copy_(p.grad.reshape(-1))
+        off += n
+
+
+def _unflatten_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    off = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[off:off + n].view_as(p).clone()
+        off += n
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -127,16 +147,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             loss, lm = model.loss(x, y)
             opt.zero_grad(set_to_none=False)
             loss.backward()
-            torch.cat([p.grad.reshape(-1) for p in params], out=flat)  # type: ignore[union-attr]
+            _flatten_grads(params, flat)
             local_lm = torch.tensor([lm])
             ft.all_reduce(flat, ReduceOp.AVG)
             ft.all_reduce(local_lm, ReduceOp.AVG)
             if step.commit():
-                off = 0
-                for p in params:
-                    n = p.numel()
-                    p.grad.copy_(flat[off:off + n].view_as(p))  # type: ignore[union-attr]
-                    off += n
+                _unflatten_grads(params, flat)
                 opt.step()
                 tokens += cfg.batch_size * cfg.seq_len * ft.size
                 _emit("step", member=ft.member_id, step=ft.step_count, loss=float(local_lm), size=ft.size,
