@@ -92,16 +92,18 @@ def run(args: argparse.Namespace) -> int:
             failed_steps.add(ev["step"])
             progress.console.print(f"[yellow]! step {ev['step']} failed on member {ev['member']}: "
                                    f"{escape(ev['error'])}[/]")
-        elif kind == "reconfigured" and ev["generation"] not in seen_reconfig:
-            seen_reconfig.add(ev["generation"])
-            t = ev.get("timings", {})
-            rebuild = (t["built"] - t["start"]) * 1e3 if "built" in t and "start" in t else float("nan")
-            progress.console.print(f"[green]✓ generation {ev['generation']}: members {ev['members']} "
-                                   f"({escape(str(ev['reason']))}), rebuilt in {rebuild:.1f} ms[/]")
-            if ev.get("healed"):
-                h = ev["healed"]
-                progress.console.print(f"[green]✓ healed joiner(s) {ev['joiners']}: "
-                                       f"{h.get('bytes', 0) / 2**20:.1f} MiB in {h.get('seconds', 0) * 1e3:.0f} ms[/]")
+        elif kind == "reconfigured":
+            if ev["generation"] not in seen_reconfig:
+                seen_reconfig.add(ev["generation"])
+                t = ev.get("timings", {})
+                rebuild = (t["built"] - t["start"]) * 1e3 if "built" in t and "start" in t else float("nan")
+                progress.console.print(f"[green]✓ generation {ev['generation']}: members {ev['members']} "
+                                       f"({escape(str(ev['reason']))}), rebuilt in {rebuild:.1f} ms[/]")
+        elif kind == "joined" and ev.get("healed") and ev["step"] > 0:
+            h = ev["healed"]
+            progress.console.print(f"[green]✓ member {ev['member']} joined generation {ev['generation']} at step "
+                                   f"{ev['step']}, healed from a survivor: {h['bytes'] / 2**20:.2f} MiB, "
+                                   f"{h['tensors']} tensors in {h['seconds'] * 1e3:.0f} ms[/]")
         elif kind == "rejoin_started":
             progress.console.print(f"[cyan]→ replacement member {ev['member']} launched[/]")
 

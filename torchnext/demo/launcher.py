@@ -70,7 +70,7 @@ class _Rank:
     proc: subprocess.Popen[str]
     log: IO[str]
     started: float
-    state: str = "running"  # running | killed | hung | removed | done | failed
+    state: str = "running"  # standby | running | killed | hung | removed | done | failed
 
 
 class _Launcher:
@@ -85,10 +85,9 @@ class _Launcher:
         self.failures: list[dict[str, Any]] = []
         self.reconfigs: list[dict[str, Any]] = []
         self.done: dict[int, dict[str, Any]] = {}
-        self.next_member = cfg.ranks
 
     # ---------------------------------------------------------------------------------------------- processes
-    def spawn(self, member: int, coordinator: str, token: str) -> None:
+    def spawn(self, member: int, coordinator: str, token: str, *, standby: bool = False) -> None:
         cfg = self.cfg
         env = dict(os.environ)
         env.update(cfg.extra_env)
@@ -97,12 +96,20 @@ class _Launcher:
         cmd = [sys.executable, "-m", "torchnext.demo.train", "--steps", str(cfg.steps), "--precision", cfg.precision,
                "--batch-size", str(cfg.batch_size), "--seq-len", str(cfg.seq_len), "--seed", str(cfg.seed),
                "--out", str(self.out), "--member-id", str(member), "--lowp-backend", cfg.lowp_backend,
-               "--min-size", "2" if cfg.ranks > 2 else "1"]
-        log = open(self.out / "logs" / f"member_{member}.log", "w")  # noqa: SIM115 - closed in cleanup()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
-                                env=env, start_new_session=True)
-        self.ranks[member] = _Rank(member, proc, log, time.monotonic())
+               "--min-size", "2" if cfg.ranks > 2 else "1", *(["--standby"] if standby else [])]
+        log = open(self.out / "logs" / f"member_{member}.log", "w")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True,
+                                stdin=subprocess.PIPE if standby else subprocess.DEVNULL)
+        self.ranks[member] = _Rank(member, proc, log, time.monotonic(), state="standby" if standby else "running")
         threading.Thread(target=self._reader, args=(member, proc), daemon=True, name=f"demo-reader-{member}").start()
+
+    def wake(self, member: int) -> None:
+        """Tell a warm spare to join now."""
+        r = self.ranks[member]
+        assert r.proc.stdin is not None
+        r.proc.stdin.write("join\n")
+        r.proc.stdin.flush()
+        r.state = "running"
 
     def _reader(self, member: int, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
@@ -171,6 +178,9 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
     try:
         for m in range(cfg.ranks):
             launcher.spawn(m, coord.address, coord.token)
+        spare = cfg.ranks if cfg.rejoin else None
+        if spare is not None:  # a warm spare: imports and model built now, joins when the failure happens
+            launcher.spawn(spare, coord.address, coord.token, standby=True)
         emit({"event": "launched", "ranks": cfg.ranks, "coordinator": coord.address})
         deadline = t_start + cfg.timeout_s
         while True:
@@ -199,11 +209,9 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
                         os.killpg(victim.proc.pid, signal.SIGSTOP)
                         victim.state = "hung"
                     fault_done = True
-                    if cfg.rejoin:
-                        new_id = launcher.next_member
-                        launcher.next_member += 1
-                        launcher.spawn(new_id, coord.address, coord.token)
-                        emit({"event": "rejoin_started", "member": new_id})
+                    if spare is not None:
+                        launcher.wake(spare)
+                        emit({"event": "rejoin_started", "member": spare})
                     emit({"event": "fault", "kind": "kill" if cfg.kill_rank is not None else "hang",
                           "rank": target, "step": step})
             elif kind == "reconfigured":
@@ -217,7 +225,7 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
                 launcher.done[member] = ev
             elif kind == "exit":
                 r = launcher.ranks[member]
-                if r.state == "running" and member not in launcher.done:
+                if r.state in ("running", "standby") and member not in launcher.done:
                     r.state = "failed"
                     raise DemoError(f"member {member} exited unexpectedly (code {ev['code']}); its log:\n"
                                     + _log_tail(out / "logs" / f"member_{member}.log"))

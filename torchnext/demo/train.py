@@ -59,6 +59,8 @@ class TrainConfig:
     """Stable member id to ask the coordinator for (None: assigned)."""
     lowp_backend: str = "eager"
     """``torchnext.lowp.scaled_mm`` backend."""
+    standby: bool = False
+    """Warm spare: build everything, then wait for a line on stdin before joining the group."""
 
 
 def _emit(event: str, **fields: Any) -> None:
@@ -97,7 +99,7 @@ def _unflatten_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> No
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train until ``cfg.steps`` steps are committed; return this rank's final report."""
-    from torchnext.comms import FaultTolerant, FaultTolerantConfig, FlightRecorder, ReduceOp
+    from torchnext.comms import CommError, FaultTolerant, FaultTolerantConfig, FlightRecorder, ReduceOp
     from torchnext.demo.data import VOCAB, batch_for_step
     from torchnext.demo.model import ModelConfig, MoETransformerLM, Precision
 
@@ -119,6 +121,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     fr_dir = Path(cfg.out) / "fr"
     fr_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.standby:
+        _emit("standby", member=cfg.member_id, pid=os.getpid())
+        if not sys.stdin.readline():
+            _emit("standby_cancelled", member=cfg.member_id)
+            return {"member": cfg.member_id, "steps": 0, "cancelled": True}
     ft = FaultTolerant(
         FaultTolerantConfig(min_size=cfg.min_size, member_id=cfg.member_id),
         state_dict=state_dict,
@@ -133,7 +140,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
               healed=None if r.healed is None else asdict(r.healed))
 
     ft.on_reconfigure(on_reconfigure)
-    _emit("joined", member=ft.member_id, generation=ft.generation, size=ft.size, step=ft.step_count, pid=os.getpid())
+    first = ft.reconfigurations[-1] if ft.reconfigurations else None
+    healed = None if first is None or first.healed is None else asdict(first.healed)
+    _emit("joined", member=ft.member_id, generation=ft.generation, size=ft.size, step=ft.step_count, pid=os.getpid(),
+          healed=healed)
 
     flat = torch.zeros(sum(p.numel() for p in params))
     t_start = time.monotonic()
@@ -160,6 +170,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                       tokens_per_s=tokens / max(time.monotonic() - t_start, 1e-9))
         if step.error is not None:
             _emit("step_failed", member=ft.member_id, step=step_no, error=f"{type(step.error).__name__}: {step.error}")
+    # Every member committed the last step; leave together, so that no member still settling its last step sees
+    # the others' departures as failures.
+    try:
+        ft.barrier(timeout=30.0)
+    except CommError as exc:  # a failure after the last commit loses nothing: report and finish
+        _emit("final_barrier_failed", member=ft.member_id, error=f"{type(exc).__name__}: {exc}")
     recorder.dump(fr_dir, format="json", reason="end")
     recorder.dump(fr_dir, format="pickle", reason="end")
     report = {"member": ft.member_id, "rank": ft.rank, "generation": ft.generation, "steps": ft.step_count,
@@ -182,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-size", type=int, default=d.min_size)
     p.add_argument("--member-id", type=int, default=None)
     p.add_argument("--lowp-backend", default=d.lowp_backend)
+    p.add_argument("--standby", action="store_true", help="warm spare: join when a line arrives on stdin")
     return p
 
 
