@@ -53,7 +53,8 @@ def _rank_main(ctx: RankContext, sizes: list[int], budget_s: float, min_pairs: i
     raw = dist.ProcessGroupGloo(dist.PrefixStore("bench_raw", ctx.store), ctx.rank, ctx.world_size, timedelta(seconds=120))
     # The Communicator runs on that very ProcessGroupGloo (a registered backend factory hands it over), so the
     # comparison isolates torchnext's layer: two separately created Gloo groups differ by up to 5x at 4 B here.
-    register_backend("bench-gloo", lambda cfg: BackendHandle(pg=raw, device=torch.device("cpu")), replace=True)
+    register_backend("bench-gloo", lambda cfg: BackendHandle(pg=raw, device=torch.device("cpu"), interruptible_wait=True),
+                     replace=True)
     comm = Communicator(ctx.store, ctx.rank, ctx.world_size, backend="bench-gloo", timeout=timedelta(seconds=120),
                         name="bench")
     counter = [0, 0]
@@ -78,18 +79,22 @@ def _rank_main(ctx: RankContext, sizes: list[int], budget_s: float, min_pairs: i
             raw.broadcast([est]).wait()
             pairs = int(max(min_pairs, min(max_pairs, budget_s / 2 / max(est.item(), 1e-7))))
             times: dict[str, list[float]] = {"ours": [], "raw": []}
+            cpu = {"ours": 0.0, "raw": 0.0}
             raw.barrier().wait()
             for i in range(pairs):  # ABBA at single-op granularity: noise hits both sides alike
                 order = (("raw", base), ("ours", ours)) if i % 2 == 0 else (("ours", ours), ("raw", base))
                 for name, fn in order:
+                    c0 = time.thread_time()
                     t0 = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - t0)
+                    cpu[name] += time.thread_time() - c0
             ours_s = statistics.median(times["ours"])
             raw_s = statistics.median(times["raw"])
             moved = nbytes if op == "all_reduce" else nbytes * ws
             rows.append(dict(op=op, world_size=ws, bytes=nbytes, ours_us=ours_s * 1e6, raw_us=raw_s * 1e6,
                              ours_gbps=moved / ours_s / 1e9, raw_gbps=moved / raw_s / 1e9, ratio=raw_s / ours_s,
+                             added_cpu_us=(cpu["ours"] - cpu["raw"]) / pairs * 1e6,
                              samples=pairs))
     if counter[0] != counter[1]:
         raise RuntimeError(f"hooks unpaired: {counter}")
@@ -99,13 +104,13 @@ def _rank_main(ctx: RankContext, sizes: list[int], budget_s: float, min_pairs: i
 
 def _table(rows: list[dict[str, Any]]) -> str:
     out = ["| op | ranks | size | raw latency (µs) | Communicator latency (µs) | added latency | raw GB/s | "
-           "Communicator GB/s | throughput ratio |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "Communicator GB/s | throughput ratio | added CPU/op (µs) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(
             f"| {r['op']} | {r['world_size']} | {_fmt_size(r['bytes'])} | {r['raw_us']:.1f} | {r['ours_us']:.1f} | "
             f"{(r['ours_us'] / r['raw_us'] - 1) * 100:+.1f} % | {r['raw_gbps']:.3f} | {r['ours_gbps']:.3f} | "
-            f"{r['ratio']:.3f} |"
+            f"{r['ratio']:.3f} | {r['added_cpu_us']:.1f} |"
         )
     return "\n".join(out)
 
@@ -116,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (smoke run)")
     p.add_argument("--budget-s", type=float, default=3.0, help="seconds of measurement per (op, size, world size)")
     p.add_argument("--max-pairs", type=int, default=3000, help="most ABBA pairs per point")
+    p.add_argument("--min-pairs", type=int, default=16, help="fewest ABBA pairs per point (large messages)")
     p.add_argument("--markdown", help="also write the table to this file")
     args = p.parse_args(argv)
     sizes = [4, 1024 * 1024] if args.quick else SIZES
@@ -126,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for ws in args.world_sizes:
         t0 = time.time()
-        results = run_ranks(_rank_main, ws, args=(sizes, budget, 5, args.max_pairs), timeout=1800)
+        results = run_ranks(_rank_main, ws, args=(sizes, budget, args.min_pairs, args.max_pairs), timeout=1800)
         rows.extend(results[0])
         print(f"world size {ws}: {time.time() - t0:.1f} s", flush=True)
     rows.sort(key=lambda r: (r["op"], r["world_size"], r["bytes"]))

@@ -125,7 +125,7 @@ def test_avg_emulated_when_backend_lacks_it() -> None:
 
 
 def test_backend_registry_errors() -> None:
-    with pytest.raises(ValueError, match="unknown backend 'nope'.*gloo"):
+    with pytest.raises(ValueError, match=r"unknown backend 'nope'.*gloo"):
         get_backend("nope")
     with pytest.raises(ValueError, match="already registered"):
         register_backend("gloo", _no_avg_factory)
@@ -136,7 +136,7 @@ def test_backend_registry_errors() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised on a machine without CUDA")
 def test_nccl_backend_on_cpu_machine_raises_clearly() -> None:
     cfg = BackendConfig(store=dist.HashStore(), rank=0, size=1, timeout=timedelta(seconds=5), device=None, name="n")
-    with pytest.raises(RuntimeError, match="NCCL|CUDA"):
+    with pytest.raises(RuntimeError, match=r"NCCL|CUDA"):
         get_backend("nccl")(cfg)
 
 
@@ -187,6 +187,9 @@ def _lifecycle(ctx: RankContext) -> None:
     comm = Communicator(ctx.store, ctx.rank, 2, name="life")
     assert (comm.rank, comm.size, comm.ranks, comm.backend, str(comm.device)) == (ctx.rank, 2, [0, 1], "gloo", "cpu")
     assert "life" in repr(comm)
+    assert comm.backend_handle.pg is not None and comm.timeout == timedelta(seconds=300)
+    comm.store.set("probe", "1")  # namespaced: visible under torchnext/life/ in the shared store
+    assert ctx.store.get("torchnext/life/probe") == b"1"
     comm.barrier()
     comm.shutdown()
     comm.shutdown()

@@ -16,10 +16,17 @@ from torchnext.testing import RankContext, RankExited, freeze_self, kill, run_ra
 
 def _timeout_scenario(ctx: RankContext) -> dict[str, Any]:
     comm = Communicator(ctx.store, ctx.rank, 2, timeout=timedelta(seconds=30))
+    p2p = Communicator(ctx.store, ctx.rank, 2, timeout=timedelta(seconds=30), name="p2p")
     if ctx.rank == 1:  # never joins; waits until rank 0 is done
         ctx.store.wait(["done"], timedelta(seconds=60))
         return {}
     out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    try:  # a sync recv whose sender never sends
+        p2p.recv(torch.empty(3), 1, timeout=timedelta(milliseconds=500))
+    except CommTimeout as exc:
+        out["recv_elapsed"] = time.perf_counter() - t0
+        out["recv_msg"] = str(exc)
     # async: a short wait returns False and leaves the op running; the op's own deadline then raises CommTimeout
     w = comm.all_reduce(torch.ones(4), async_op=True, timeout=0.8)
     assert w is not None
@@ -44,6 +51,7 @@ def _timeout_scenario(ctx: RankContext) -> dict[str, Any]:
 
 def test_per_op_timeout_raises_comm_timeout_and_errors_the_communicator() -> None:
     res = run_ranks(_timeout_scenario, 2, timeout=60)[0]
+    assert 0.3 < res["recv_elapsed"] < 5.0 and "recv (op_id=1) on communicator 'p2p'" in res["recv_msg"], res
     assert res["short_wait"] is False and res["status_mid"] == "IN_PROGRESS"
     assert 0.3 < res["elapsed"] < 5.0, res
     assert res["fields"] == ("all_reduce", 1, "world", (0, 1)), res
@@ -146,6 +154,15 @@ def _death_scenario(ctx: RankContext) -> dict[str, Any]:
         except PeerFailure as exc:
             out["peer"] = exc.peer
             out["p2p_status"] = WorkStatus.ERROR.name
+    # recovery, as the fault-tolerance layer does it: abort the broken communicators, survivors build a new one
+    # under a new name on the same store, and it works at once
+    t0 = time.perf_counter()
+    comm.abort("peer 2 died")
+    p2p.abort()
+    gen1 = Communicator(ctx.store, ctx.rank, ws - 1, timeout=timedelta(seconds=20), name="gen1")
+    t = torch.full((3,), float(ctx.rank + 1))
+    gen1.all_reduce(t)
+    out["recovered"] = (t.tolist(), time.perf_counter() - t0)
     return out
 
 
@@ -157,3 +174,38 @@ def test_peer_death_mid_op_raises_peer_failure() -> None:
         assert res[r]["errored"] == "PeerFailure"
         assert "all_reduce" in res[r]["msg"]
     assert res[0]["peer"] == 2
+    for r in (0, 1):
+        assert res[r]["recovered"][0] == [3.0, 3.0, 3.0] and res[r]["recovered"][1] < 20
+
+
+def _abort_p2p_scenario(ctx: RankContext) -> dict[str, Any]:
+    comm = Communicator(ctx.store, ctx.rank, 2, timeout=timedelta(seconds=60), name="abort_p2p")
+    if ctx.rank == 1:  # never sends
+        ctx.store.wait(["done"], timedelta(seconds=60))
+        return {}
+    stamps: dict[str, float] = {}
+    pending = comm.recv(torch.empty(8), 1, tag=1, async_op=True)  # async p2p in flight too
+
+    def aborter() -> None:
+        time.sleep(0.3)
+        stamps["abort"] = time.perf_counter()
+        comm.abort()
+
+    th = threading.Thread(target=aborter)
+    th.start()
+    out: dict[str, Any] = {}
+    try:
+        comm.recv(torch.empty(4), 1)  # sync recv: waits on our lock (a waiter thread watches the backend)
+    except CommAborted:
+        out["latency"] = time.perf_counter() - stamps["abort"]
+    th.join(10)
+    assert pending is not None
+    out["pending"] = (pending.status.name, type(pending.exception()).__name__)
+    ctx.store.set("done", "1")
+    return out
+
+
+def test_abort_unblocks_point_to_point() -> None:
+    res = run_ranks(_abort_p2p_scenario, 2, timeout=60)[0]
+    assert res["latency"] < 0.1, res
+    assert res["pending"] == ("ABORTED", "CommAborted")

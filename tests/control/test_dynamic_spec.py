@@ -180,3 +180,34 @@ def test_make_fx() -> None:
     plain = torchnext.make_fx(_body)(*mk(4, 3))
     x, y = mk(4, 3)
     assert torch.allclose(plain(x, y), _body(x, y))
+
+
+def test_plain_torch_compile_of_decorated_function() -> None:
+    """torch 2.13 has no decorator of its own: torch.compile traces ours, checks included."""
+    counter = CompileCounterWithBackend("eager")
+    cf = torch.compile(f, backend=counter)
+    for b in (2, 4, 6):
+        x, y = mk(b, 3)
+        assert torch.allclose(cf(x, y), _body(x, y), atol=1e-5)
+    with pytest.raises(ShapeSpecError, match="B % 2 == 0"):
+        cf(*mk(3, 3))
+
+
+def test_decorated_module_instance_all_paths() -> None:
+    n = ShapeVar("N", min=1, max=64)
+    m = dynamic_spec(ShapesSpec({"input": TensorSpec([n, 4])}))(torch.nn.Linear(4, 2))
+    x = torch.randn(7, 4)
+    with pytest.raises(ShapeSpecError, match=r"input dim 1 .*== 4, got 5"):
+        m(torch.randn(3, 5))
+    ep = torchnext.export(m, (torch.randn(3, 4),))
+    assert torch.allclose(ep.module()(x), m(x), atol=1e-6)
+    with pytest.raises(ShapeSpecError, match=r"N in \[1, 64\], got 70"):
+        ep.module()(torch.randn(70, 4))
+    counter = CompileCounterWithBackend("eager")
+    cm = torchnext.compile(m, backend=counter)
+    for k in (5, 9, 33):
+        xk = torch.randn(k, 4)
+        assert torch.allclose(cm(xk), m(xk), atol=1e-6)
+    assert counter.frame_count == 1
+    gm = torchnext.make_fx(m)(torch.randn(3, 4))
+    assert torch.allclose(gm(x), m(x), atol=1e-6)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import timeit
 from typing import Any
 
 import pytest
@@ -63,14 +62,21 @@ def test_eager_autograd_through_taken_branch() -> None:
     assert x.grad is not None and torch.allclose(x.grad, x2.grad)  # type: ignore[arg-type]
 
 
-def test_eager_overhead_is_small() -> None:
-    """Goal: <= 50 us over calling the branch directly (we assert a loose 500 us so a loaded CI box passes)."""
+def test_eager_tensor_index_runs_no_graph_machinery(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager with a tensor index calls the chosen branch directly: no torch.cond, no Dynamo frame. (Its speed
+    goal, <= 50 us over a direct call, is checked by benchmarks/control/bench_switch.py, not by a timed test.)"""
     x, d = _ops()
     idx = torch.tensor(5)
     switch(idx, BR8, (x, d))  # warm the branch-agreement cache
-    t_switch = min(timeit.repeat(lambda: switch(idx, BR8, (x, d)), number=200, repeat=5)) / 200
-    t_direct = min(timeit.repeat(lambda: BR8[5](x, d), number=200, repeat=5)) / 200
-    assert t_switch - t_direct < 500e-6, (t_switch, t_direct)
+
+    def _no_cond(*a: Any, **k: Any) -> Any:
+        raise AssertionError("eager switch must not go through torch.cond")
+
+    monkeypatch.setattr(torch, "cond", _no_cond)
+    frames_before = torch._dynamo.utils.counters["frames"]["total"]
+    out = switch(idx, BR8, (x, d))
+    torch.testing.assert_close(out, BR8[5](x, d))
+    assert torch._dynamo.utils.counters["frames"]["total"] == frames_before
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -293,3 +299,25 @@ def test_matches_native_switch() -> None:  # pragma: no cover - needs torch 2.14
 
 def test_error_base_class() -> None:
     assert issubclass(BranchMismatchError, SwitchError) and issubclass(SwitchError, RuntimeError)
+
+
+def test_branch_check_cached_for_branches_rebuilt_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    mod = sys.modules["torchnext.control.switch"]
+    calls = {"n": 0}
+    real = mod._check_branches
+
+    def counting(*a: Any) -> None:
+        calls["n"] += 1
+        real(*a)
+
+    monkeypatch.setattr(mod, "_check_branches", counting)
+    ws = [torch.randn(4, 4) for _ in range(3)]
+    x = torch.randn(2, 4)
+    for _ in range(5):  # a new list of new lambdas every call, as a forward() would build them
+        out = switch(torch.tensor(1), [lambda x, w=w: x @ w for w in ws], (x,))
+    assert torch.allclose(out, x @ ws[1])
+    assert calls["n"] == 1
+    switch(torch.tensor(1), [lambda x, w=w: x @ w for w in ws], (torch.randn(3, 4),))  # new shapes: checked again
+    assert calls["n"] == 2

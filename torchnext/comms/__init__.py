@@ -37,6 +37,12 @@ from torchnext.comms.membership import MembershipError as MembershipError
 from torchnext.comms.membership import QuorumLost as QuorumLost
 from torchnext.comms.membership import RemovedFromGroup as RemovedFromGroup
 from torchnext.comms.reduce_op import ReduceOp as ReduceOp
+from torchnext.comms.window import Window as Window
+from torchnext.comms.window import WindowBoundsError as WindowBoundsError
+from torchnext.comms.window import WindowClosed as WindowClosed
+from torchnext.comms.window import WindowDtypeError as WindowDtypeError
+from torchnext.comms.window import WindowInvalidated as WindowInvalidated
+from torchnext.comms.window import WindowTransport as WindowTransport
 from torchnext.comms.work import Work as Work
 from torchnext.comms.work import WorkStatus as WorkStatus
 
@@ -68,6 +74,12 @@ __all__ = [
     "PostHookArgs",
     "ReduceOp",
     "RemovableHandle",
+    "Window",
+    "WindowBoundsError",
+    "WindowClosed",
+    "WindowDtypeError",
+    "WindowInvalidated",
+    "WindowTransport",
     "Work",
     "WorkStatus",
     "get_backend",

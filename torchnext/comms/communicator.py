@@ -18,7 +18,10 @@ from torchnext.comms.backends import BackendConfig, BackendHandle, get_backend
 from torchnext.comms.errors import CommAborted, CommError
 from torchnext.comms.hooks import AbortHookArgs, HookList, OpInfo, PostHookArgs, RemovableHandle
 from torchnext.comms.reduce_op import ReduceOp
-from torchnext.comms.work import CompletionWaiter, Work, WorkStatus
+from torchnext.comms.work import CompletionWaiter, Work, WorkStatus, future_callback
+
+if TYPE_CHECKING:
+    from torchnext.comms.window import Window
 
 if TYPE_CHECKING:
     from torchnext.comms.flight_recorder import FlightRecorder
@@ -162,12 +165,14 @@ class Communicator(CollectiveOps):
         self._timeout_s = self._timeout.total_seconds()
         self._lock = threading.Lock()  # guards terminal transitions, _in_flight, _error, _aborted
         self._issue_lock = threading.Lock()  # one issuing thread at a time
-        self._in_flight: dict[int, Work] = {}
+        self._in_flight: dict[int, Work] = {}  # async ops in flight
+        self._sync_work: Work | None = None  # the sync op in flight, if any
         self._error: CommError | None = None
         self._aborted: CommAborted | None = None
         self._closed = False
         self._op_counter = 0
         self._split_seq = 0
+        self._window_seq = 0  # windows created (each gets its own store namespace)
         self._opts: dict[tuple[str, object], Any] = {}
         self._waiter: CompletionWaiter | None = None
         self._pre_hooks: HookList[OpInfo] = HookList("pre")
@@ -219,6 +224,19 @@ class Communicator(CollectiveOps):
         """Default op timeout."""
         return self._timeout
 
+    @property
+    def store(self) -> dist.Store:
+        """This communicator's namespaced store (keys under ``torchnext/<name>/``; a split child's under its own
+        sub-prefix). Components built on a communicator (windows, recovery) put their keys under a sub-prefix of it:
+        ``PrefixStore("mine", comm.store)``."""
+        return self._store
+
+    @property
+    def backend_handle(self) -> BackendHandle:
+        """The connected backend (``.pg`` is the c10d object). Issuing on it directly bypasses op ids, hooks and
+        abort: use it only for what the Communicator does not offer."""
+        return self._backend
+
     def __repr__(self) -> str:
         state = "aborted" if self._aborted else "errored" if self._error else "closed" if self._closed else "ok"
         return f"Communicator(name={self._name!r}, rank={self._rank}, size={self._size}, backend={self._backend_name!r}, {state})"
@@ -257,6 +275,9 @@ class Communicator(CollectiveOps):
                 comm_name=self._name, rank=self._rank, ranks=self._ranks,
             )
             in_flight = sorted(self._in_flight.items())
+            sync_work = self._sync_work
+            if sync_work is not None and sync_work.op_id not in self._in_flight:
+                in_flight = sorted([*in_flight, (sync_work.op_id, sync_work)])
         hook_error = self._abort_hooks.run(
             AbortHookArgs(comm_name=self._name, ranks=self._ranks, rank=self._rank, reason=reason,
                           in_flight=tuple(op_id for op_id, _ in in_flight)),
@@ -279,7 +300,8 @@ class Communicator(CollectiveOps):
             raise hook_error
 
     def shutdown(self) -> None:
-        """Release the backend cleanly (idempotent). Waits for ops still in flight (each bounded by its timeout).
+        """Release the backend cleanly (idempotent). Waits for async ops still in flight (each bounded by its
+        timeout); a synchronous op running in another thread makes it raise ``RuntimeError`` instead.
 
         An errored or aborted communicator's backend is abandoned instead of destroyed (its threads may be blocked).
         Later ops raise ``CommError`` (``CommAborted`` if aborted).
@@ -287,6 +309,9 @@ class Communicator(CollectiveOps):
         with self._lock:
             if self._closed:
                 return
+            if self._sync_work is not None:
+                raise RuntimeError(f"shutdown() of {self._name!r} while another thread is in a synchronous "
+                                   f"{self._sync_work.op}; wait for it to return (or abort())")
             pending = list(self._in_flight.values())
         for work in pending:
             try:
@@ -363,18 +388,25 @@ class Communicator(CollectiveOps):
             pre = self._pre_hooks.snapshot
             if pre or self._post_hooks.snapshot:  # positional: this is the hot path
                 info = OpInfo(op, op_id, self._name, self._ranks, self._rank, self._size, async_op, root, peer,
-                              None if reduce_op is None else reduce_op.value, tuple(inputs), tuple(outputs),
+                              None if reduce_op is None else reduce_op._value_, tuple(inputs), tuple(outputs),
                               td or self._timeout)
-            work = Work(self, op, op_id, info, outputs, timeout_s, peer, async_op)
+            # sync ops first wait in this thread where the backend's timed wait is only a wait (Gloo collectives);
+            # elsewhere (Gloo send/recv: a timed wait *is* the op's timeout) they wait like async ops
+            sliced = not async_op and has_future and self._backend.interruptible_wait
+            work = Work(self, op, op_id, info, outputs, timeout_s, peer, not sliced)
             if pre:
                 hook_error = self._pre_hooks.run(info, stop_on_error=True)  # type: ignore[arg-type]
                 if hook_error is not None:
                     work._finish(WorkStatus.ERROR, hook_error)
                     raise hook_error
-            with self._lock:
-                raced = self._aborted is not None  # abort() ran since the check above
-                if not raced:
-                    self._in_flight[op_id] = work
+            if not sliced:
+                with self._lock:
+                    raced = self._aborted is not None  # abort() ran since the check above
+                    if not raced:
+                        self._in_flight[op_id] = work
+            else:  # the one sync op in flight (one issuing thread): a slot, no lock. Publish, then check abort:
+                self._sync_work = work  # abort() sets the flag, then reads the slot -- one of us sees the other
+                raced = self._aborted is not None
             if raced:
                 work._finish(WorkStatus.ABORTED, self._aborted)
                 self._refuse(op)
@@ -388,9 +420,11 @@ class Communicator(CollectiveOps):
                 wrapped = work._wrap_backend_error(exc)
                 work._finish(WorkStatus.ERROR, wrapped, breaks_comm=type(wrapped) is not CommError)
                 raise wrapped from exc
-            if not async_op:
-                work._wait_sync(backend_works)
-                return None
+            if sliced:
+                if len(backend_works) == 1:
+                    work._wait_sync(backend_works[0])
+                    return None
+                work._done = _locked()  # (no such op today) several backend works: wait as below
             if len(backend_works) != 1:
                 work._pending = len(backend_works)
             for bw in backend_works:
@@ -400,11 +434,15 @@ class Communicator(CollectiveOps):
                     except RuntimeError:
                         self._wait_in_thread(bw, work, td)
                     else:
-                        fut.add_done_callback(work._on_future)
+                        fut.add_done_callback(future_callback(work))
                 else:
                     self._wait_in_thread(bw, work, td)
-            return work
+            if async_op:
+                return work
+            work.wait()
+            return None
         finally:
+            self._sync_work = None
             self._issue_lock.release()
 
     def _wait_in_thread(self, backend_work: Any, work: Work, td: timedelta | None) -> None:
@@ -421,6 +459,20 @@ class Communicator(CollectiveOps):
         if rop is ReduceOp.AVG and not self._backend.native_avg:
             return rop, dist.ReduceOp.SUM, True
         return rop, rop.to_c10d(), False
+
+    # -------------------------------------------------------------------------------------------- RMA windows
+    def new_window(
+        self,
+        tensor: torch.Tensor,
+        *,
+        transport: str | None = None,
+        host: str | None = None,
+        timeout: float | timedelta | None = None,
+    ) -> Window:
+        """Collective: register ``tensor`` in a one-sided RMA window (see :mod:`torchnext.comms.window`)."""
+        from torchnext.comms.window import new_window
+
+        return new_window(self, tensor, transport=transport, host=host, timeout=timeout)
 
     # --------------------------------------------------------------------------------------------------- split
     def split(self, ranks: Sequence[int], name: str | None = None, *, timeout: Timeout = None) -> Communicator | None:
@@ -485,6 +537,14 @@ class Communicator(CollectiveOps):
 
 
 _SUM_ARGS = (ReduceOp.SUM, dist.ReduceOp.SUM, False)
+
+
+
+
+def _locked() -> Any:
+    lock = threading.Lock()
+    lock.acquire()
+    return lock
 
 
 def _is_int(x: object) -> bool:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -173,7 +174,7 @@ class FaultTolerant:
         config: FaultTolerantConfig | None = None,
         *,
         state_dict: Callable[[], Any] | None = None,
-        load_state_dict: Callable[[Any], None] | None = None,
+        load_state_dict: Callable[[Any], object] | None = None,
         step: int = 0,
     ) -> None:
         from torchnext._config import env_config
@@ -210,15 +211,13 @@ class FaultTolerant:
         self.fault_hook: Callable[[str], None] | None = None
         """Testing seam (``torchnext.testing``): called with ``"reconfigure"`` before a generation's Communicator is
         built and ``"healing"`` on the donor before it streams state."""
-        self.commit_times: list[tuple[int, int, float]] = []
-        """``(generation, committed step count, time.monotonic())`` of each commit on this member."""
+        self.commit_times: deque[tuple[int, int, float]] = deque(maxlen=100_000)
+        """``(generation, committed step count, time.monotonic())`` of the last 100,000 commits on this member."""
         self._client = MemberClient(
             address, token, member_id=cfg.member_id, step=step, connect_timeout_s=cfg.connect_timeout_s,
             coordinator_timeout_s=cfg.coordinator_timeout_s, on_interrupt=self._on_interrupt,
         )
         try:
-            self._store = dist.TCPStore(self._client.store_host, self._client.store_port, None, False,
-                                        timeout=timedelta(seconds=cfg.timeout_s))
             self._settle(need_new=True, timeout=cfg.join_timeout_s)
         except BaseException:
             self.close()
@@ -480,7 +479,11 @@ class FaultTolerant:
 
         def build() -> None:
             try:
-                c = Communicator(self._store, rank, size, backend=cfg.backend, name=f"{cfg.name}.g{gen}",
+                # A store connection of its own: a TCPStore client serialises its requests, and an abandoned build
+                # may sit in a blocking get on its connection until the timeout.
+                store = dist.TCPStore(self._client.store_host, self._client.store_port, None, False,
+                                      timeout=timedelta(seconds=cfg.timeout_s))
+                c = Communicator(store, rank, size, backend=cfg.backend, name=f"{cfg.name}.g{gen}",
                                  timeout=timedelta(seconds=cfg.timeout_s), device=cfg.device)
                 c.register_post_hook(_quarantine_cancelled)
                 with self._lock:
@@ -551,14 +554,20 @@ def _quiet_abort(comm: Communicator, reason: str) -> None:
         pass
 
 
+_QUARANTINED: list[Any] = []
+"""Storages taken away from the tensors of aborted ops: kept alive forever, because the abandoned backend may still
+write into them (freeing them would turn a late write into heap corruption)."""
+
+
 def _quarantine_cancelled(args: PostHookArgs) -> None:
     """Post hook: give the tensors of an aborted op fresh storage, so the abandoned backend's late writes land in
-    the old storage that nobody reads any more."""
+    the old storage (kept alive, never read again)."""
     if args.status is not WorkStatus.ABORTED:
         return
     with torch.no_grad():
         for t in args.info.outputs:
             try:
+                _QUARANTINED.append(t.untyped_storage())
                 fresh = t.clone()
                 t.set_(fresh.untyped_storage(), fresh.storage_offset(), fresh.size(), fresh.stride())
             except RuntimeError:

@@ -155,12 +155,14 @@ class Membership:
     change_reasons: list[str] = field(default_factory=list)
     waiting_since: float | None = None
     last_commit_at: float = 0.0
+    last_commit_gen: int = 0
     fatal: str | None = None
     outbox: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     to_close: list[int] = field(default_factory=list)
     to_fence: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     history: list[dict[str, Any]] = field(default_factory=list)
-    """One record per generation and per failure: ``{"event": ..., "at": monotonic time, ...}``."""
+    """One record per join, failure, report, generation and first commit of a generation (``{"event": ..., "at":
+    time.monotonic(), ...}``): step ``s`` was committed by the last generation whose first commit is ``<= s``."""
     _next_id: int = 0
 
     # ------------------------------------------------------------------------------------------------ events
@@ -338,6 +340,9 @@ class Membership:
         decided = self.step
         self.step += 1
         self.votes.clear()
+        if self.last_commit_gen != self.gen:
+            self.last_commit_gen = self.gen
+            self.history.append({"event": "first_commit", "gen": self.gen, "step": decided, "at": now})
         self.last_commit_at = now
         for m in old:
             self.live[m].synced = True

@@ -6,9 +6,12 @@ A :class:`Work` reaches exactly one terminal state, once::
 
 How completion is observed (this fixes the thread that runs post hooks, see :mod:`torchnext.comms.hooks`):
 
-* synchronous ops: the issuing thread waits on the backend Work in slices of ``SYNC_WAIT_SLICE`` (10 ms), checking
-  between slices for an abort or the op's deadline -- the lowest-latency wait, still interruptible by ``abort()``;
-* async ops: the backend Work's future callback (Gloo collectives, NCCL), or, for backend Works without a future
+* synchronous ops on backends whose timed wait is only a wait (``BackendHandle.interruptible_wait``: Gloo
+  collectives): the issuing thread first waits on the backend Work for ``SYNC_WAIT_SLICE`` (10 ms) -- the
+  lowest-latency wait, and most ops finish within it; a longer op then switches to the path below (abort() can end
+  the first slice only when it elapses, so an abort reaches such an op within 10 ms);
+* all other ops (async ops; sync send/recv, whose timed wait on Gloo would *be* the op's timeout): the backend
+  Work's future callback (Gloo collectives, NCCL), or, for backend Works without a future
   (Gloo send/recv), one waiter thread per communicator. ``Work.wait()`` blocks on our own lock, not on the backend,
   so ``abort()`` wakes it at once.
 """
@@ -20,6 +23,7 @@ import enum
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -53,10 +57,12 @@ class WorkStatus(enum.Enum):
 
 
 SYNC_WAIT_SLICE = timedelta(milliseconds=10)
-"""Slice of a synchronous op's wait: bounds how late it notices an abort."""
+"""First wait of a synchronous op in the issuing thread: bounds how late it notices an abort."""
 _SLICE_TIMEOUT_TEXT = "Operation timed out!"  # c10d Work::wait(timeout) when the slice elapses
 
 _TERMINAL = frozenset({WorkStatus.COMPLETED, WorkStatus.ERROR, WorkStatus.TIMED_OUT, WorkStatus.ABORTED})
+_NS = WorkStatus.NOT_STARTED
+_IP = WorkStatus.IN_PROGRESS  # hot paths test "terminal" by identity: Enum.__hash__ is slow Python code
 _STATUS_OF: dict[type[CommError], WorkStatus] = {CommTimeout: WorkStatus.TIMED_OUT}
 
 
@@ -102,7 +108,7 @@ class Work:
         outputs: Sequence[torch.Tensor],
         timeout_s: float,
         peer: int | None,
-        async_op: bool,
+        needs_lock: bool,
     ) -> None:
         self._comm = comm
         self.op = op
@@ -119,7 +125,7 @@ class Work:
         self._t_end = 0.0
         self._deadline = self._t0 + timeout_s
         self._done: _thread.LockType | None = None
-        if async_op:
+        if needs_lock:
             lock = _thread.allocate_lock()
             lock.acquire()
             self._done = lock  # released once when terminal; every waiter re-releases it (baton)
@@ -130,7 +136,7 @@ class Work:
     # ----------------------------------------------------------------------------------------------- public API
     def wait(self, timeout: float | timedelta | None = None) -> bool:
         """Block until terminal (see the class docstring). Returns True when COMPLETED."""
-        if self.status not in _TERMINAL:
+        if self.status is _IP or self.status is _NS:
             assert self._done is not None  # only async Works are handed out before they are terminal
             remaining = self._deadline - time.perf_counter()
             limit = remaining if timeout is None else min(_seconds(timeout), remaining)
@@ -144,7 +150,7 @@ class Work:
 
     def is_completed(self) -> bool:
         """True once the op is terminal (COMPLETED, ERROR, TIMED_OUT or ABORTED)."""
-        if self.status in _TERMINAL:
+        if self.status is not _IP and self.status is not _NS:
             return True
         if time.perf_counter() >= self._deadline:
             self._time_out()
@@ -163,7 +169,7 @@ class Work:
     @property
     def duration_s(self) -> float | None:
         """Seconds from issue to the terminal state (None while in flight)."""
-        return self._t_end - self._t0 if self.status in _TERMINAL else None
+        return self._t_end - self._t0 if self.status is not _IP and self.status is not _NS else None
 
     # ---------------------------------------------------------------------------------------------- internals
     def _outcome(self) -> bool:
@@ -226,7 +232,7 @@ class Work:
         refused the op's arguments before issuing it)."""
         comm = self._comm
         with comm._lock:
-            if self.status in _TERMINAL:
+            if self.status is not _IP and self.status is not _NS:
                 return False
             self.status = status
             self._exc = exc
@@ -243,41 +249,49 @@ class Work:
             self._done.release()
         return True
 
-    def _wait_sync(self, backend_works: Sequence[Any]) -> bool:
-        """Synchronous op: wait on the backend Works in this thread, in slices, so abort/deadline are noticed."""
-        if len(backend_works) == 1:  # fast path: the common case completes within the first slice
-            try:
-                backend_works[0].wait(SYNC_WAIT_SLICE)
-            except RuntimeError:
-                pass
-            else:
-                if self._finalize is None:
-                    self._finish(WorkStatus.COMPLETED, None)
-                    return self._outcome()
-        for bw in backend_works:
-            while True:
+    def _wait_sync(self, backend_work: Any) -> bool:
+        """Synchronous op on an interruptible backend: one short wait on the backend Work in this thread (the
+        common case finishes within it, at raw speed); a longer op switches to the future callback + our lock, so
+        it neither polls nor misses an abort."""
+        try:
+            backend_work.wait(SYNC_WAIT_SLICE)
+        except RuntimeError as exc:
+            if backend_work.is_completed():  # a real failure (or completion racing the slice): ask again
                 try:
-                    bw.wait(SYNC_WAIT_SLICE)
-                    break
-                except RuntimeError as exc:
-                    if bw.is_completed():  # a real failure (or completion racing the slice): ask again
-                        try:
-                            bw.wait()
-                        except Exception as real:
-                            self._part_done(real)
-                            return self._outcome()
-                        break
-                    if self.status in _TERMINAL:  # aborted meanwhile
-                        return self._outcome()
-                    if time.perf_counter() >= self._deadline:
-                        self._time_out()
-                        return self._outcome()
-                    if str(exc) != _SLICE_TIMEOUT_TEXT:
-                        self._part_done(exc)
-                        return self._outcome()
-        self._pending = 1
+                    backend_work.wait()
+                except Exception as real:
+                    self._part_done(real)
+                    return self._outcome()
+            elif str(exc) != _SLICE_TIMEOUT_TEXT:
+                self._part_done(exc)
+                return self._outcome()
+            else:  # still running: wait like an async op (abort() releases the lock; Work.wait keeps the deadline)
+                lock = _thread.allocate_lock()
+                lock.acquire()
+                self._done = lock  # publish, then check: a concurrent _finish either sees the lock or we see it
+                if self.status is _IP or self.status is _NS:
+                    backend_work.get_future().add_done_callback(future_callback(self))
+                return self.wait()
         self._part_done(None)
         return self._outcome()
+
+
+def future_callback(work: Work) -> Callable[[Any], None]:
+    """A backend-future callback holding only a weak reference to ``work``.
+
+    A strong one would make the backend's future own work -> communicator -> backend: when a Gloo worker thread then
+    drops the last reference, the backend's destructor runs on its own worker thread and the process aborts
+    ("terminate called without an active exception", seen at exit). The Work stays alive while in flight anyway
+    (held by the communicator, or by the thread waiting on a sync op).
+    """
+    ref = weakref.ref(work)
+
+    def on_done(fut: Any) -> None:
+        wk = ref()
+        if wk is not None:
+            wk._on_future(fut)
+
+    return on_done
 
 
 def _seconds(t: float | timedelta) -> float:
@@ -318,3 +332,4 @@ class CompletionWaiter:
                 work._part_done(exc)
             else:
                 work._part_done(None)
+            del item, backend_work, work  # hold no reference while idle (it would keep the communicator alive)

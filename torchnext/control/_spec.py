@@ -383,6 +383,10 @@ class CompiledSpec:
         Under torch.export the checks on assumptions become runtime assertions of the exported program; under
         torch.compile they teach the shape environment the relations (e.g. ``y.shape[0] == 2 * x.shape[0]``).
         """
+        sizes = [self.size(args, slot) for slot in self.dims]
+        if not any(isinstance(v, torch.SymInt) for v in sizes):
+            self.check(args)  # all sizes static in this trace: the plain check, with its ShapeSpecError
+            return
         env: Env = {}
         for slot in self.dims:
             size = self.size(args, slot)

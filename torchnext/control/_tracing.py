@@ -26,9 +26,22 @@ def is_tracing(*values: Any) -> bool:
         return True
     if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
         return True
-    from torch._subclasses.fake_tensor import FakeTensor
+    fake = _fake_tensor_type()
+    for v in values:
+        if isinstance(v, fake):
+            return True
+    return False
 
-    return any(isinstance(v, FakeTensor) for v in values)
+
+_FAKE: list[type] = []
+
+
+def _fake_tensor_type() -> type:
+    if not _FAKE:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        _FAKE.append(FakeTensor)
+    return _FAKE[0]
 
 
 def interpreter_version() -> tuple[int, int]:

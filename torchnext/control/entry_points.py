@@ -190,9 +190,15 @@ def _dims_for(cs: CompiledSpec) -> dict[int, Any]:
 
     div = _divisors(cs)
     dims: dict[int, Any] = {}
+    used: set[str] = set()
     for var in cs.variables:
         lo = 0 if var.lo is None else max(var.lo, 0)
         name = "".join(c if c.isalnum() else "_" for c in var.name) or "v"
+        if not name[0].isalpha():
+            name = f"v_{name}"
+        while name in used:  # two variables may share a display name; export Dims need distinct ones
+            name += "_"
+        used.add(name)
         k = div.get(var.idx)
         if k is None:
             dims[var.idx] = Dim(name, min=lo, max=var.hi) if var.hi is not None else Dim(name, min=lo)
@@ -350,7 +356,9 @@ def make_fx(fn: Any, *, tracing_mode: str | None = None, **kwargs: Any) -> Calla
         with fx_config.patch(  # type: ignore[attr-defined]
             use_duck_shape=False
         ):
-            gm = torch_make_fx(traced, tracing_mode="symbolic", **kwargs)(*args)
+            # closed-over tensors (a module's parameters) become graph constants
+            opts = {"_allow_non_fake_inputs": True, **kwargs}
+            gm = torch_make_fx(traced, tracing_mode="symbolic", **opts)(*args)
 
         def hook(module: torch.nn.Module, a: tuple[Any, ...]) -> None:
             b = _bind(fn, binding, a, {})

@@ -21,6 +21,7 @@ Design
 from __future__ import annotations
 
 import threading
+import types
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -56,6 +57,16 @@ def _branch_name(k: int, fn: Callable[..., Any]) -> str:
     return f"branch {k} ({name})"
 
 
+_FLAT_SPECS: dict[int, TreeSpec] = {}
+
+
+def _flat_spec(n: int) -> TreeSpec:
+    spec = _FLAT_SPECS.get(n)
+    if spec is None:
+        spec = _FLAT_SPECS[n] = tree_flatten(tuple(range(n)))[1]
+    return spec
+
+
 def _validate(index: Any, branches: Any, operands: Any) -> tuple[list[Any], TreeSpec]:
     if not isinstance(branches, (list, tuple)):
         raise SwitchIndexError(f"switch: branches must be a list or tuple of callables, got {type(branches).__name__}")
@@ -77,6 +88,8 @@ def _validate(index: Any, branches: Any, operands: Any) -> tuple[list[Any], Tree
             )
     if not isinstance(operands, (tuple, list)):
         raise SwitchIndexError(f"switch: operands must be a tuple or list, got {type(operands).__name__}")
+    if all(type(o) is torch.Tensor for o in operands):  # fast path: a flat tuple of plain tensors
+        return list(operands), _flat_spec(len(operands))
     leaves, spec = tree_flatten(tuple(operands))
     for j, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):
@@ -123,12 +136,12 @@ def _check_branches(branches: Sequence[Callable[..., Any]], leaves: list[torch.T
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode, torch.no_grad():
         for k, branch in enumerate(branches):
-            fakes = [mode.from_tensor(t) for t in leaves]
-            versions = [f._version for f in fakes]
             try:
+                fakes = [mode.from_tensor(t) for t in leaves]
+                versions = [f._version for f in fakes]
                 out = branch(*tree_unflatten(list(fakes), spec))
             except Exception:
-                return  # not fake-traceable: leave checking to the real call
+                return  # not fake-traceable (or operands FakeTensors cannot wrap): the real call checks itself
             for j, (f, v) in enumerate(zip(fakes, versions, strict=True)):
                 if f._version != v:
                     raise BranchMismatchError(
@@ -159,22 +172,53 @@ def _check_branches(branches: Sequence[Callable[..., Any]], leaves: list[torch.T
                     )
 
 
+def _branch_key(b: Callable[..., Any]) -> tuple[Any, tuple[Any, ...]]:
+    """A cache key that is stable for branch functions rebuilt on every call (``[lambda x, w=w: ... for w in ws]``).
+
+    Plain functions are keyed by their code object and the identities of their defaults and closure contents;
+    bound methods by their function and instance; anything else (modules, partials) by identity. Returns the key
+    and the objects whose identities it uses (kept alive by the cache so the ids stay meaningful).
+    """
+    if isinstance(b, types.FunctionType):
+        refs = (*(b.__defaults__ or ()), *(c.cell_contents for c in (b.__closure__ or ()) if _cell_full(c)))
+        kw = tuple(sorted((k, id(v)) for k, v in (b.__kwdefaults__ or {}).items()))
+        return (b.__code__, tuple(id(r) for r in refs), kw), (*refs, *(b.__kwdefaults__ or {}).values())
+    if isinstance(b, types.MethodType):
+        return (b.__func__, id(b.__self__)), (b.__self__,)
+    return (id(b),), (b,)
+
+
+def _cell_full(c: Any) -> bool:
+    try:
+        c.cell_contents  # noqa: B018
+    except ValueError:
+        return False
+    return True
+
+
+_SEEN: OrderedDict[tuple[Any, ...], tuple[Any, ...]] = OrderedDict()  # fast path: the very same branch objects
+
+
 def _ensure_checked(branches: Sequence[Callable[..., Any]], leaves: list[torch.Tensor], spec: TreeSpec) -> None:
-    key = (
-        tuple(id(b) for b in branches),
-        spec,
-        tuple((tuple(t.shape), t.dtype, t.device) for t in leaves),
-    )
+    meta = (spec, tuple((t.shape, t.dtype, t.device) for t in leaves))
+    fast = (tuple(map(id, branches)), meta)
+    seen = _SEEN.get(fast)
+    if seen is not None and all(a is b for a, b in zip(seen, branches, strict=True)):
+        return
+    keys = [_branch_key(b) for b in branches]
+    key = (tuple(k for k, _ in keys), meta)
     with _CHECK_LOCK:
-        hit = _CHECK_CACHE.get(key)
-        if hit is not None and all(a is b for a, b in zip(hit, branches, strict=True)):
+        hit = key in _CHECK_CACHE
+        if hit:
             _CHECK_CACHE.move_to_end(key)
-            return
-    _check_branches(branches, leaves, spec)
+    if not hit:
+        _check_branches(branches, leaves, spec)
     with _CHECK_LOCK:
-        _CHECK_CACHE[key] = tuple(branches)  # strong refs: ids in the key stay valid
-        while len(_CHECK_CACHE) > _CHECK_CACHE_SIZE:
-            _CHECK_CACHE.popitem(last=False)
+        _CHECK_CACHE[key] = tuple(r for _, refs in keys for r in refs)  # keep the keyed objects alive
+        _SEEN[fast] = tuple(branches)  # strong refs: the ids in ``fast`` stay valid
+        for cache in (_CHECK_CACHE, _SEEN):
+            while len(cache) > _CHECK_CACHE_SIZE:
+                cache.popitem(last=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------

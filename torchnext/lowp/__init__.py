@@ -7,14 +7,35 @@ to torchao 0.18's reference quantizers (see docs/lowp.md for the exact semantics
 
 from __future__ import annotations
 
+# matmul half (issue 7): scaled_mm, epilogues, backends, grouped GEMM, Linear modules
+from torchnext.lowp.backends import BackendUnavailable, KernelBackend, available_backends, register_backend
+from torchnext.lowp.epilogue import ACTIVATIONS, Epilogue, EpilogueError, register_activation
 from torchnext.lowp.errors import DeterminismError, FormatDTypeError, FormatError
 from torchnext.lowp.formats import FORMATS, ElementKind, ElementSpec, Format, FormatSpec, ScaleKind, format_spec
+from torchnext.lowp.grouped import grouped_scaled_mm
+from torchnext.lowp.nn import MXFP8Linear, NVFP4Linear, QuantizeReport, quantize_
 from torchnext.lowp.options import QuantOptions
 from torchnext.lowp.quantize import dequantize, quantization_error, quantize
+from torchnext.lowp.scaled_mm import ScaledMMResult, scaled_mm
 from torchnext.lowp.scales import swizzle, unswizzle
 from torchnext.lowp.tensor import BlockScaledTensor
 
 __all__ = [
+    "ACTIVATIONS",
+    "BackendUnavailable",
+    "Epilogue",
+    "EpilogueError",
+    "KernelBackend",
+    "MXFP8Linear",
+    "NVFP4Linear",
+    "QuantizeReport",
+    "ScaledMMResult",
+    "available_backends",
+    "grouped_scaled_mm",
+    "quantize_",
+    "register_activation",
+    "register_backend",
+    "scaled_mm",
     "FORMATS",
     "BlockScaledTensor",
     "DeterminismError",

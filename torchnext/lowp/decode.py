@@ -3,22 +3,22 @@ cached "prepared" (transposed) weight layout of the decode GEMV.
 
 * :func:`dequantize_operand` — eager, fast: FP4 bytes go through a 256-entry table whose entries are the *pair* of
   fp32 values of a byte (low nibble first) stored as one int64, so one ``index_select`` decodes two elements; FP8
-  codes are cast; then one in-place multiply by the block scales (× global scale). Same values as
+  codes are cast; then one in-place multiply by the block scales (times the global scale). Same values as
   :func:`torchnext.lowp.dequantize` (tests compare).
 * :func:`fp4_times2` — traceable: ``2 * e2m1(code)`` from a 4-bit code with pure arithmetic
   (``m + relu(m - 4) + 2 * relu(m - 6)``, sign from bit 3), which Inductor's C++ backend vectorizes (a table
   lookup would become a scalar gather).
-* :func:`prepared_gemv_weight` — ``(codes_t (K / per_byte, N), scales_t (K / block, N) fp32)``: the weight with N
-  innermost, so a GEMV vectorizes along N and reads each code byte once; the fp32 scales fold in the global scale
+* :func:`prepared_gemv_weight` — ``(codes_t, scales_t (K / block, N) fp32)``: the weight with N innermost (FP4:
+  ``codes_t`` is (K / 8, N) int32, each word holding 8 consecutive codes along K, code ``j`` in bits ``4j..4j+3``;
+  FP8: (K, N) codes), so a GEMV vectorizes along N and reads each code byte once; the fp32 scales fold in the global scale
   (and the ½ of :func:`fp4_times2`). Built once per weight and cached (weakly keyed by its ``qdata``; rebuilt if the
   tensor is modified in place).
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from torchnext.lowp.formats import ElementKind, FormatSpec
 from torchnext.lowp.tensor import BlockScaledTensor
@@ -102,7 +102,7 @@ class _Prepared:
         self.version = version
 
 
-_PREPARED: weakref.WeakKeyDictionary[torch.Tensor, _Prepared] = weakref.WeakKeyDictionary()
+_PREPARED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def prepared_gemv_weight(w: BlockScaledTensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +111,11 @@ def prepared_gemv_weight(w: BlockScaledTensor) -> tuple[torch.Tensor, torch.Tens
     hit = _PREPARED.get(w.qdata)
     if hit is not None and hit.version == version and hit.scales_t.shape[1] == w.shape[0]:
         return hit.codes_t, hit.scales_t
-    codes_t = w.qdata.t().contiguous()
+    if is_fp4(w.spec):
+        # 4 bytes (8 consecutive FP4 codes along K) per int32 word: full-width integer SIMD in the kernel
+        codes_t = w.qdata.reshape(w.shape[0], -1).view(torch.int32).t().contiguous()
+    else:
+        codes_t = w.qdata.t().contiguous()
     f = scale_factors(w)
     if is_fp4(w.spec):
         f = f * 0.5

@@ -20,7 +20,6 @@ import torch
 from torchnext.lowp.formats import ElementKind, ElementSpec
 
 __all__ = [
-    "decode_fast",
     "decode_reference",
     "encode_fast",
     "encode_reference",
@@ -133,14 +132,3 @@ def encode_fast(y: torch.Tensor, spec: ElementSpec, out: torch.Tensor) -> None:
         out.copy_(high.bitwise_or_(code[:, 0::2]))
     else:
         out.copy_(code)
-
-
-def decode_fast(codes: torch.Tensor, spec: ElementSpec) -> torch.Tensor:
-    """Bit-trick version of :func:`decode_reference` (unpacked codes → fp32)."""
-    if spec.kind is ElementKind.TORCH_FLOAT8:
-        return codes.float()
-    c = codes.to(torch.int32)
-    half = 1 << (spec.bits - 1)
-    bits = torch.bitwise_and(c, half - 1).bitwise_left_shift_(23 - spec.mbits)
-    bits.bitwise_or_(torch.bitwise_and(c, half).bitwise_left_shift_(31 - (spec.bits - 1)))
-    return bits.view(torch.float32).mul_(2.0 ** (127 - spec.bias))

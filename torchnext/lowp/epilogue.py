@@ -101,7 +101,7 @@ class Epilogue:
         s = self.scale
         if s is None:
             return None
-        if not isinstance(s, torch.Tensor) or s.dim() == 0 or s.numel() == 1 and s.dim() != 1:
+        if not isinstance(s, torch.Tensor) or s.dim() == 0 or (s.numel() == 1 and s.dim() != 1):
             return "scalar"
         return "row" if s.dim() == 2 else "col"
 

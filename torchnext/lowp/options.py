@@ -23,9 +23,11 @@ SCALE_MODES = ("floor", "rceil")
 """MX E8M0 scale: ``"floor"`` (OCP MX v1.0) or ``"rceil"`` (cuBLAS: round the descale up to a power of two)."""
 ROUNDINGS = ("rne", "stochastic")
 """Element rounding: round-to-nearest-even, or stochastic (unbiased; see :class:`QuantOptions`)."""
-BACKENDS = ("auto", "eager", "reference", "compiled")
-"""``"eager"``: vectorized, chunked torch ops (the default for ``"auto"``); ``"reference"``: the plain readable
-implementation; ``"compiled"``: the eager kernels through ``torch.compile`` (built lazily once per process)."""
+BACKENDS = ("auto", "eager", "reference", "triton")
+"""``"eager"``: vectorized, chunked torch ops (what ``"auto"`` picks); ``"reference"``: the plain readable
+implementation; ``"triton"``: one fused Triton kernel (CUDA tensors, or CPU under ``TRITON_INTERPRET=1``; opt-in
+until it has been timed on a GPU). (A ``torch.compile``d version of the eager pipeline was measured 3.5-4x *slower* on CPU, so it is
+not offered; see docs/lowp.md.)"""
 
 
 @dataclass(kw_only=True, frozen=True)

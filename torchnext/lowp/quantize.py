@@ -25,11 +25,20 @@ def _backend(name: str) -> ModuleType:
         return eager
     if name == "reference":
         return reference
-    if name == "compiled":
-        from torchnext.lowp import compiled
-
-        return compiled
+    if name == "triton":
+        try:
+            from torchnext.lowp import triton_backend
+        except ImportError as exc:
+            raise FormatError(f"backend='triton' needs the triton package: {exc}") from None
+        return triton_backend
     raise FormatError(f"unknown backend {name!r}")
+
+
+def _flush_denormal_on(device: torch.device) -> bool:
+    """Whether CPU arithmetic flushes subnormals to zero (``torch.set_flush_denormal(True)``)."""
+    if device.type != "cpu":
+        return False
+    return bool(torch.tensor([2.0**-127]).mul(1.0).item() == 0.0)
 
 
 def _check_input(x: Any, dim: int) -> int:
@@ -56,8 +65,8 @@ def _global_scales(
         dec = torch.tensor(opts.global_scale, dtype=torch.float32, device=x.device)
         return dec, 1.0 / dec
     if x.numel():
-        lo, hi = torch.aminmax(x.float() if x.dtype != torch.float32 else x)
-        amax = torch.maximum(hi, -lo)
+        lo, hi = torch.aminmax(x)  # one pass in the input dtype (no fp32 copy); NaN propagates
+        amax = torch.maximum(hi, -lo).float()
     else:
         amax = torch.zeros((), device=x.device)
     if opts.recipe == "te":
@@ -67,6 +76,7 @@ def _global_scales(
     return dec, 1.0 / dec
 
 
+@torch.no_grad()
 def quantize(
     x: torch.Tensor,
     fmt: Format | str | FormatSpec,
@@ -82,7 +92,8 @@ def quantize(
         scale[b], mult = recipe(amax(|x[b]|))            # see torchnext.lowp.scales
         code[i] = round(clamp(x[i] * mult, -max, max))   # RNE (or stochastic), saturating; see .elements
 
-    The block dim is padded with zeros to a multiple of the block size (the logical shape is kept).
+    The block dim is padded with zeros to a multiple of the block size (the logical shape is kept). Quantization
+    is not differentiable: it runs under ``torch.no_grad()`` (inputs that require grad are fine).
 
     Args:
         x: float32, bfloat16 or float16 tensor with at least one dimension (any shape, may be empty).
@@ -108,6 +119,11 @@ def quantize(
         opts = opts.with_(**kwargs)
     ro = opts.resolve(spec)
     dim = _check_input(x, dim)
+    if _flush_denormal_on(x.device):
+        raise FormatError(
+            "torch.set_flush_denormal(True) is in effect: the E8M0/E2M1 scales and codes need fp32 subnormals; "
+            "call torch.set_flush_denormal(False) before quantizing"
+        )
     backend = _backend(ro.backend)
     block = spec.block_size
     xm = x.movedim(dim, -1) if dim != x.dim() - 1 else x
@@ -144,6 +160,7 @@ def quantize(
     )
 
 
+@torch.no_grad()
 def dequantize(
     q: BlockScaledTensor, dtype: torch.dtype | None = None, *, backend: str = "auto"
 ) -> torch.Tensor:

@@ -21,7 +21,7 @@ Each recipe has a plain reference (``frexp``/``ldexp``) and a fast bit-manipulat
 behaviour is kept in both. The block computations are 1/16 or 1/32 of the element work, so both are cheap.
 
 Swizzle: :func:`swizzle` / :func:`unswizzle` convert a (rows, cols) scale matrix to and from the cuBLAS/CUTLASS
-SWIZZLE_32_4_4 layout: padded with zeros to a multiple of 128 rows × 4 columns; within each 128×4 tile the byte
+SWIZZLE_32_4_4 layout: padded with zeros to a multiple of 128 rows x 4 columns; within each 128x4 tile the byte
 for (r, c) sits at ``(r % 32) * 16 + (r // 32) * 4 + c``; tiles are ordered row-block-major. Stored as a 2-D tensor
 of shape (ceil(rows/128) * 32, ceil(cols/4) * 16) (torchao's shape).
 """

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from torchnext.lowp import scales as _scales
 from torchnext.lowp.errors import FormatError
 from torchnext.lowp.formats import FORMATS, Format, FormatSpec, format_spec
-from torchnext.lowp import scales as _scales
 
 __all__ = ["BlockScaledTensor"]
 

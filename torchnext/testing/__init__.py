@@ -1,6 +1,11 @@
 """torchnext.testing: multi-rank harness and fault injectors (used by torchnext's tests, usable by yours)."""
 
+from torchnext.testing.faults import Fault as Fault
+from torchnext.testing.faults import FaultInjector as FaultInjector
+from torchnext.testing.faults import FaultKind as FaultKind
+from torchnext.testing.faults import FaultPoint as FaultPoint
 from torchnext.testing.faults import crash_now as crash_now
+from torchnext.testing.faults import drop_coordinator as drop_coordinator
 from torchnext.testing.faults import freeze_self as freeze_self
 from torchnext.testing.faults import kill as kill
 from torchnext.testing.faults import resume as resume
@@ -10,4 +15,7 @@ from torchnext.testing.multiprocess import RankFailure as RankFailure
 from torchnext.testing.multiprocess import run_ranks as run_ranks
 from torchnext.testing.multiprocess import run_threads as run_threads
 
-__all__ = ["RankContext", "RankExited", "RankFailure", "crash_now", "freeze_self", "kill", "resume", "run_ranks", "run_threads"]
+__all__ = [
+    "Fault", "FaultInjector", "FaultKind", "FaultPoint", "RankContext", "RankExited", "RankFailure", "crash_now",
+    "drop_coordinator", "freeze_self", "kill", "resume", "run_ranks", "run_threads",
+]

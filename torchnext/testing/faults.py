@@ -65,8 +65,8 @@ class FaultPoint(enum.Enum):
 class Fault:
     """``Fault(kind=KILL, member=2, step=5, where=COLLECTIVE)``: member 2 dies inside step 5's all_reduce.
 
-    ``step`` is the committed step count at which it fires (for RECONFIGURE: the first reconfiguration at or after
-    that step; for HEALING: the first healing this member donates at or after it). Each fault fires once.
+    ``step``: the fault fires at the first opportunity (its ``where``) once the committed step count is ``>= step``
+    (a replacement that joins later fires it right after joining). Each fault fires once.
     """
 
     kind: FaultKind
@@ -98,8 +98,6 @@ class FaultInjector:
     def due(self, point: FaultPoint, step: int) -> Fault | None:
         for i, f in enumerate(self._faults):
             if i not in self._fired and f.where is point and step >= f.step:
-                if point in (FaultPoint.IDLE, FaultPoint.COLLECTIVE) and step != f.step:
-                    continue
                 self._fired.add(i)
                 return f
         return None

@@ -13,19 +13,21 @@ step (a matmul loop) to emulate training compute.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import queue
+import signal
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from torchnext.testing.faults import Fault, FaultInjector, FaultPoint
+from torchnext.testing.faults import Fault, FaultInjector, FaultKind, FaultPoint
 
-__all__ = ["FTJob", "WorkerSpec", "expected_weights", "gradient", "run_worker"]
+__all__ = ["FTJob", "WorkerSpec", "expected_weights", "gradient", "overhead_worker", "run_worker"]
 
 DIM = 64
 
@@ -62,16 +64,70 @@ class WorkerSpec:
     coordinator_timeout_s: float = 2.0
     step_sleep_s: float = 0.0
     """Sleep per step (lets a test act between steps without burning CPU)."""
+    run_until_size: int = 0
+    """Keep training past ``steps`` until the generation has this many members (at most ``run_until_s``)."""
+    run_until_member: int = -1
+    """Keep training past ``steps`` until this member id is in the generation (at most ``run_until_s``)."""
+    run_until_s: float = 60.0
+    stop_file: str | None = None
+    """If set: train until the step count written in this file (checked between steps) instead of ``steps``."""
+    sigusr1_raises: bool = False
+    """SIGUSR1 makes this member's next collective raise ``PeerFailure`` (faults injected from outside)."""
+    signal_kills: bool = False
+    """SIGUSR2 / SIGRTMIN make this member SIGKILL itself at its next idle point / inside its next all_reduce."""
+    fault_log: str | None = None
+    """Append ``"<time.monotonic()> <member>"`` here right before a self-inflicted kill (benchmarks time from it)."""
+    event_log: str | None = None
+    """Append one JSON line per generation this member commits in: ``{"member", "gen", "built", "commit"}``
+    (``time.monotonic()`` marks: Communicator built, first commit) -- benchmarks read it even for members that
+    die later."""
+    split: bool = False
+    """Make a split child of each generation and record that reconfiguration invalidates it."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 class _Model(torch.nn.Module):
+    applied: torch.Tensor
+    ballast: torch.Tensor
+
     def __init__(self, dim: int, state_mib: float) -> None:
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(dim, dtype=torch.float64))
         self.register_buffer("applied", torch.zeros((), dtype=torch.int64))
         n = int(state_mib * (1 << 20) // 4)
         self.register_buffer("ballast", torch.arange(n, dtype=torch.float32) if n else torch.zeros(0))
+
+
+class _SGD:
+    """Plain SGD with a state_dict (``torch.optim`` costs ~2 s of imports per fresh process on first use)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float) -> None:
+        self.params = params
+        self.lr = lr
+        self.steps = torch.zeros((), dtype=torch.int64)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.sub_(p.grad, alpha=self.lr)
+        self.steps += 1
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"lr": self.lr, "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.lr = float(state["lr"])
+        self.steps.copy_(state["steps"])
+
+
+def _load(model: torch.nn.Module, opt: _SGD, state: dict[str, Any]) -> None:
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
 
 
 def _digest(model: torch.nn.Module) -> str:
@@ -92,7 +148,7 @@ def _burn(seconds: float, a: torch.Tensor) -> None:
 def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     """Train ``spec.steps`` committed steps fault-tolerantly; return a report (never raises for membership ends:
     the report's ``error`` names it)."""
-    from torchnext.comms import FaultTolerant, FaultTolerantConfig, MembershipError
+    from torchnext.comms import CommAborted, FaultTolerant, FaultTolerantConfig, MembershipError
 
     torch.set_num_threads(1)
     model = _Model(DIM, spec.state_mib)
@@ -100,7 +156,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         with torch.no_grad():
             model.w.fill_(12345.0)
             model.applied.fill_(999)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    opt = _SGD(list(model.parameters()), lr=1.0)
     injector = FaultInjector(spec.faults, spec.member_id)
     work = torch.randn(64, 64)
     report: dict[str, Any] = {"member": spec.member_id, "pid": os.getpid(), "error": None}
@@ -113,7 +169,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
                                 min_size=spec.min_size, timeout_s=spec.timeout_s,
                                 coordinator_timeout_s=spec.coordinator_timeout_s),
             state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
-            load_state_dict=lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["optim"])),
+            load_state_dict=lambda s: _load(model, opt, s),
         )
         report["joined_at"] = time.monotonic()
 
@@ -122,8 +178,56 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
             injector.at(FaultPoint.RECONFIGURE if where == "reconfigure" else FaultPoint.HEALING, ft.step_count)
 
         ft.fault_hook = hook
-        while ft.step_count < spec.steps:
+        invalidated: list[str] = []
+        report["split_invalidated"] = invalidated
+        child = ft.split(list(range(ft.size))) if spec.split else None
+
+        def on_reconfigure(info: Any) -> None:
+            nonlocal child
+            if child is not None:
+                try:
+                    child.barrier()
+                except CommAborted as exc:
+                    invalidated.append(str(exc))
+                child = None
+
+        ft.on_reconfigure(on_reconfigure)
+        give_up = time.monotonic() + spec.run_until_s
+        committed_in: list[int] = []  # members of the generation that committed the last step this member saw
+        logged_gen = -1
+        armed = [False]
+        if spec.sigusr1_raises:
+            signal.signal(signal.SIGUSR1, lambda *_: armed.__setitem__(0, True))
+        doomed = [""]
+        if spec.signal_kills:
+            signal.signal(signal.SIGUSR2, lambda *_: doomed.__setitem__(0, "idle"))
+            signal.signal(signal.SIGRTMIN, lambda *_: doomed.__setitem__(0, "collective"))
+
+        def die_if(point: str) -> None:
+            if doomed[0] == point:
+                if spec.fault_log is not None:
+                    with open(spec.fault_log, "a") as fh:
+                        fh.write(f"{time.monotonic()} {spec.member_id}\n")
+                os.kill(os.getpid(), signal.SIGKILL)
+        target = [spec.steps if spec.stop_file is None else 1 << 62]
+
+        def more() -> bool:
+            assert ft is not None
+            if spec.stop_file is not None and target[0] == 1 << 62 and os.path.exists(spec.stop_file):
+                with open(spec.stop_file) as fh:
+                    text = fh.read().strip()
+                if text:
+                    target[0] = int(text)
+            if ft.step_count < target[0]:
+                return True
+            # judged on the generation that committed the last step: the same on every member
+            short = len(committed_in) < spec.run_until_size or (spec.run_until_member >= 0
+                                                                and spec.run_until_member not in committed_in)
+            return short and time.monotonic() < give_up
+
+        while more():
             injector.at(FaultPoint.IDLE, ft.step_count)
+            die_if("idle")
             attempts += 1
             with ft.step() as st:
                 s = ft.step_count
@@ -131,6 +235,13 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
                     _burn(spec.compute_s, work)
                 g = gradient(s, ft.member_id)
                 f = injector.due(FaultPoint.COLLECTIVE, s)
+                if armed[0]:
+                    armed[0] = False
+                    f = Fault(kind=FaultKind.RAISE, member=spec.member_id, step=s, where=FaultPoint.COLLECTIVE)
+                if doomed[0] == "collective":
+                    ft.all_reduce(g, async_op=True)
+                    time.sleep(0.005)  # peers are now blocked in the collective
+                    die_if("collective")
                 if f is not None:
                     w = ft.all_reduce(g, async_op=True)
                     time.sleep(0.005)  # peers are now blocked in the collective
@@ -140,14 +251,26 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
                     ft.all_reduce(g)
                 model.w.grad = g
                 if st.commit():
+                    if spec.event_log is not None and ft.generation != logged_gen:
+                        logged_gen = ft.generation
+                        marks = ft.reconfigurations[-1].timings if ft.reconfigurations else {}
+                        with open(spec.event_log, "a") as fh:
+                            fh.write(json.dumps({"member": spec.member_id, "gen": logged_gen,
+                                                 "built": marks.get("built"), "commit": ft.commit_times[-1][2],
+                                                 "healed": (ft.reconfigurations[-1].healed.__dict__
+                                                            if ft.reconfigurations and ft.reconfigurations[-1].healed
+                                                            and spec.member_id in ft.reconfigurations[-1].joiners
+                                                            else None)}) + "\n")
+                    committed_in = list(ft.members)
                     opt.step()
                     with torch.no_grad():
                         model.applied += 1
-                opt.zero_grad(set_to_none=True)
+                opt.zero_grad()
             if spec.step_sleep_s:
                 time.sleep(spec.step_sleep_s)
     except MembershipError as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
+        report["ended_at"] = time.monotonic()
     finally:
         injector.close()
         if ft is not None:
@@ -166,9 +289,52 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     return report
 
 
-def _child(spec: WorkerSpec, results: Any) -> None:
+def overhead_worker(spec: WorkerSpec) -> dict[str, Any]:
+    """Per-step cost of the wrapper, measured in the same processes on the same Communicator: alternating blocks
+    of plain steps (compute, all_reduce, update) and fault-tolerant steps (the same inside ``ft.step()`` with a
+    commit). Returns ``{"plain": [s, ...], "ft": [s, ...]}`` (step durations, seconds)."""
+    from torchnext.comms import FaultTolerant, FaultTolerantConfig
+
+    torch.set_num_threads(1)
+    w = torch.zeros(DIM, dtype=torch.float64)
+    work = torch.randn(64, 64)
+    ft = FaultTolerant(FaultTolerantConfig(coordinator=spec.coordinator, token=spec.token, member_id=spec.member_id,
+                                           timeout_s=spec.timeout_s))
+    plain: list[float] = []
+    fts: list[float] = []
+    commits: list[float] = []
+    block = 20
     try:
-        out = (spec.member_id, True, run_worker(spec))
+        for b in range(max(1, spec.steps // (2 * block))):
+            for i in range(block):
+                t0 = time.perf_counter()
+                if spec.compute_s:
+                    _burn(spec.compute_s, work)
+                g = gradient(b * block + i, ft.member_id)
+                ft.comm.all_reduce(g)
+                w -= g
+                plain.append(time.perf_counter() - t0)
+            for _ in range(block):
+                t0 = time.perf_counter()
+                with ft.step() as st:
+                    if spec.compute_s:
+                        _burn(spec.compute_s, work)
+                    g = gradient(ft.step_count, ft.member_id)
+                    ft.all_reduce(g)
+                    t1 = time.perf_counter()
+                    if st.commit():
+                        w -= g
+                    commits.append(time.perf_counter() - t1)
+                fts.append(time.perf_counter() - t0)
+    finally:
+        ft.close()
+    return {"plain": plain, "ft": fts, "commit": commits}
+
+
+def _child(spec: WorkerSpec, results: Any, fn: Callable[[WorkerSpec], Any] = run_worker) -> None:
+    out: tuple[int, bool, Any]
+    try:
+        out = (spec.member_id, True, fn(spec))
     except BaseException:
         out = (spec.member_id, False, traceback.format_exc())
     results.put(out)
@@ -194,8 +360,10 @@ class FTJob:
         self.reports: dict[int, dict[str, Any]] = {}
         self.errors: dict[int, str] = {}
 
-    def launch(self, spec: WorkerSpec) -> Any:
-        p = self._ctx.Process(target=_child, args=(spec, self._results), name=f"member{spec.member_id}", daemon=True)
+    def launch(self, spec: WorkerSpec, fn: Callable[[WorkerSpec], Any] = run_worker) -> Any:
+        """Start a member running ``fn(spec)`` (a module-level function; default :func:`run_worker`)."""
+        p = self._ctx.Process(target=_child, args=(spec, self._results, fn), name=f"member{spec.member_id}",
+                              daemon=True)
         p.start()
         self.procs[spec.member_id] = p
         return p
@@ -204,7 +372,8 @@ class FTJob:
         return int(self.procs[member].pid)
 
     def exitcode(self, member: int) -> int | None:
-        return self.procs[member].exitcode  # type: ignore[no-any-return]
+        code = self.procs[member].exitcode
+        return None if code is None else int(code)
 
     def wait(self, members: Sequence[int], timeout: float) -> dict[int, dict[str, Any]]:
         """Wait until each of ``members`` reported or exited; raise ``TimeoutError`` naming the stragglers."""

@@ -52,6 +52,10 @@ class BackendHandle:
     """Device of the tensors it communicates."""
     native_avg: bool = True
     """Whether ``ReduceOp.AVG`` can be passed to the backend (else SUM + divide is used)."""
+    interruptible_wait: bool = False
+    """Whether ``backend_work.wait(timeout)`` on a collective only stops waiting when ``timeout`` elapses (c10d's
+    generic ``Work::wait``) rather than failing the op: then sync ops wait in short slices on the issuing thread
+    (fastest, still abortable). Gloo: True. Otherwise sync ops wait like async ones (future callback)."""
     uneven_all_to_all: bool = False
     """Whether the list-form ``alltoall`` accepts chunks of different sizes (else it is emulated)."""
     abort_fn: Callable[[], None] | None = None

@@ -2,7 +2,8 @@
 
 Measured on torch 2.13.0: the constructor connects the full mesh (eager); every collective supports SUM, AVG
 (floating), PRODUCT, MIN, MAX on float32/bfloat16/int64; collective Works carry a future whose callback fires on a
-Gloo worker thread; send/recv Works have no future; the list-form alltoall needs equal chunk sizes; ``abort()`` does nothing, so the Communicator abandons the backend
+Gloo worker thread; send/recv Works have no future and their ``wait(timeout)`` fails the op when ``timeout`` elapses (a
+collective Work's only stops waiting); the list-form alltoall needs equal chunk sizes; ``abort()`` does nothing, so the Communicator abandons the backend
 instead (see ``Communicator.abort``).
 """
 
@@ -24,4 +25,4 @@ def create(cfg: BackendConfig) -> BackendHandle:
     if not dist.is_gloo_available():
         raise RuntimeError("this torch build has no Gloo support (torch.distributed.is_gloo_available() is False)")
     pg = dist.ProcessGroupGloo(cfg.store, cfg.rank, cfg.size, cfg.timeout)
-    return BackendHandle(pg=pg, device=device, native_avg=True, abort_fn=None, shutdown_fn=None)
+    return BackendHandle(pg=pg, device=device, native_avg=True, interruptible_wait=True)

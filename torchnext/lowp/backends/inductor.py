@@ -5,13 +5,15 @@ Two strategies, both with the epilogue's pointwise part and the output amax fuse
 
 * ``gemv`` (M ≤ :data:`GEMV_MAX_M`, block-scaled weight): one reduction kernel over the weight in its prepared
   layout (codes with N innermost, :func:`torchnext.lowp.decode.prepared_gemv_weight`) that decodes codes while
-  accumulating — each weight byte is read once (4.5 bits per NVFP4 element + 2 bits of fp32 scale), no dense
-  weight is ever written::
+  accumulating, one accumulator per row of ``a`` — each weight byte is read and decoded once for all rows (4 bits
+  per NVFP4 element + 2 bits of fp32 block factor), no dense weight is ever written. M is padded to a power of two
+  (the amax ignores the padding rows)::
 
-      y[m, n] = sum_j (2*e2m1(lo[j, n]) * a[m, 2j] + 2*e2m1(hi[j, n]) * a[m, 2j+1]) * (scale[j // 8, n] / 2)
+      y[m, n] = sum_i sum_{j<8} 2*e2m1(nibble_j(word[i, n])) * a[m, 8i + j] * (scale[i // 2, n] / 2)   # NVFP4
 
 * ``mm`` (otherwise): one fused kernel dequantizes each block-scaled operand, ``torch.mm`` multiplies, one fused
-  kernel applies the epilogue and reduces the amax.
+  kernel applies the epilogue and reduces the amax. Compiled once per (formats, N, K, epilogue); a second M
+  recompiles once with M dynamic (Dynamo's automatic dynamic shapes), so varying batch sizes do not recompile.
 
 The output quantization (``out_format``) is then done by :func:`torchnext.lowp.quantize`.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -33,8 +36,8 @@ from torchnext.lowp.tensor import BlockScaledTensor
 
 __all__ = ["BACKEND", "GEMV_MAX_M", "InductorBackend", "clear_cache", "strategy_for"]
 
-GEMV_MAX_M = 2
-"""Largest M that takes the ``gemv`` strategy (each extra row re-decodes the weight)."""
+GEMV_MAX_M = 16
+"""Largest M that takes the ``gemv`` strategy (M is padded to the next power of two: 1, 2, 4, 8, 16)."""
 
 _CACHE: dict[tuple[Any, ...], Callable[..., Any]] = {}
 _LOCK = threading.Lock()
@@ -64,50 +67,104 @@ def _block_factors(scales: torch.Tensor, kind: ScaleKind, gs: torch.Tensor) -> t
     return f * gs
 
 
-def _dequant_rows(codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor, spec: FormatSpec, k: int) -> torch.Tensor:
-    """(R, K) fp32 from row-major codes (R, Kp / per_byte) and raw scales (R, nb)."""
+def _dequant_rows(
+    codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor, *, spec: FormatSpec, k: int, permuted: bool
+) -> torch.Tensor:
+    """fp32 rows from row-major codes (R, Kp / per_byte) and raw scales (R, nb).
+
+    ``permuted`` (FP4 only): return the padded (R, Kp) values with K reordered as ``[elements 0, 8, 16, ...,
+    elements 1, 9, 17, ..., ..., elements 7, 15, ...]`` (nibble j of every int32 word of 8 codes), each segment a
+    contiguous vectorized write (an interleaving store would be scalar); the other operand gets the same order
+    (:func:`_permute_k`), which leaves ``a @ w.T`` unchanged. Otherwise: (R, K) in natural order.
+    """
     r = codes.shape[0]
     block = spec.block_size
     f = _block_factors(scales, spec.scale, gs)
     nb = f.shape[1]
+    if is_fp4(spec) and permuted:
+        # int32 words of 8 codes; segment j holds nibble j of every word, times the block factor (2 words/block
+        # for NVFP4, 4 for MXFP4): 8 contiguous, vectorized writes
+        words = codes.contiguous().view(torch.int32)
+        per_block = block // 8
+        fw = (f * 0.5).unsqueeze(-1).expand(r, nb, per_block).reshape(r, nb * per_block)
+        segs = [fp4_times2(torch.bitwise_right_shift(words, 4 * j) & 15) * fw for j in range(8)]
+        return torch.cat(segs, dim=1)
     if is_fp4(spec):
-        vals = torch.stack([fp4_times2(codes & 15), fp4_times2(codes >> 4)], dim=-1).reshape(r, nb, block)
-        f = f * 0.5
+        f = (f * 0.5).unsqueeze(-1)
+        lo = (fp4_times2(codes & 15).reshape(r, nb, block // 2) * f).reshape(r, nb * block // 2)
+        hi = (fp4_times2(codes >> 4).reshape(r, nb, block // 2) * f).reshape(r, nb * block // 2)
+        out = torch.stack([lo, hi], dim=-1).reshape(r, nb * block)
     else:
-        vals = codes.to(torch.float32).reshape(r, nb, block)
-    out = (vals * f.unsqueeze(-1)).reshape(r, nb * block)
+        out = (codes.to(torch.float32).reshape(r, nb, block) * f.unsqueeze(-1)).reshape(r, nb * block)
     return out[:, :k] if nb * block != k else out
+
+
+def _permute_k(x: torch.Tensor, kp: int) -> torch.Tensor:
+    """Dense (R, K) → (R, Kp) zero-padded, reordered as in :func:`_dequant_rows` (``permuted=True``)."""
+    if x.shape[1] != kp:
+        x = torch.nn.functional.pad(x, (0, kp - x.shape[1]))
+    return torch.cat([x[:, j::8] for j in range(8)], dim=1)
 
 
 def _make_gemv(spec: FormatSpec, ep: Epilogue, want_amax: bool) -> Callable[..., Any]:
     fp4 = is_fp4(spec)
-    rows_per_block = spec.block_size // spec.element.per_byte
+    # rows of codes_t per block: FP4 packs 8 codes per int32 word, FP8 has one code per row
+    rows_per_block = spec.block_size // 8 if fp4 else spec.block_size
 
-    def gemv(a: torch.Tensor, codes_t: torch.Tensor, scales_t: torch.Tensor, tensors: dict[str, torch.Tensor | None]) -> Any:
-        kb, n = codes_t.shape
-        s = scales_t.unsqueeze(1).expand(kb // rows_per_block, rows_per_block, n).reshape(kb, n)
+    def gemv(
+        a: torch.Tensor, valid: torch.Tensor, codes_t: torch.Tensor, scales_t: torch.Tensor, tensors: dict[str, torch.Tensor | None]
+    ) -> Any:
+        kw, n = codes_t.shape
+        s = scales_t.unsqueeze(1).expand(kw // rows_per_block, rows_per_block, n).reshape(kw, n)
+        # decoded, scaled weight terms shared by every row of a: Inductor CSEs them into one reduction loop with one
+        # accumulator per row, so the weight is read and decoded once for all rows
         if fp4:
-            ae = a[:, 0::2].unsqueeze(-1)
-            ao = a[:, 1::2].unsqueeze(-1)
-            prod = fp4_times2(codes_t & 15).unsqueeze(0) * ae + fp4_times2(codes_t >> 4).unsqueeze(0) * ao
+            terms = [fp4_times2(torch.bitwise_right_shift(codes_t, 4 * j) & 15) for j in range(8)]
         else:
-            prod = codes_t.to(torch.float32).unsqueeze(0) * a.unsqueeze(-1)
-        acc = (prod * s.unsqueeze(0)).sum(1)
-        y = epilogue_pointwise(acc, ep, tensors)
-        return y, (y.abs().amax() if want_amax else None)
+            terms = [codes_t.to(torch.float32)]
+        step = len(terms)
+        rows = []
+        for r in range(a.shape[0]):
+            acc = terms[0] * a[r, 0::step].unsqueeze(-1)
+            for j in range(1, step):
+                acc = acc + terms[j] * a[r, j::step].unsqueeze(-1)
+            rows.append((acc * s).sum(0))
+        y = epilogue_pointwise(torch.stack(rows), ep, tensors)
+        amax = torch.where(valid, y.abs(), 0.0).amax() if want_amax else None
+        return y, amax
 
     return gemv
 
 
-def _make_mm(a_spec: FormatSpec | None, w_spec: FormatSpec | None, k: int, ep: Epilogue, want_amax: bool) -> Callable[..., Any]:
+def _make_mm(
+    a_spec: FormatSpec | None, w_spec: FormatSpec | None, k: int, kp: int | None, ep: Epilogue, want_amax: bool
+) -> Callable[..., Any]:
+    """``kp`` set: the K-permuted layout (some operand is FP4 and all block-scaled operands share ``kp``)."""
+    permuted = kp is not None
+
+    def operand(parts: tuple[torch.Tensor, ...], spec: FormatSpec | None) -> torch.Tensor:
+        if spec is None:
+            x = parts[0].to(torch.float32)
+            return _permute_k(x, kp) if kp is not None else x
+        x = _dequant_rows(*parts[:3], spec=spec, k=k, permuted=permuted and is_fp4(spec))
+        if kp is not None and not is_fp4(spec):
+            x = _permute_k(x, kp)
+        return x
+
     def mm(a_parts: tuple[torch.Tensor, ...], w_parts: tuple[torch.Tensor, ...], tensors: dict[str, torch.Tensor | None]) -> Any:
-        a = _dequant_rows(*a_parts, a_spec, k) if a_spec is not None else a_parts[0].to(torch.float32)
-        w = _dequant_rows(*w_parts, w_spec, k) if w_spec is not None else w_parts[0].to(torch.float32)
-        acc = torch.mm(a, w.t())
+        acc = torch.mm(operand(a_parts, a_spec), operand(w_parts, w_spec).t())
         y = epilogue_pointwise(acc, ep, tensors)
         return y, (y.abs().amax() if want_amax else None)
 
     return mm
+
+
+def _permuted_kp(a: torch.Tensor | BlockScaledTensor, w: torch.Tensor | BlockScaledTensor) -> int | None:
+    bsts = [x for x in (a, w) if isinstance(x, BlockScaledTensor)]
+    if not any(is_fp4(x.spec) for x in bsts):
+        return None
+    kps = {x.k_padded for x in bsts}
+    return kps.pop() if len(kps) == 1 else None
 
 
 # ------------------------------------------------------------------------------------------------ backend
@@ -121,11 +178,24 @@ def _raw_parts(q: BlockScaledTensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return codes, scales, gs
 
 
-def _compiled(key: tuple[Any, ...], make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+_OPTIONS = {"realize_opcount_threshold": 4096, "realize_reads_threshold": 64}
+"""Inductor options: keep the decode expression inlined into the reduction (the defaults would write the decoded
+products to memory first, which is exactly the traffic the GEMV avoids)."""
+
+
+def _own_code(fn: Callable[..., Any], tag: int) -> Callable[..., Any]:
+    """``fn`` with a private copy of its code object: Dynamo keys its cache (and its recompile limit) on the code
+    object, so every problem key gets its own entries instead of sharing one limit across all of them."""
+    f = fn
+    code = f.__code__.replace(co_name=f"{f.__code__.co_name}_{tag}")
+    return types.FunctionType(code, f.__globals__, code.co_name, f.__defaults__, f.__closure__)
+
+
+def _compiled(key: tuple[Any, ...], make: Callable[[], Callable[..., Any]], *, dynamic: bool | None = False) -> Callable[..., Any]:
     with _LOCK:
         fn = _CACHE.get(key)
         if fn is None:
-            fn = torch.compile(make(), dynamic=False, fullgraph=True)
+            fn = torch.compile(_own_code(make(), len(_CACHE)), dynamic=dynamic, fullgraph=True, options=dict(_OPTIONS))
             _CACHE[key] = fn
     return fn
 
@@ -174,9 +244,15 @@ class InductorBackend:
             if w.k_padded != problem.k:
                 a32 = torch.nn.functional.pad(a32, (0, w.k_padded - problem.k))
             codes_t, scales_t = prepared_gemv_weight(w)
-            key = ("gemv", w.spec.name, problem.m, problem.n, problem.k, sig, problem.device.type, a32.dtype)
+            m, mp = problem.m, _pow2(problem.m)
+            valid = torch.arange(mp, device=a32.device).unsqueeze(1) < m
+            if mp != m:  # pad rows (zeros) so one kernel serves every M of the bucket
+                a32 = torch.nn.functional.pad(a32, (0, 0, 0, mp - m))
+                tensors = {k2: _pad_rows(v, ep, k2, mp) for k2, v in tensors.items()}
+            key: tuple[Any, ...] = ("gemv", w.spec.name, mp, problem.n, problem.k, sig, problem.device.type, a32.dtype)
             fn = _compiled(key, lambda: _make_gemv(w.spec, code_ep, want_amax))
-            y, amax = fn(a32.contiguous(), codes_t, scales_t, tensors)
+            y, amax = fn(a32.contiguous(), valid, codes_t, scales_t, tensors)
+            y = y[:m]
         else:
             a_parts, a_spec = _parts(problem.a)
             w_parts, w_spec = _parts(problem.w)
@@ -184,16 +260,28 @@ class InductorBackend:
                 "mm",
                 problem.a_format,
                 problem.w_format,
-                problem.m,
                 problem.n,
                 problem.k,
                 sig,
                 problem.device.type,
                 tuple(p.dtype for p in a_parts + w_parts),
             )
-            fn = _compiled(key, lambda: _make_mm(a_spec, w_spec, problem.k, code_ep, want_amax))
+            # M is left to Dynamo's automatic dynamic shapes: a second M recompiles once with M symbolic
+            kp = _permuted_kp(problem.a, problem.w)
+            key = (*key, kp)
+            fn = _compiled(key, lambda: _make_mm(a_spec, w_spec, problem.k, kp, code_ep, want_amax), dynamic=None)
             y, amax = fn(a_parts, w_parts, tensors)
         return finish_epilogue(y, ep, problem.out_dtype, amax=amax)
+
+
+def _pow2(m: int) -> int:
+    return 1 << max(0, (m - 1).bit_length())
+
+
+def _pad_rows(t: torch.Tensor | None, ep: Epilogue, name: str, mp: int) -> torch.Tensor | None:
+    if t is None or t.dim() < 2 or (name == "scale" and ep.scale_kind != "row"):
+        return t
+    return torch.nn.functional.pad(t, (0, 0, 0, mp - t.shape[0]))
 
 
 def _parts(x: torch.Tensor | BlockScaledTensor) -> tuple[tuple[torch.Tensor, ...], FormatSpec | None]:

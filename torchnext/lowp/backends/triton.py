@@ -4,7 +4,7 @@ in the kernel's tail (CUDA only).
 The weight ``w`` (N, K) is block-scaled (any built-in format); the activation is dense (a block-scaled activation is
 dequantized first). This is the *decomposed* path that works on any CUDA GPU Triton supports: codes and scales are
 loaded, decoded to fp32 and fed to ``tl.dot`` in IEEE fp32; the native ``tl.dot_scaled`` path of sm_100 is not
-used. Tile loop per output tile (BM × BN)::
+used. Tile loop per output tile (BM x BN)::
 
     acc = 0
     for k0 in range(0, K, BK):
@@ -41,7 +41,7 @@ def _build_kernel() -> Any:  # pragma: no cover - needs triton + CUDA
     import triton.language as tl
 
     @triton.jit
-    def kernel(
+    def kernel(  # type: ignore[no-untyped-def]
         a_ptr, q_ptr, s_ptr, out_ptr, es_ptr, bias_ptr, res_ptr, amax_ptr, gs,
         M, N, K, stride_am, stride_qn, stride_sn,
         FP4: tl.constexpr, BLOCK: tl.constexpr, E8M0: tl.constexpr, SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
