@@ -1,0 +1,127 @@
+"""``torchnext demo``: fault-tolerant low-precision MoE training on local ranks that survives a killed rank."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from torchnext.demo.launcher import DemoConfig
+
+    d = DemoConfig()
+    parser.add_argument("--ranks", type=int, default=d.ranks, help="local ranks to launch (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=d.steps, help="committed training steps (default %(default)s)")
+    parser.add_argument("--precision", choices=["nvfp4", "mxfp8", "bf16", "fp32"], default=d.precision,
+                        help="weight precision of experts and projections (default %(default)s)")
+    parser.add_argument("--kill-rank", type=int, default=d.kill_rank, help="rank to SIGKILL (default %(default)s)")
+    parser.add_argument("--kill-step", type=int, default=d.kill_step,
+                        help="inject the failure after this committed step (default %(default)s)")
+    parser.add_argument("--hang-rank", type=int, default=None, help="SIGSTOP this rank instead of killing one")
+    parser.add_argument("--no-fault", action="store_true", help="run without injecting a failure")
+    parser.add_argument("--rejoin", action="store_true", help="start a replacement that heals and joins")
+    parser.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per rank per step")
+    parser.add_argument("--seq-len", type=int, default=d.seq_len, help="characters per sequence")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--out", default=d.out, help="output folder (default %(default)s)")
+    parser.add_argument("--timeout", type=float, default=d.timeout_s, help="give up after this many seconds")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar, only the final summary")
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from torchnext.demo.launcher import DemoConfig
+
+    kill = None if (args.no_fault or args.hang_rank is not None) else args.kill_rank
+    hang = None if args.no_fault else args.hang_rank
+    return DemoConfig(ranks=args.ranks, steps=args.steps, precision=args.precision, kill_rank=kill,
+                      kill_step=args.kill_step, hang_rank=hang, rejoin=args.rejoin, batch_size=args.batch_size,
+                      seq_len=args.seq_len, seed=args.seed, out=args.out, timeout_s=args.timeout)
+
+
+def analyze_flight_recorder(out: Path) -> int:
+    """Run ``torchnext fr analyze`` on ``out/fr``: report to ``fr_report.txt``, timeline to ``fr_timeline.png``."""
+    cmd = [sys.executable, "-m", "torchnext", "fr", "analyze", str(out / "fr"), "--timeline",
+           str(out / "fr_timeline.png")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**_env(), "COLUMNS": "120"})
+    (out / "fr_report.txt").write_text(proc.stdout + (("\n" + proc.stderr) if proc.stderr else ""))
+    return proc.returncode
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return dict(os.environ)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from torchnext.demo.launcher import DemoError, run_demo
+
+    cfg = _config(args)
+    console = Console(stderr=False, highlight=False)
+    fault = ("none" if cfg.kill_rank is None and cfg.hang_rank is None else
+             f"kill rank {cfg.kill_rank}" if cfg.kill_rank is not None else f"hang rank {cfg.hang_rank}")
+    console.print(f"[bold]torchnext demo[/]: {cfg.ranks} ranks, {cfg.steps} steps, precision {cfg.precision}, "
+                  f"fault: {fault}{' at step ' + str(cfg.kill_step) if fault != 'none' else ''}"
+                  f"{', rejoin' if cfg.rejoin else ''} → {cfg.out}")
+    progress = Progress(TextColumn("[bold blue]train"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("loss {task.fields[loss]}  world {task.fields[size]}  gen {task.fields[gen]}  "
+                                   "{task.fields[tps]} tok/s"),
+                        TimeElapsedColumn(), console=console, disable=args.quiet)
+    task = progress.add_task("train", total=cfg.steps, loss="-", size=cfg.ranks, gen=0, tps="-")
+    seen_reconfig: set[int] = set()
+    failed_steps: set[int] = set()
+
+    def on_event(ev: dict[str, Any]) -> None:
+        kind = ev.get("event")
+        if kind == "step":
+            progress.update(task, completed=ev["step"], loss=f"{ev['loss']:.3f}", size=ev["size"],
+                            gen=ev["generation"], tps=f"{ev['tokens_per_s']:.0f}")
+        elif kind == "fault":
+            progress.console.print(f"[red]✗ injected: {ev['kind']} rank {ev['rank']} after step {ev['step']}[/]")
+        elif kind == "step_failed" and ev["step"] not in failed_steps:
+            failed_steps.add(ev["step"])
+            progress.console.print(f"[yellow]! step {ev['step']} failed on member {ev['member']}: "
+                                   f"{escape(ev['error'])}[/]")
+        elif kind == "reconfigured":
+            if ev["generation"] not in seen_reconfig:
+                seen_reconfig.add(ev["generation"])
+                t = ev.get("timings", {})
+                rebuild = (t["built"] - t["start"]) * 1e3 if "built" in t and "start" in t else float("nan")
+                progress.console.print(f"[green]✓ generation {ev['generation']}: members {ev['members']} "
+                                       f"({escape(str(ev['reason']))}), rebuilt in {rebuild:.1f} ms[/]")
+        elif kind == "joined" and ev.get("healed") and ev["step"] > 0:
+            h = ev["healed"]
+            progress.console.print(f"[green]✓ member {ev['member']} joined generation {ev['generation']} at step "
+                                   f"{ev['step']}, healed from a survivor: {h['bytes'] / 2**20:.2f} MiB, "
+                                   f"{h['tensors']} tensors in {h['seconds'] * 1e3:.0f} ms[/]")
+        elif kind == "rejoin_started":
+            progress.console.print(f"[cyan]→ replacement member {ev['member']} launched[/]")
+
+    try:
+        with progress:
+            summary = run_demo(cfg, on_event)
+    except DemoError as exc:
+        console.print(f"[red]demo failed:[/] {escape(str(exc))}")
+        return 1
+    out = Path(cfg.out)
+    rc = analyze_flight_recorder(out)
+    for f in summary["failures"]:
+        console.print(f"failure: {f['kind']} rank {f['rank']} at step {f['step']}: detect {f['detect_s']} s, "
+                      f"agree {f['agree_s']} s, rebuild {f['rebuild_s']} s")
+    console.print(f"loss {summary['initial_loss']:.3f} → {summary['final_loss']:.3f} over "
+                  f"{summary['steps_completed']} steps; params equal across ranks: "
+                  f"{summary['params_equal_across_ranks']}; wall {summary['wall_s']} s")
+    console.print(f"wrote {out}/summary.json, loss.png, fr/, fr_report.txt (analyzer exit {rc}), fr_timeline.png")
+    if not args.quiet:
+        console.print_json(json.dumps({k: v for k, v in summary.items() if k != "config"}))
+    return 0 if summary["params_equal_across_ranks"] else 1
