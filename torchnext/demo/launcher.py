@@ -175,6 +175,7 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
     coord.start()
     fault_at: float | None = None
     fault_done = False
+    error: BaseException | None = None
     try:
         for m in range(cfg.ranks):
             launcher.spawn(m, coord.address, coord.token)
@@ -233,8 +234,6 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
     except BaseException as exc:
         error = exc
         raise
-    else:
-        error = None
     finally:
         history = coord.history()
         launcher.cleanup()

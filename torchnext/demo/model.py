@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -72,14 +72,11 @@ class ModelConfig:
 class _QuantLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, fmt: str, backend: str) -> Any:
-        from torchnext.lowp import quantize
-        from torchnext.lowp.epilogue import Epilogue
-        from torchnext.lowp.scaled_mm import scaled_mm
+        from torchnext.lowp import Epilogue, quantize, scaled_mm
 
         wq = quantize(weight.detach(), fmt)
         x2 = x.reshape(-1, x.shape[-1])
-        y = scaled_mm(x2, wq, epilogue=Epilogue(bias=bias.detach()), backend=backend)
-        assert isinstance(y, torch.Tensor)
+        y = cast(torch.Tensor, scaled_mm(x2, wq, epilogue=Epilogue(bias=bias.detach()), backend=backend))
         w_deq = wq.dequantize(torch.float32)
         ctx.save_for_backward(x2, w_deq)
         ctx.in_shape = x.shape
@@ -196,5 +193,7 @@ class MoETransformerLM(nn.Module):
         """(total loss for backward, language-model loss in nats/char for reporting)."""
         logits = self(ids)
         lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        aux = sum((blk.moe.aux_loss for blk in self.blocks), torch.zeros(()))
+        aux = torch.zeros(())
+        for blk in self.blocks:
+            aux = aux + cast(_Block, blk).moe.aux_loss
         return lm + aux_weight * aux, float(lm.detach())
