@@ -44,13 +44,17 @@ def _config(args: argparse.Namespace) -> Any:
                       seq_len=args.seq_len, seed=args.seed, out=args.out, timeout_s=args.timeout)
 
 
-def analyze_flight_recorder(out: Path) -> int:
-    """Run ``torchnext fr analyze`` on ``out/fr``: report to ``fr_report.txt``, timeline to ``fr_timeline.png``."""
-    cmd = [sys.executable, "-m", "torchnext", "fr", "analyze", str(out / "fr"), "--timeline",
-           str(out / "fr_timeline.png")]
+def analyze_flight_recorder(out: Path) -> tuple[int, Path]:
+    """Run ``torchnext fr analyze`` on ``out/fr``: report to ``fr_report.txt``, timeline to ``fr_timeline.png``
+    (``fr_timeline.html`` when matplotlib is not installed). Returns (exit code, timeline path)."""
+    import importlib.util
+
+    has_mpl = importlib.util.find_spec("matplotlib") is not None
+    timeline = out / ("fr_timeline.png" if has_mpl else "fr_timeline.html")
+    cmd = [sys.executable, "-m", "torchnext", "fr", "analyze", str(out / "fr"), "--timeline", str(timeline)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**_env(), "COLUMNS": "120"})
     (out / "fr_report.txt").write_text(proc.stdout + (("\n" + proc.stderr) if proc.stderr else ""))
-    return proc.returncode
+    return proc.returncode, timeline
 
 
 def _env() -> dict[str, str]:
@@ -114,14 +118,15 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[red]demo failed:[/] {escape(str(exc))}")
         return 1
     out = Path(cfg.out)
-    rc = analyze_flight_recorder(out)
+    rc, timeline = analyze_flight_recorder(out)
     for f in summary["failures"]:
         console.print(f"failure: {f['kind']} rank {f['rank']} at step {f['step']}: detect {f['detect_s']} s, "
                       f"agree {f['agree_s']} s, rebuild {f['rebuild_s']} s")
     console.print(f"loss {summary['initial_loss']:.3f} → {summary['final_loss']:.3f} over "
                   f"{summary['steps_completed']} steps; params equal across ranks: "
                   f"{summary['params_equal_across_ranks']}; wall {summary['wall_s']} s")
-    console.print(f"wrote {out}/summary.json, loss.png, fr/, fr_report.txt (analyzer exit {rc}), fr_timeline.png")
+    plot = "loss.png" if (out / "loss.png").exists() else "loss.svg"
+    console.print(f"wrote {out}/summary.json, {plot}, fr/, fr_report.txt (analyzer exit {rc}), {timeline.name}")
     if not args.quiet:
         console.print_json(json.dumps({k: v for k, v in summary.items() if k != "config"}))
     return 0 if summary["params_equal_across_ranks"] else 1

@@ -275,21 +275,24 @@ def _summarize(cfg: DemoConfig, launcher: _Launcher, history: list[dict[str, Any
         "error": None if error is None else f"{type(error).__name__}: {error}",
         "config": asdict(cfg),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / "coordinator_history.json").write_text(json.dumps(history, indent=1, default=str))
     (out / "loss.json").write_text(json.dumps({str(s): launcher.losses[s] for s in sorted(launcher.losses)}))
-    _plot_loss(out / "loss.png", launcher.losses, failures)
+    summary["loss_plot"] = _plot_loss(out / "loss.png", launcher.losses, failures).name
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
-def _plot_loss(path: Path, losses: dict[int, float], failures: list[dict[str, Any]]) -> None:
+def _plot_loss(path: Path, losses: dict[int, float], failures: list[dict[str, Any]]) -> Path:
+    """Loss vs step with the failures marked: ``loss.png`` with matplotlib, else a dependency-free ``loss.svg``."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return  # documented: loss.png needs matplotlib (pip install torchnext[plot]); loss.json is always written
+        svg = path.with_suffix(".svg")
+        svg.write_text(_loss_svg(losses, failures))
+        return svg
     fig, ax = plt.subplots(figsize=(7, 3.5), dpi=110)
     steps = sorted(losses)
     ax.plot(steps, [losses[s] for s in steps], color="#1f77b4", lw=1.8, label="loss (nats/char)")
@@ -303,3 +306,33 @@ def _plot_loss(path: Path, losses: dict[int, float], failures: list[dict[str, An
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+    return path
+
+
+def _loss_svg(losses: dict[int, float], failures: list[dict[str, Any]], w: int = 700, h: int = 320) -> str:
+    steps = sorted(losses)
+    if not steps:
+        return f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}"></svg>'
+    x0, x1 = steps[0], max(steps[-1], steps[0] + 1)
+    lo, hi = min(losses.values()), max(losses.values())
+    hi = hi if hi > lo else lo + 1.0
+    pad = 40
+
+    def xy(s: float, v: float) -> str:
+        return f"{pad + (s - x0) / (x1 - x0) * (w - 2 * pad):.1f},{h - pad - (v - lo) / (hi - lo) * (h - 2 * pad):.1f}"
+
+    points = " ".join(xy(s, losses[s]) for s in steps)
+    marks = "".join(
+        f'<line x1="{xy(f["step"], lo).split(",")[0]}" y1="{pad}" x2="{xy(f["step"], lo).split(",")[0]}" '
+        f'y2="{h - pad}" stroke="#d62728" stroke-dasharray="6,4"/>'
+        f'<text x="{xy(f["step"], hi).split(",")[0]}" y="{pad - 6}" fill="#d62728" font-size="12">'
+        f'{f["kind"]} rank {f["rank"]}</text>'
+        for f in failures
+    )
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif">'
+            f'<rect width="{w}" height="{h}" fill="white"/>'
+            f'<text x="{pad}" y="18" font-size="14">torchnext demo: loss (nats/char) vs committed step, '
+            f'{losses[steps[0]]:.2f} → {losses[steps[-1]]:.2f}</text>'
+            f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{points}"/>{marks}'
+            f'<text x="{pad}" y="{h - 10}" font-size="12">step {x0}</text>'
+            f'<text x="{w - pad - 60}" y="{h - 10}" font-size="12">step {x1}</text></svg>')
