@@ -2,8 +2,8 @@
 
     python benchmarks/lowp/bench_quantize.py [--size 4096] [--reps 5] [--json out.json]
 
-Prints versions and machine first, then (1) a timing table: median and min ms per call, the speed-up over torchao
-(median ratio), and effective GB/s (bytes read + written) next to a plain ``copy_`` of the input (the memory-bound
+Prints versions and machine first, then (1) a timing table: median and min ms per call (ours and torchao's calls
+interleaved round by round), the speed-up over torchao (median ratio), and effective GB/s (bytes read + written) next to a plain ``copy_`` of the input (the memory-bound
 ceiling); (2) a quantization-error table (SQNR dB) per format x distribution.
 """
 
@@ -47,6 +47,25 @@ def _time(fn: Callable[[], Any], reps: int) -> tuple[float, float]:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3, min(times) * 1e3
+
+
+def _time_interleaved(fns: list[Callable[[], Any] | None], reps: int) -> list[tuple[float, float]]:
+    """(median ms, min ms) per function, the calls interleaved round by round (a load spike from another process
+    then hits every function alike, so the ratios stay meaningful on a shared machine). ``None`` → NaN."""
+    live = [fn for fn in fns if fn is not None]
+    for fn in live:
+        fn()  # warm-up
+    times: dict[int, list[float]] = {id(fn): [] for fn in live}
+    for r in range(reps):
+        for fn in live if r % 2 == 0 else live[::-1]:
+            t0 = time.perf_counter()
+            fn()
+            times[id(fn)].append(time.perf_counter() - t0)
+    nan = float("nan")
+    return [
+        (statistics.median(times[id(fn)]) * 1e3, min(times[id(fn)]) * 1e3) if fn is not None else (nan, nan)
+        for fn in fns
+    ]
 
 
 def _nbytes(out: Any) -> int:
@@ -106,12 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for name, ours, peer, peer_name in cases:
             q = ours()
-            ours_med, ours_min = _time(ours, args.reps)
-            peer_med, _ = _time(peer, max(3, args.reps // 2)) if peer else (float("nan"), float("nan"))
+            (ours_med, ours_min), (peer_med, _) = _time_interleaved([ours, peer], args.reps)
             moved = x.nbytes + q.nbytes
             gbs = moved / ours_med / 1e6
             # dequantize: ours vs torchao's
-            deq_med, _ = _time(lambda: q.dequantize(torch.float32), args.reps)  # noqa: B023
             if name.startswith("NVFP4"):
                 ref = peer() if peer else None
                 peer_deq = (lambda: ref.dequantize(torch.float32)) if ref is not None else None  # noqa: B023
@@ -122,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
                 s, d = to_mx(x, elem, 32)
                 mx = MXTensor(d, s, elem, 32, x.dtype, KernelPreference.EMULATED, None, False)
                 peer_deq = lambda: mx.dequantize(torch.float32)  # noqa: B023, E731
-            pdeq_med = _time(peer_deq, max(3, args.reps // 2))[0] if peer_deq else float("nan")
+            (deq_med, _), (pdeq_med, _) = _time_interleaved(
+                [lambda: q.dequantize(torch.float32), peer_deq], args.reps  # noqa: B023
+            )
             deq_gbs = (q.nbytes + x.numel() * 4) / deq_med / 1e6
             row = {
                 "dtype": str(dtype).removeprefix("torch."),
@@ -155,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['speedup']:.1f}x | {r['quant_gbs']:.1f} ({r['copy_gbs']:.1f}) | {r['deq_ms']:.1f} | "
             f"{r['torchao_deq_ms']:.1f} | {r['deq_speedup']:.1f}x |"
         )
+    print(f"load avg at the end: {os.getloadavg()[0]:.2f}")
     print("\n(*) torchao has no TE recipe on CPU: the peer is its two-level to_nvfp4, the same amount of work.")
 
     if not args.skip_error_table:

@@ -21,7 +21,7 @@ def test_many_chunks_match_reference(fmt: str, monkeypatch: pytest.MonkeyPatch) 
     x = torch.randn(301, 320) * torch.exp2(torch.randint(-8, 8, (301, 1)).float())
     x[7, 9] = float("nan")
     for opts in OPTS[fmt]:
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):  # bf16/fp16 chunks are widened to fp32
             a = quantize(x.to(dtype), fmt, backend="reference", **opts)
             b = quantize(x.to(dtype), fmt, backend="eager", **opts)
             assert torch.equal(a.scale_bytes, b.scale_bytes)
@@ -29,6 +29,28 @@ def test_many_chunks_match_reference(fmt: str, monkeypatch: pytest.MonkeyPatch) 
             assert torch.equal(a.qdata.view(torch.uint8)[~nan_rows], b.qdata.view(torch.uint8)[~nan_rows])
             da, db = a.dequantize(backend="reference"), b.dequantize(backend="eager")
             assert torch.equal(da.nan_to_num(7.0), db.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_widened_half_inputs_match_reference_on_edges(dtype: torch.dtype) -> None:
+    """The eager path widens bf16/fp16 chunks to fp32 before the amax and the scale multiply: same bytes as the
+    reference (which multiplies the half-precision input by fp32 multipliers) on subnormals, ±Inf, ±0 and ties."""
+    fi = torch.finfo(dtype)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 64, generator=g).to(dtype)
+    x[0] = fi.smallest_normal * torch.rand(64, generator=g).to(dtype)  # subnormal block
+    x[1, :32] = 0.0
+    x[1, 32:] = -0.0
+    x[2, 5] = float("inf")
+    x[3, 7] = -float("inf")
+    x[4] = fi.max * torch.rand(64, generator=g).to(dtype)
+    x[5] = torch.tensor([0.25, 0.75, 1.25, 2.5, 5.0, 6.0, -0.25, -5.0] * 8, dtype=dtype)  # FP4 ties
+    for fmt, opts_list in OPTS.items():
+        for opts in opts_list:
+            a = quantize(x, fmt, backend="reference", **opts)
+            b = quantize(x, fmt, backend="eager", **opts)
+            assert torch.equal(a.scale_bytes, b.scale_bytes), (fmt, opts)
+            assert torch.equal(a.qdata.view(torch.uint8), b.qdata.view(torch.uint8)), (fmt, opts)
 
 
 def test_thread_settings_are_restored() -> None:

@@ -121,10 +121,20 @@ def quantize_blocks(
     rows = _rows_per_chunk(block)
     skip_clamp = el.torch_dtype is not None and _cast_saturates(el.torch_dtype)
 
+    widen = x2.dtype != torch.float32
+
     def work(start: int, stop: int) -> None:
         xc = x2[start:stop]
-        scale, mult = scale_fn(block_amax(xc), inp)
-        y = xc * mult[:, None]  # bf16/fp16 * fp32 → fp32, exact widening then one RNE multiply
+        if widen:
+            # bf16/fp16 → fp32 is exact, and torch computes ``bf16 * fp32`` in fp32 anyway: widening the chunk
+            # first gives the same bytes, but the fp32 amax and an in-place multiply are 2-60x faster on CPU
+            # than the int16 amax and the mixed-dtype broadcast multiply (measured single-threaded, 1 MiB chunks).
+            y = xc.float()
+            scale, mult = scale_fn(block_amax(y), inp)
+            y.mul_(mult[:, None])
+        else:
+            scale, mult = scale_fn(block_amax(xc), inp)
+            y = xc * mult[:, None]
         if noise is not None:
             y = stochastic_round(y, el, noise[start:stop])
         elif not skip_clamp:
