@@ -7,9 +7,9 @@ A :class:`Work` reaches exactly one terminal state, once::
 How completion is observed (this fixes the thread that runs post hooks, see :mod:`torchnext.comms.hooks`):
 
 * synchronous ops on backends whose timed wait is only a wait (``BackendHandle.interruptible_wait``: Gloo
-  collectives): the issuing thread first waits on the backend Work for ``SYNC_WAIT_SLICE`` (10 ms) -- the
-  lowest-latency wait, and most ops finish within it; a longer op then switches to the path below (abort() can end
-  the first slice only when it elapses, so an abort reaches such an op within 10 ms);
+  collectives): the issuing thread waits on the backend Work itself, in slices of ``SYNC_WAIT_SLICE`` (40 ms) --
+  the lowest-latency wait; between slices it checks for an abort and the op's deadline (abort() ends a slice only
+  when it elapses, so an abort reaches such an op within 40 ms);
 * all other ops (async ops; sync send/recv, whose timed wait on Gloo would *be* the op's timeout): the backend
   Work's future callback (Gloo collectives, NCCL), or, for backend Works without a future
   (Gloo send/recv), one waiter thread per communicator. ``Work.wait()`` blocks on our own lock, not on the backend,
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import _thread
 import enum
+import math
 import queue
 import threading
 import time
@@ -56,14 +57,17 @@ class WorkStatus(enum.Enum):
         return self in _TERMINAL
 
 
-SYNC_WAIT_SLICE = timedelta(milliseconds=10)
-"""First wait of a synchronous op in the issuing thread: bounds how late it notices an abort."""
+SYNC_WAIT_SLICE = timedelta(milliseconds=40)
+"""Longest single wait of a synchronous op in the issuing thread: bounds how late it notices an abort."""
+_SLICE_S = SYNC_WAIT_SLICE.total_seconds()
 _SLICE_TIMEOUT_TEXT = "Operation timed out!"  # c10d Work::wait(timeout) when the slice elapses
 
 _TERMINAL = frozenset({WorkStatus.COMPLETED, WorkStatus.ERROR, WorkStatus.TIMED_OUT, WorkStatus.ABORTED})
 _NS = WorkStatus.NOT_STARTED
+_COMPLETED = WorkStatus.COMPLETED
 _IP = WorkStatus.IN_PROGRESS  # hot paths test "terminal" by identity: Enum.__hash__ is slow Python code
 _STATUS_OF: dict[type[CommError], WorkStatus] = {CommTimeout: WorkStatus.TIMED_OUT}
+_new_tuple = tuple.__new__  # builds a NamedTuple without running its Python-level __new__ (hot path)
 
 
 class Work:
@@ -173,7 +177,7 @@ class Work:
 
     # ---------------------------------------------------------------------------------------------- internals
     def _outcome(self) -> bool:
-        if self.status is WorkStatus.COMPLETED:
+        if self.status is _COMPLETED:
             if self._hook_error is not None:
                 raise self._hook_error
             return True
@@ -256,37 +260,63 @@ class Work:
             comm._publish_peer_failure(exc)
         info = self.info
         if info is not None and comm._post_hooks.snapshot:
-            args = PostHookArgs(info, self, status, self._t_end - self._t0, exc)
+            args = _new_tuple(PostHookArgs, (info, self, status, self._t_end - self._t0, exc))  # = PostHookArgs(...)
             self._hook_error = comm._post_hooks.run(args, stop_on_error=False)
         if self._done is not None:
             self._done.release()
         return True
 
     def _wait_sync(self, backend_work: Any) -> bool:
-        """Synchronous op on an interruptible backend: one short wait on the backend Work in this thread (the
-        common case finishes within it, at raw speed); a longer op switches to the future callback + our lock, so
-        it neither polls nor misses an abort."""
-        try:
-            backend_work.wait(SYNC_WAIT_SLICE)
-        except RuntimeError as exc:
-            if backend_work.is_completed():  # a real failure (or completion racing the slice): ask again
-                try:
-                    backend_work.wait()
-                except Exception as real:
-                    self._part_done(real)
+        """Synchronous op on an interruptible backend: wait on the backend Work in this thread, in timed slices of at
+        most ``SYNC_WAIT_SLICE``, as fast as a raw ``work.wait()``. Between slices: an abort (which has already
+        finished this Work) or the op's deadline ends the wait. No future callback, no cross-thread handoff: both
+        cost tens of microseconds per op (and a callback takes the GIL on a backend thread); an elapsed slice costs
+        one C++ exception, so the slice is long (ops shorter than it never pay it)."""
+        wait = backend_work.wait
+        slice_ = SYNC_WAIT_SLICE
+        while True:
+            try:
+                wait(slice_)
+            except RuntimeError as exc:
+                if backend_work.is_completed():  # a real failure (or completion racing the slice): ask again
+                    try:
+                        wait()
+                    except Exception as real:
+                        self._part_done(real)
+                        return self._outcome()
+                    break
+                if str(exc) != _SLICE_TIMEOUT_TEXT:
+                    self._part_done(exc)
                     return self._outcome()
-            elif str(exc) != _SLICE_TIMEOUT_TEXT:
-                self._part_done(exc)
-                return self._outcome()
-            else:  # still running: wait like an async op (abort() releases the lock; Work.wait keeps the deadline)
-                lock = _thread.allocate_lock()
-                lock.acquire()
-                self._done = lock  # publish, then check: a concurrent _finish either sees the lock or we see it
-                if self.status is _IP or self.status is _NS:
-                    backend_work.get_future().add_done_callback(future_callback(self))
-                return self.wait()
-        self._part_done(None)
+                if self.status is not _IP:  # abort() finished this Work meanwhile
+                    return self._outcome()
+                remaining = self._deadline - time.perf_counter()
+                if remaining <= 0.0:
+                    self._time_out()
+                    return self._outcome()
+                if remaining < _SLICE_S:  # whole milliseconds, at least 1 (0 would mean "no timeout" to c10d)
+                    slice_ = timedelta(milliseconds=max(1, math.ceil(remaining * 1e3)))
+            else:
+                break
+        if self._finalize is None:  # a sliced op has one backend Work: complete directly
+            self._complete_sync()
+        else:
+            self._part_done(None)
         return self._outcome()
+
+    def _complete_sync(self) -> None:
+        """``_finish(COMPLETED, None)`` for a sliced sync op (never in ``_in_flight``, no ``_done`` lock): the hot
+        path, so the failure-only branches of ``_finish`` are left out."""
+        comm = self._comm
+        with comm._lock:
+            if self.status is not _IP:  # abort() finished it first
+                return
+            self.status = _COMPLETED
+            self._t_end = t_end = time.perf_counter()
+        info = self.info
+        if info is not None and comm._post_hooks.snapshot:
+            args = _new_tuple(PostHookArgs, (info, self, _COMPLETED, t_end - self._t0, None))
+            self._hook_error = comm._post_hooks.run(args, stop_on_error=False)
 
 
 def future_callback(work: Work) -> Callable[[Any], None]:
