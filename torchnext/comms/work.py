@@ -7,9 +7,9 @@ A :class:`Work` reaches exactly one terminal state, once::
 How completion is observed (this fixes the thread that runs post hooks, see :mod:`torchnext.comms.hooks`):
 
 * synchronous ops on backends whose timed wait is only a wait (``BackendHandle.interruptible_wait``: Gloo
-  collectives): the issuing thread waits on the backend Work itself, in slices of ``SYNC_WAIT_SLICE`` (40 ms) --
-  the lowest-latency wait; between slices it checks for an abort and the op's deadline (abort() ends a slice only
-  when it elapses, so an abort reaches such an op within 40 ms);
+  collectives): the issuing thread waits on the backend Work itself for ``SYNC_WAIT_SLICE`` (40 ms) -- the
+  lowest-latency wait; a longer op then waits on a lock of ours that a future callback releases, in slices that
+  check for an abort and the op's deadline (so an abort reaches such an op within 40 ms);
 * all other ops (async ops; sync send/recv, whose timed wait on Gloo would *be* the op's timeout): the backend
   Work's future callback (Gloo collectives, NCCL), or, for backend Works without a future
   (Gloo send/recv), one waiter thread per communicator. ``Work.wait()`` blocks on our own lock, not on the backend,
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import _thread
 import enum
-import math
 import queue
 import threading
 import time
@@ -267,42 +266,55 @@ class Work:
         return True
 
     def _wait_sync(self, backend_work: Any) -> bool:
-        """Synchronous op on an interruptible backend: wait on the backend Work in this thread, in timed slices of at
-        most ``SYNC_WAIT_SLICE``, as fast as a raw ``work.wait()``. Between slices: an abort (which has already
-        finished this Work) or the op's deadline ends the wait. No future callback, no cross-thread handoff: both
-        cost tens of microseconds per op (and a callback takes the GIL on a backend thread); an elapsed slice costs
-        one C++ exception, so the slice is long (ops shorter than it never pay it)."""
-        wait = backend_work.wait
-        slice_ = SYNC_WAIT_SLICE
-        while True:
-            try:
-                wait(slice_)
-            except RuntimeError as exc:
-                if backend_work.is_completed():  # a real failure (or completion racing the slice): ask again
-                    try:
-                        wait()
-                    except Exception as real:
-                        self._part_done(real)
-                        return self._outcome()
-                    break
-                if str(exc) != _SLICE_TIMEOUT_TEXT:
-                    self._part_done(exc)
+        """Synchronous op on an interruptible backend, waited for in the issuing thread (which then completes it and
+        runs the post hooks). First one timed wait on the backend Work of ``SYNC_WAIT_SLICE``: as fast as a raw
+        ``work.wait()``, and ops shorter than it pay nothing else. An elapsed slice costs a C++ exception (tens to
+        hundreds of microseconds of CPU), so a longer op is not sliced again: a future callback releases a lock of
+        ours (nothing else runs on the backend thread) and this thread waits on it in slices, checking for an
+        abort (which has already finished this Work) and the op's deadline in between."""
+        try:
+            backend_work.wait(SYNC_WAIT_SLICE)
+        except RuntimeError as exc:
+            if backend_work.is_completed():  # a real failure (or completion racing the slice): ask again
+                try:
+                    backend_work.wait()
+                except Exception as real:
+                    self._part_done(real)
                     return self._outcome()
-                if self.status is not _IP:  # abort() finished this Work meanwhile
-                    return self._outcome()
-                remaining = self._deadline - time.perf_counter()
-                if remaining <= 0.0:
-                    self._time_out()
-                    return self._outcome()
-                if remaining < _SLICE_S:  # whole milliseconds, at least 1 (0 would mean "no timeout" to c10d)
-                    slice_ = timedelta(milliseconds=max(1, math.ceil(remaining * 1e3)))
-            else:
-                break
+            elif str(exc) != _SLICE_TIMEOUT_TEXT:
+                self._part_done(exc)
+                return self._outcome()
+            elif not self._wait_long(backend_work.get_future()):
+                return self._outcome()
         if self._finalize is None:  # a sliced op has one backend Work: complete directly
             self._complete_sync()
         else:
             self._part_done(None)
         return self._outcome()
+
+    def _wait_long(self, fut: Any) -> bool:
+        """Rest of a sync op that outlasted the first slice. True once the backend succeeded; False when the Work
+        is already terminal (aborted, timed out, or failed: see ``_outcome``)."""
+        ready = _thread.allocate_lock()
+        ready.acquire()
+        fut.add_done_callback(lambda _f, r=ready: r.release())  # holds only the lock: no Work/comm on that thread
+        while True:
+            if self.status is not _IP:  # abort() finished this Work
+                return False
+            remaining = self._deadline - time.perf_counter()
+            if remaining <= 0.0:
+                self._time_out()
+                return False
+            if ready.acquire(timeout=min(remaining, _SLICE_S)):
+                break
+        if self.status is not _IP:
+            return False
+        try:
+            fut.value()
+        except Exception as exc:
+            self._part_done(exc)
+            return False
+        return True
 
     def _complete_sync(self) -> None:
         """``_finish(COMPLETED, None)`` for a sliced sync op (never in ``_in_flight``, no ``_done`` lock): the hot
