@@ -8,8 +8,8 @@ How completion is observed (this fixes the thread that runs post hooks, see :mod
 
 * synchronous ops on backends whose timed wait is only a wait (``BackendHandle.interruptible_wait``: Gloo
   collectives): the issuing thread waits on the backend Work itself for ``SYNC_WAIT_SLICE`` (40 ms) -- the
-  lowest-latency wait; a longer op then waits on a lock of ours that a future callback releases, in slices that
-  check for an abort and the op's deadline (so an abort reaches such an op within 40 ms);
+  lowest-latency wait; a longer op then waits on a lock of ours that a future callback (or abort()) releases,
+  checking the op's deadline (an abort reaches such an op within 40 ms, at once after the first slice);
 * all other ops (async ops; sync send/recv, whose timed wait on Gloo would *be* the op's timeout): the backend
   Work's future callback (Gloo collectives, NCCL), or, for backend Works without a future
   (Gloo send/recv), one waiter thread per communicator. ``Work.wait()`` blocks on our own lock, not on the backend,
@@ -262,7 +262,10 @@ class Work:
             args = _new_tuple(PostHookArgs, (info, self, status, self._t_end - self._t0, exc))  # = PostHookArgs(...)
             self._hook_error = comm._post_hooks.run(args, stop_on_error=False)
         if self._done is not None:
-            self._done.release()
+            try:
+                self._done.release()
+            except RuntimeError:  # a sync op's lock, already released by its backend's callback
+                pass
         return True
 
     def _wait_sync(self, backend_work: Any) -> bool:
@@ -270,8 +273,8 @@ class Work:
         runs the post hooks). First one timed wait on the backend Work of ``SYNC_WAIT_SLICE``: as fast as a raw
         ``work.wait()``, and ops shorter than it pay nothing else. An elapsed slice costs a C++ exception (tens to
         hundreds of microseconds of CPU), so a longer op is not sliced again: a future callback releases a lock of
-        ours (nothing else runs on the backend thread) and this thread waits on it in slices, checking for an
-        abort (which has already finished this Work) and the op's deadline in between."""
+        ours (nothing else runs on the backend thread; abort() releases it too, having finished this Work) and this
+        thread waits on it in slices, checking the op's deadline in between."""
         try:
             backend_work.wait(SYNC_WAIT_SLICE)
         except RuntimeError as exc:
@@ -297,7 +300,8 @@ class Work:
         is already terminal (aborted, timed out, or failed: see ``_outcome``)."""
         ready = _thread.allocate_lock()
         ready.acquire()
-        fut.add_done_callback(lambda _f, r=ready: r.release())  # holds only the lock: no Work/comm on that thread
+        self._done = ready  # abort()'s _finish releases it too (publish, then check the status below)
+        fut.add_done_callback(_releaser(ready))  # holds only the lock: no Work/comm on the backend thread
         while True:
             if self.status is not _IP:  # abort() finished this Work
                 return False
@@ -329,6 +333,18 @@ class Work:
         if info is not None and comm._post_hooks.snapshot:
             args = _new_tuple(PostHookArgs, (info, self, _COMPLETED, t_end - self._t0, None))
             self._hook_error = comm._post_hooks.run(args, stop_on_error=False)
+
+
+def _releaser(lock: _thread.LockType) -> Callable[[Any], None]:
+    """Future callback that releases ``lock`` once (tolerating abort() having released it first)."""
+
+    def release(_fut: Any) -> None:
+        try:
+            lock.release()
+        except RuntimeError:
+            pass
+
+    return release
 
 
 def future_callback(work: Work) -> Callable[[Any], None]:
