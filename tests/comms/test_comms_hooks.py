@@ -156,3 +156,39 @@ def test_hook_must_be_callable() -> None:
             comm.register_pre_hook(42)  # type: ignore[arg-type]
 
     run_threads(body, 1)
+
+
+def _long_sync_op(ctx: RankContext) -> dict[str, Any]:
+    """A sync op that outlasts several wait slices (the peer issues late): it completes on the issuing thread, post
+    hooks included; a per-op timeout shorter than the wait still ends it as TIMED_OUT between slices."""
+    from torchnext.comms import CommTimeout
+    from torchnext.comms.work import SYNC_WAIT_SLICE
+
+    comm = Communicator(ctx.store, ctx.rank, 2, timeout=timedelta(seconds=30), name="long")
+    posts: list[tuple[int, str, str]] = []
+    comm.register_post_hook(lambda a: posts.append((a.op_id, a.status.name, threading.current_thread().name)))
+    delay = 3 * SYNC_WAIT_SLICE.total_seconds()
+    t = torch.full((4,), float(ctx.rank + 1))
+    if ctx.rank == 1:
+        threading.Event().wait(delay)
+    comm.all_reduce(t)
+    out: dict[str, Any] = {"sum": t.tolist(), "posts": list(posts), "me": threading.current_thread().name}
+    if ctx.rank == 0:  # rank 1 never joins op 2: our own deadline (between slices) must end it
+        try:
+            comm.all_reduce(t, timeout=timedelta(seconds=2.5 * SYNC_WAIT_SLICE.total_seconds()))
+        except CommTimeout as exc:
+            out["timeout"] = type(exc).__name__
+        out["posts2"] = list(posts)
+        ctx.store.set("long_done", "1")
+    else:  # stay connected until rank 0 is done (a vanished peer would make it a PeerFailure)
+        ctx.store.wait(["long_done"], timedelta(seconds=30))
+    return out
+
+
+def test_long_sync_op_completes_on_issuing_thread_and_honours_its_timeout() -> None:
+    res = run_threads(_long_sync_op, 2, timeout=60)
+    for r in res:
+        assert r["sum"] == [3.0] * 4
+        assert r["posts"] == [(1, "COMPLETED", r["me"])]
+    assert res[0]["timeout"] == "CommTimeout"
+    assert res[0]["posts2"][-1][:2] == (2, "TIMED_OUT")

@@ -18,7 +18,7 @@ from torchnext.comms.backends import BackendConfig, BackendHandle, get_backend
 from torchnext.comms.errors import CommAborted, CommError, PeerFailure
 from torchnext.comms.hooks import AbortHookArgs, HookList, OpInfo, PostHookArgs, RemovableHandle
 from torchnext.comms.reduce_op import ReduceOp
-from torchnext.comms.work import CompletionWaiter, Work, WorkStatus, future_callback
+from torchnext.comms.work import CompletionWaiter, Work, WorkStatus, _new_tuple, future_callback
 
 if TYPE_CHECKING:
     from torchnext.comms.flight_recorder import FlightRecorder
@@ -194,6 +194,7 @@ class Communicator(CollectiveOps):
         cfg = BackendConfig(store=store, rank=rank, size=size, timeout=self._timeout, device=dev, name=name)
         self._backend = factory(cfg)
         self._pg = self._backend.pg
+        self._interruptible = self._backend.interruptible_wait
         self._device = self._backend.device
 
     # ------------------------------------------------------------------------------------------------ properties
@@ -436,12 +437,12 @@ class Communicator(CollectiveOps):
             info = None
             pre = self._pre_hooks.snapshot
             if pre or self._post_hooks.snapshot:  # positional: this is the hot path
-                info = OpInfo(op, op_id, self._name, self._ranks, self._rank, self._size, async_op, root, peer,
-                              None if reduce_op is None else reduce_op._value_, tuple(inputs), tuple(outputs),
-                              td or self._timeout)
+                info = _new_tuple(OpInfo, (op, op_id, self._name, self._ranks, self._rank, self._size, async_op, root,
+                                           peer, None if reduce_op is None else reduce_op._value_, tuple(inputs),
+                                           tuple(outputs), td or self._timeout))  # = OpInfo(...), minus a frame
             # sync ops first wait in this thread where the backend's timed wait is only a wait (Gloo collectives);
             # elsewhere (Gloo send/recv: a timed wait *is* the op's timeout) they wait like async ops
-            sliced = not async_op and has_future and self._backend.interruptible_wait
+            sliced = not async_op and has_future and self._interruptible
             work = Work(self, op, op_id, info, outputs, timeout_s, peer, not sliced)
             if pre:
                 hook_error = self._pre_hooks.run(info, stop_on_error=True)  # type: ignore[arg-type]

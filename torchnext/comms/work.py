@@ -7,9 +7,9 @@ A :class:`Work` reaches exactly one terminal state, once::
 How completion is observed (this fixes the thread that runs post hooks, see :mod:`torchnext.comms.hooks`):
 
 * synchronous ops on backends whose timed wait is only a wait (``BackendHandle.interruptible_wait``: Gloo
-  collectives): the issuing thread first waits on the backend Work for ``SYNC_WAIT_SLICE`` (10 ms) -- the
-  lowest-latency wait, and most ops finish within it; a longer op then switches to the path below (abort() can end
-  the first slice only when it elapses, so an abort reaches such an op within 10 ms);
+  collectives): the issuing thread waits on the backend Work itself for ``SYNC_WAIT_SLICE`` (40 ms) -- the
+  lowest-latency wait; a longer op then waits on a lock of ours that a future callback (or abort()) releases,
+  checking the op's deadline (an abort reaches such an op within 40 ms, at once after the first slice);
 * all other ops (async ops; sync send/recv, whose timed wait on Gloo would *be* the op's timeout): the backend
   Work's future callback (Gloo collectives, NCCL), or, for backend Works without a future
   (Gloo send/recv), one waiter thread per communicator. ``Work.wait()`` blocks on our own lock, not on the backend,
@@ -56,14 +56,17 @@ class WorkStatus(enum.Enum):
         return self in _TERMINAL
 
 
-SYNC_WAIT_SLICE = timedelta(milliseconds=10)
-"""First wait of a synchronous op in the issuing thread: bounds how late it notices an abort."""
+SYNC_WAIT_SLICE = timedelta(milliseconds=40)
+"""Longest single wait of a synchronous op in the issuing thread: bounds how late it notices an abort."""
+_SLICE_S = SYNC_WAIT_SLICE.total_seconds()
 _SLICE_TIMEOUT_TEXT = "Operation timed out!"  # c10d Work::wait(timeout) when the slice elapses
 
 _TERMINAL = frozenset({WorkStatus.COMPLETED, WorkStatus.ERROR, WorkStatus.TIMED_OUT, WorkStatus.ABORTED})
 _NS = WorkStatus.NOT_STARTED
+_COMPLETED = WorkStatus.COMPLETED
 _IP = WorkStatus.IN_PROGRESS  # hot paths test "terminal" by identity: Enum.__hash__ is slow Python code
 _STATUS_OF: dict[type[CommError], WorkStatus] = {CommTimeout: WorkStatus.TIMED_OUT}
+_new_tuple = tuple.__new__  # builds a NamedTuple without running its Python-level __new__ (hot path)
 
 
 class Work:
@@ -173,7 +176,7 @@ class Work:
 
     # ---------------------------------------------------------------------------------------------- internals
     def _outcome(self) -> bool:
-        if self.status is WorkStatus.COMPLETED:
+        if self.status is _COMPLETED:
             if self._hook_error is not None:
                 raise self._hook_error
             return True
@@ -256,16 +259,22 @@ class Work:
             comm._publish_peer_failure(exc)
         info = self.info
         if info is not None and comm._post_hooks.snapshot:
-            args = PostHookArgs(info, self, status, self._t_end - self._t0, exc)
+            args = _new_tuple(PostHookArgs, (info, self, status, self._t_end - self._t0, exc))  # = PostHookArgs(...)
             self._hook_error = comm._post_hooks.run(args, stop_on_error=False)
         if self._done is not None:
-            self._done.release()
+            try:
+                self._done.release()
+            except RuntimeError:  # a sync op's lock, already released by its backend's callback
+                pass
         return True
 
     def _wait_sync(self, backend_work: Any) -> bool:
-        """Synchronous op on an interruptible backend: one short wait on the backend Work in this thread (the
-        common case finishes within it, at raw speed); a longer op switches to the future callback + our lock, so
-        it neither polls nor misses an abort."""
+        """Synchronous op on an interruptible backend, waited for in the issuing thread (which then completes it and
+        runs the post hooks). First one timed wait on the backend Work of ``SYNC_WAIT_SLICE``: as fast as a raw
+        ``work.wait()``, and ops shorter than it pay nothing else. An elapsed slice costs a C++ exception (tens to
+        hundreds of microseconds of CPU), so a longer op is not sliced again: a future callback releases a lock of
+        ours (nothing else runs on the backend thread; abort() releases it too, having finished this Work) and this
+        thread waits on it in slices, checking the op's deadline in between."""
         try:
             backend_work.wait(SYNC_WAIT_SLICE)
         except RuntimeError as exc:
@@ -278,15 +287,64 @@ class Work:
             elif str(exc) != _SLICE_TIMEOUT_TEXT:
                 self._part_done(exc)
                 return self._outcome()
-            else:  # still running: wait like an async op (abort() releases the lock; Work.wait keeps the deadline)
-                lock = _thread.allocate_lock()
-                lock.acquire()
-                self._done = lock  # publish, then check: a concurrent _finish either sees the lock or we see it
-                if self.status is _IP or self.status is _NS:
-                    backend_work.get_future().add_done_callback(future_callback(self))
-                return self.wait()
-        self._part_done(None)
+            elif not self._wait_long(backend_work.get_future()):
+                return self._outcome()
+        if self._finalize is None:  # a sliced op has one backend Work: complete directly
+            self._complete_sync()
+        else:
+            self._part_done(None)
         return self._outcome()
+
+    def _wait_long(self, fut: Any) -> bool:
+        """Rest of a sync op that outlasted the first slice. True once the backend succeeded; False when the Work
+        is already terminal (aborted, timed out, or failed: see ``_outcome``)."""
+        ready = _thread.allocate_lock()
+        ready.acquire()
+        self._done = ready  # abort()'s _finish releases it too (publish, then check the status below)
+        fut.add_done_callback(_releaser(ready))  # holds only the lock: no Work/comm on the backend thread
+        while True:
+            if self.status is not _IP:  # abort() finished this Work
+                return False
+            remaining = self._deadline - time.perf_counter()
+            if remaining <= 0.0:
+                self._time_out()
+                return False
+            if ready.acquire(timeout=min(remaining, _SLICE_S)):
+                break
+        if self.status is not _IP:
+            return False
+        try:
+            fut.value()
+        except Exception as exc:
+            self._part_done(exc)
+            return False
+        return True
+
+    def _complete_sync(self) -> None:
+        """``_finish(COMPLETED, None)`` for a sliced sync op (never in ``_in_flight``, no ``_done`` lock): the hot
+        path, so the failure-only branches of ``_finish`` are left out."""
+        comm = self._comm
+        with comm._lock:
+            if self.status is not _IP:  # abort() finished it first
+                return
+            self.status = _COMPLETED
+            self._t_end = t_end = time.perf_counter()
+        info = self.info
+        if info is not None and comm._post_hooks.snapshot:
+            args = _new_tuple(PostHookArgs, (info, self, _COMPLETED, t_end - self._t0, None))
+            self._hook_error = comm._post_hooks.run(args, stop_on_error=False)
+
+
+def _releaser(lock: _thread.LockType) -> Callable[[Any], None]:
+    """Future callback that releases ``lock`` once (tolerating abort() having released it first)."""
+
+    def release(_fut: Any) -> None:
+        try:
+            lock.release()
+        except RuntimeError:
+            pass
+
+    return release
 
 
 def future_callback(work: Work) -> Callable[[Any], None]:
