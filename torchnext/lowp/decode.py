@@ -4,7 +4,13 @@ cached "prepared" (transposed) weight layout of the decode GEMV.
 * :func:`dequantize_operand` — eager, fast: FP4 bytes go through a 256-entry table whose entries are the *pair* of
   fp32 values of a byte (low nibble first) stored as one int64, so one ``index_select`` decodes two elements; FP8
   codes are cast; then one in-place multiply by the block scales (times the global scale). Same values as
-  :func:`torchnext.lowp.dequantize` (tests compare).
+  :func:`torchnext.lowp.dequantize` (tests compare). With ``dtype=torch.bfloat16`` the table holds bf16 pairs
+  (one int32 per byte) and the multiply runs in bf16: half the bytes written, and bitwise the same as decoding to
+  fp32 and casting (each product is rounded once). Without a global scale those bf16 values are *exact*: an E2M1
+  element (1 mantissa bit) or an E4M3/E5M2 element (3/2 bits) times an E4M3 scale (3 bits) or an E8M0 power of
+  two has at most 5 significant bits and lies in bf16's exponent range (which is fp32's), except products below
+  2^-133 (e.g. E5M2 subnormals times E8M0 scales under 2^-117) that underflow. ``with_global_scale=False`` leaves
+  the NVFP4 global scale out (the caller multiplies it in later, e.g. on the matmul output).
 * :func:`fp4_times2` — traceable: ``2 * e2m1(code)`` from a 4-bit code with pure arithmetic
   (``m + relu(m - 4) + 2 * relu(m - 6)``, sign from bit 3), which Inductor's C++ backend vectorizes (a table
   lookup would become a scalar gather).
@@ -26,6 +32,7 @@ from torchnext.lowp.tensor import BlockScaledTensor
 __all__ = ["dequantize_operand", "fp4_times2", "is_fp4", "prepared_gemv_weight", "scale_factors"]
 
 _PAIR_LUT: torch.Tensor | None = None
+_PAIR_LUT_BF16: torch.Tensor | None = None
 
 
 def is_fp4(spec: FormatSpec) -> bool:
@@ -46,44 +53,89 @@ def _pair_lut() -> torch.Tensor:
     return _PAIR_LUT
 
 
+def _pair_lut_bf16() -> torch.Tensor:
+    """(256,) int32: byte → (e2m1(low nibble), e2m1(high nibble)) as two bf16 bit patterns (little endian)."""
+    global _PAIR_LUT_BF16
+    if _PAIR_LUT_BF16 is None:
+        pairs = _pair_lut().view(torch.float32).reshape(256, 2).to(torch.bfloat16)  # exact: ≤ 2 significant bits
+        if not _little_endian():
+            pairs = pairs.flip(1)
+        _PAIR_LUT_BF16 = pairs.contiguous().view(torch.int32).reshape(256)
+    return _PAIR_LUT_BF16
+
+
 def _little_endian() -> bool:
     import sys
 
     return sys.byteorder == "little"
 
 
-def scale_factors(q: BlockScaledTensor) -> torch.Tensor:
+def scale_factors(q: BlockScaledTensor, *, with_global_scale: bool = True) -> torch.Tensor:
     """fp32 block factors ``float(scale) * global_scale``, shape ``(*storage_shape[:-1], n_blocks)``."""
     f = q.unswizzled_scales().to(torch.float32)
-    if q.global_scale is not None:
+    if q.global_scale is not None and with_global_scale:
         f = f * q.global_scale.to(torch.float32)
     return f
 
 
-def dequantize_operand(q: BlockScaledTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Dense values of ``q`` (blocks along its last dim), logical shape, as ``dtype`` — the eager fast path."""
+def dequantize_operand(
+    q: BlockScaledTensor, dtype: torch.dtype = torch.float32, *, with_global_scale: bool = True
+) -> torch.Tensor:
+    """Dense values of ``q`` (blocks along its last dim), logical shape, as ``dtype`` — the eager fast path.
+
+    ``dtype=torch.bfloat16`` decodes in bf16 directly (see the module docstring: exact without a global scale);
+    ``with_global_scale=False`` omits the NVFP4 global scale."""
     if q.block_dim != len(q.shape) - 1:
         raise ValueError(f"dequantize_operand expects blocks along the last dim, got block_dim={q.block_dim}")
     spec = q.spec
     rest = q.storage_shape[:-1]
     kp = q.k_padded
     nb = kp // spec.block_size
-    factors = scale_factors(q).reshape(*rest, nb, 1)
-    if is_fp4(spec):
+    factors = scale_factors(q, with_global_scale=with_global_scale).reshape(*rest, nb, 1)
+    fp4 = is_fp4(spec)
+    if not fp4 and spec.element.kind is not ElementKind.TORCH_FLOAT8:
+        # generic minifloat (e.g. a registered FP6): the formats' own decoder
+        from torchnext.lowp.quantize import dequantize
+
+        if not with_global_scale and q.global_scale is not None:
+            raise ValueError("dequantize_operand: with_global_scale=False needs FP4 or FP8 elements")
+        return dequantize(q, dtype)
+    if dtype == torch.bfloat16:
+        return _dequantize_bf16(q, factors, bf16_factors=q.global_scale is None or not with_global_scale)
+    if fp4:
         lut = _pair_lut().to(q.device)
         idx = q.qdata.reshape(-1).to(torch.int32)
         vals = torch.index_select(lut, 0, idx).view(torch.float32).reshape(*rest, nb, spec.block_size)
-    elif spec.element.kind is ElementKind.TORCH_FLOAT8:
+    else:
         vals = q.qdata.to(torch.float32).reshape(*rest, nb, spec.block_size)
-    else:  # generic minifloat (e.g. a registered FP6): the formats' own decoder
-        from torchnext.lowp.quantize import dequantize
-
-        return dequantize(q, dtype)
     vals.mul_(factors)
     out = vals.reshape(*rest, kp)
     if kp != q.k:
         out = out[..., : q.k]
     return out.to(dtype) if dtype != torch.float32 else out
+
+
+def _dequantize_bf16(q: BlockScaledTensor, factors: torch.Tensor, *, bf16_factors: bool) -> torch.Tensor:
+    """bf16 decode (FP4 via the bf16 pair table, FP8 by a cast); ``factors`` (..., nb, 1) fp32, exactly
+    representable in bf16 when ``bf16_factors`` (no global scale folded in)."""
+    spec = q.spec
+    rest = q.storage_shape[:-1]
+    kp = q.k_padded
+    nb = kp // spec.block_size
+    if is_fp4(spec):
+        idx = q.qdata.reshape(-1).to(torch.int32)
+        vals = torch.index_select(_pair_lut_bf16().to(q.device), 0, idx).view(torch.bfloat16)
+    else:
+        vals = q.qdata.to(torch.bfloat16)  # E4M3 / E5M2 → bf16 is exact
+    vals = vals.reshape(*rest, nb, spec.block_size)
+    if bf16_factors:  # E4M3 / E8M0 scales are exact in bf16
+        # bf16 * bf16 is computed in fp32 and rounded once: the same bits as the fp32 product cast to bf16
+        # (the expanded factor operand keeps the bf16 kernel vectorized: a size-1 broadcast dim does not)
+        vals.mul_(factors.to(torch.bfloat16).expand(vals.shape))
+    else:
+        vals = (vals.to(torch.float32) * factors).to(torch.bfloat16)
+    out = vals.reshape(*rest, kp)
+    return out[..., : q.k] if kp != q.k else out
 
 
 def fp4_times2(c: torch.Tensor) -> torch.Tensor:
