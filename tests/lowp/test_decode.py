@@ -1,11 +1,11 @@
-"""bf16 decode of block-scaled operands (exact without a global scale) and the bf16 compute path of
+"""Operand decoding: exact bf16 decode, the GEMV decode pieces (fp4_times2, tiled prepared weight), and the bf16
 grouped_scaled_mm (vs the fp32 per-expert loop, with an explicit SQNR bound)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from mm_helpers import FORMATS, sqnr_db
+from mm_helpers import FORMATS, SQNR_BACKEND_DB, sqnr_db
 
 from torchnext.lowp import Epilogue, grouped_scaled_mm, quantize
 from torchnext.lowp.decode import dequantize_operand
@@ -92,3 +92,58 @@ def test_grouped_compute_dtype_error() -> None:
     w = torch.randn(2, 8, 16)
     with pytest.raises(ValueError, match="compute_dtype"):
         grouped_scaled_mm(torch.randn(4, 16), w, torch.tensor([2, 4]), compute_dtype=torch.float16)
+
+
+# ------------------------------------------------------------------------------------- GEMV decode pieces
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32])
+def test_fp4_times2_all_codes_vs_ml_dtypes(dtype: torch.dtype) -> None:
+    import ml_dtypes
+    import numpy as np
+
+    from torchnext.lowp.decode import fp4_times2
+
+    codes = np.arange(16, dtype=np.uint8)
+    # ml_dtypes' float4_e2m1fn stores one code per byte in the low nibble
+    expect = torch.from_numpy((codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32) * 2).copy())
+    got = fp4_times2(torch.arange(16, dtype=dtype))
+    assert torch.equal(got, expect)
+    assert torch.equal(torch.signbit(got), torch.arange(16) >= 8)  # -0.0 for code 8, like the format
+
+
+def test_fp4_times2_is_right_under_flush_to_zero() -> None:
+    from torchnext.lowp.decode import fp4_times2
+
+    ref = fp4_times2(torch.arange(16, dtype=torch.int32))
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        assert torch.equal(fp4_times2(torch.arange(16, dtype=torch.int32)), ref)
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def test_prepared_gemv_weight_tiles_and_pads() -> None:
+    from torchnext.lowp.decode import GEMV_LANES, prepared_gemv_weight
+
+    w = quantize(torch.randn(40, 64), "nvfp4")
+    codes_b, scales_b = prepared_gemv_weight(w)
+    assert codes_b.shape == (3, 64 // 8, GEMV_LANES) and scales_b.shape == (3, 64 // 16, GEMV_LANES)
+    words = w.qdata.reshape(40, -1).view(torch.int32)
+    assert torch.equal(codes_b[1, :, 5], words[GEMV_LANES + 5])
+    assert torch.equal(codes_b[2, :, 8:], torch.zeros(8, 8, dtype=torch.int32))  # padding columns
+    assert prepared_gemv_weight(w)[0] is codes_b  # cached
+
+
+def test_inductor_gemv_with_padded_tile_vs_reference() -> None:
+    """N = 40 is not a multiple of the 16-column tile; M = 3 is padded to 4 rows."""
+    from torchnext.lowp import scaled_mm
+
+    g = torch.Generator().manual_seed(7)
+    a, w = torch.randn(3, 96, generator=g), torch.randn(40, 96, generator=g)
+    wq = quantize(w, "nvfp4")
+    ep = Epilogue(bias=torch.randn(40, generator=g), activation="gelu", output_amax=True)
+    res = scaled_mm(a, wq, epilogue=ep, backend="inductor")
+    ref = scaled_mm(a, wq, epilogue=ep, backend="reference")
+    assert res.output.shape == (3, 40)  # type: ignore[union-attr]
+    assert sqnr_db(res.output, ref.output) >= SQNR_BACKEND_DB  # type: ignore[union-attr]
+    assert float(res.amax) == float(res.output.abs().max())  # type: ignore[union-attr]
