@@ -21,6 +21,7 @@ The output quantization (``out_format``) is then done by :func:`torchnext.lowp.q
 
 from __future__ import annotations
 
+import functools
 import shutil
 import threading
 import types
@@ -204,6 +205,12 @@ def _compiled(key: tuple[Any, ...], make: Callable[[], Callable[..., Any]], *, d
     return fn
 
 
+@functools.cache
+def _has_cxx() -> bool:
+    """A C++ compiler on PATH (looked up once per process: ``available()`` is on every call's path)."""
+    return any(shutil.which(c) is not None for c in ("g++", "c++", "clang++"))
+
+
 class InductorBackend:
     name = KernelBackend.INDUCTOR.value
     autotune_candidate = True
@@ -217,7 +224,7 @@ class InductorBackend:
         )
 
     def available(self) -> tuple[bool, str]:
-        if shutil.which("g++") is None and shutil.which("c++") is None and shutil.which("clang++") is None:
+        if not _has_cxx():
             return False, "no C++ compiler on PATH (Inductor's CPU backend needs one)"
         return True, "torch.compile (Inductor)"
 
