@@ -4,8 +4,8 @@ cached "prepared" (transposed) weight layout of the decode GEMV.
 * :func:`dequantize_operand` — eager, fast: FP4 bytes go through a 256-entry table whose entries are the *pair* of
   fp32 values of a byte (low nibble first) stored as one int64, so one ``index_select`` decodes two elements; FP8
   codes are cast; then one in-place multiply by the block scales (times the global scale). Same values as
-  :func:`torchnext.lowp.dequantize` (tests compare). With ``dtype=torch.bfloat16`` the table holds bf16 pairs
-  (one int32 per byte) and the multiply runs in bf16: half the bytes written, and bitwise the same as decoding to
+  :func:`torchnext.lowp.dequantize` (tests compare). With ``dtype=torch.bfloat16`` a 65536-entry table maps two
+  bytes to their four bf16 values (one int64) and the multiply runs in bf16: half the bytes written, and bitwise the same as decoding to
   fp32 and casting (each product is rounded once). Without a global scale those bf16 values are *exact*: an E2M1
   element (1 mantissa bit) or an E4M3/E5M2 element (3/2 bits) times an E4M3 scale (3 bits) or an E8M0 power of
   two has at most 5 significant bits and lies in bf16's exponent range (which is fp32's), except products below
@@ -32,7 +32,7 @@ from torchnext.lowp.tensor import BlockScaledTensor
 __all__ = ["GEMV_LANES", "dequantize_operand", "fp4_times2", "is_fp4", "prepared_gemv_weight", "scale_factors"]
 
 _PAIR_LUT: torch.Tensor | None = None
-_PAIR_LUT_BF16: torch.Tensor | None = None
+_QUAD_LUT_BF16: torch.Tensor | None = None
 
 
 def is_fp4(spec: FormatSpec) -> bool:
@@ -53,15 +53,17 @@ def _pair_lut() -> torch.Tensor:
     return _PAIR_LUT
 
 
-def _pair_lut_bf16() -> torch.Tensor:
-    """(256,) int32: byte → (e2m1(low nibble), e2m1(high nibble)) as two bf16 bit patterns (little endian)."""
-    global _PAIR_LUT_BF16
-    if _PAIR_LUT_BF16 is None:
-        pairs = _pair_lut().view(torch.float32).reshape(256, 2).to(torch.bfloat16)  # exact: ≤ 2 significant bits
-        if not _little_endian():
-            pairs = pairs.flip(1)
-        _PAIR_LUT_BF16 = pairs.contiguous().view(torch.int32).reshape(256)
-    return _PAIR_LUT_BF16
+def _quad_lut_bf16() -> torch.Tensor:
+    """(65536,) int64: two bytes (4 FP4 codes, in memory order) → their 4 bf16 values' bit patterns."""
+    global _QUAD_LUT_BF16
+    if _QUAD_LUT_BF16 is None:
+        mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+        vals = torch.cat([mags, -mags]).to(torch.bfloat16)  # exact: ≤ 2 significant bits
+        # index = the two bytes read as one little-endian uint16: byte 0 = bits 0..7 (codes 0, 1), byte 1 = codes 2, 3
+        i = torch.arange(65536)
+        quad = torch.stack([vals[(i >> (4 * j)) & 15] for j in range(4)], dim=1).contiguous()
+        _QUAD_LUT_BF16 = quad.view(torch.int64).reshape(65536)
+    return _QUAD_LUT_BF16
 
 
 def _little_endian() -> bool:
@@ -122,9 +124,13 @@ def _dequantize_bf16(q: BlockScaledTensor, factors: torch.Tensor, *, bf16_factor
     rest = q.storage_shape[:-1]
     kp = q.k_padded
     nb = kp // spec.block_size
-    if is_fp4(spec):
+    if is_fp4(spec) and _little_endian():
+        # 4 codes per lookup: half the index conversions and lookups of a per-byte table (512 KiB table, L2-sized)
+        idx = q.qdata.reshape(-1).view(torch.int16).to(torch.int32) & 0xFFFF
+        vals = torch.index_select(_quad_lut_bf16().to(q.device), 0, idx).view(torch.bfloat16)
+    elif is_fp4(spec):  # big endian: the fp32 pair table (exact values), then a cast
         idx = q.qdata.reshape(-1).to(torch.int32)
-        vals = torch.index_select(_pair_lut_bf16().to(q.device), 0, idx).view(torch.bfloat16)
+        vals = torch.index_select(_pair_lut().to(q.device), 0, idx).view(torch.float32).to(torch.bfloat16)
     else:
         vals = q.qdata.to(torch.bfloat16)  # E4M3 / E5M2 → bf16 is exact
     vals = vals.reshape(*rest, nb, spec.block_size)

@@ -110,8 +110,11 @@ def _grouped_acc(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> tor
     return _padded_bmm(a, w, offsets)
 
 
-def _grouped_acc_bf16(a: torch.Tensor | BlockScaledTensor, w_stack: torch.Tensor | BlockScaledTensor, offsets: torch.Tensor) -> torch.Tensor:
-    """fp32 accumulator of the bf16 compute path (global scale applied to the output)."""
+def _grouped_acc_bf16(
+    a: torch.Tensor | BlockScaledTensor, w_stack: torch.Tensor | BlockScaledTensor, offsets: torch.Tensor, ep: Epilogue
+) -> tuple[torch.Tensor, Epilogue]:
+    """fp32 accumulator of the bf16 compute path (global scale applied to the output), and the epilogue left to
+    apply: a shared (N,) bias with no scale is added while widening bf16 → fp32 (one pass instead of two)."""
     gs = None
     if isinstance(w_stack, BlockScaledTensor):
         wd = dequantize_operand(w_stack, torch.bfloat16, with_global_scale=False)
@@ -119,8 +122,12 @@ def _grouped_acc_bf16(a: torch.Tensor | BlockScaledTensor, w_stack: torch.Tensor
     else:
         wd = w_stack.to(torch.bfloat16)
     ad = a.to(torch.bfloat16) if isinstance(a, torch.Tensor) else dequantize_operand(a, torch.bfloat16)
-    acc = _grouped_acc(ad, wd, offsets).to(torch.float32)
-    return acc * gs.to(torch.float32) if gs is not None else acc
+    acc16 = _grouped_acc(ad, wd, offsets)
+    if gs is None and ep.scale is None and ep.bias is not None and ep.bias.dim() == 1:
+        # bf16 (T, N) + fp32 (N,) promotes to fp32: the same value as widening first, then adding
+        return torch.add(acc16, ep.bias.to(device=acc16.device, dtype=torch.float32)), replace(ep, bias=None)
+    acc = acc16.to(torch.float32)
+    return (acc * gs.to(torch.float32) if gs is not None else acc), ep
 
 
 def grouped_scaled_mm(
@@ -150,7 +157,7 @@ def grouped_scaled_mm(
     ep = epilogue or Epilogue()
     _, t, _, _ = _validate(a, w_stack, offsets, ep)
     if compute_dtype == torch.bfloat16:
-        acc = _grouped_acc_bf16(a, w_stack, offsets)
+        acc, ep = _grouped_acc_bf16(a, w_stack, offsets, ep)
     else:
         acc = _grouped_acc(dense_operand(a), dense_operand(w_stack), offsets)
     if ep.bias is not None and ep.bias.dim() == 2:
