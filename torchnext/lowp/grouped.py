@@ -18,7 +18,7 @@ for FP4/FP8 elements with E4M3/E8M0 scales (:mod:`torchnext.lowp.decode`; an NVF
 decode and multiplies the fp32 output instead) — the activations are rounded to bf16, and the GEMM runs on bf16
 kernels (oneDNN's AVX512-BF16 / AMX on CPU, ≈ 4-5x the fp32 GEMM here) whose output is bf16; the epilogue runs in
 fp32. Versus the fp32 semantics the error is the bf16 rounding of the activations and of the product (SQNR
-≈ 45-50 dB on Gaussian data, far below the 4-bit weights' own error of ≈ 14 dB). The default
+≈ 50 dB on Gaussian data, far below the 4-bit weights' own error of ≈ 14 dB). The default
 (``torch.float32``) keeps the loop's fp32 semantics exactly.
 """
 
