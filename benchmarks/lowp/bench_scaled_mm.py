@@ -147,6 +147,7 @@ def bench_decode(n: int, k: int, reps: int, out: dict[str, Any]) -> None:
 def bench_grouped(tokens: int, experts: int, n: int, k: int, reps: int, out: dict[str, Any]) -> None:
     print(f"\n## Grouped: {experts} experts, {tokens} tokens unevenly routed, N={n}, K={k}, NVFP4, epilogue bias+silu")
     g = torch.Generator().manual_seed(2)
+    torch.manual_seed(2)  # Dirichlet.sample takes no generator: seed the global RNG so the routing is reproducible
     probs = torch.distributions.Dirichlet(torch.full((experts,), 0.7)).sample()
     ids = torch.multinomial(probs, tokens, replacement=True, generator=g).sort().values
     counts = torch.bincount(ids, minlength=experts)
