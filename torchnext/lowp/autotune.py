@@ -137,6 +137,11 @@ def eligible_backends(problem: Problem) -> list[str]:
     return out
 
 
+def _still_eligible(name: str, problem: Problem) -> bool:
+    b = BACKENDS.get(name)
+    return b is not None and getattr(b, "autotune_candidate", True) and b.available()[0] and b.supports(problem) is None
+
+
 # ------------------------------------------------------------------------------------------------ disk cache
 def _read_disk(path: Path) -> dict[str, Any]:
     if not path.exists():
@@ -301,9 +306,9 @@ def select(problem: Problem) -> str:
     key = problem_key(problem)
     with _LOCK:
         rec = _MEMORY.get(key)
-        candidates = eligible_backends(problem)
-        if rec is not None and rec.backend in candidates:
+        if rec is not None and _still_eligible(rec.backend, problem):  # hot path: check only the chosen backend
             return rec.backend
+        candidates = eligible_backends(problem)
         path = Path(cfg.autotune_cache)
         if cfg.autotune != "0":
             entry = _read_disk(path).get(key)

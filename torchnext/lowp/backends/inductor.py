@@ -4,7 +4,8 @@ compiled lazily on first use and cached in this process (Inductor's on-disk cach
 Two strategies, both with the epilogue's pointwise part and the output amax fused into the generated code:
 
 * ``gemv`` (M ≤ :data:`GEMV_MAX_M`, block-scaled weight): one reduction kernel over the weight in its prepared
-  layout (codes with N innermost, :func:`torchnext.lowp.decode.prepared_gemv_weight`) that decodes codes while
+  layout (tiles of 16 columns, N innermost, each tile contiguous along K:
+  :func:`torchnext.lowp.decode.prepared_gemv_weight`) that decodes codes while
   accumulating, one accumulator per row of ``a`` — each weight byte is read and decoded once for all rows (4 bits
   per NVFP4 element + 2 bits of fp32 block factor), no dense weight is ever written. M is padded to a power of two
   (the amax ignores the padding rows)::
@@ -20,6 +21,7 @@ The output quantization (``out_format``) is then done by :func:`torchnext.lowp.q
 
 from __future__ import annotations
 
+import functools
 import shutil
 import threading
 import types
@@ -106,30 +108,33 @@ def _permute_k(x: torch.Tensor, kp: int) -> torch.Tensor:
     return torch.cat([x[:, j::8] for j in range(8)], dim=1)
 
 
-def _make_gemv(spec: FormatSpec, ep: Epilogue, want_amax: bool) -> Callable[..., Any]:
+def _make_gemv(spec: FormatSpec, ep: Epilogue, want_amax: bool, n: int) -> Callable[..., Any]:
     fp4 = is_fp4(spec)
-    # rows of codes_t per block: FP4 packs 8 codes per int32 word, FP8 has one code per row
+    # K-rows of codes_b per block: FP4 packs 8 codes per int32 word, FP8 has one code per row
     rows_per_block = spec.block_size // 8 if fp4 else spec.block_size
 
     def gemv(
-        a: torch.Tensor, valid: torch.Tensor, codes_t: torch.Tensor, scales_t: torch.Tensor, tensors: dict[str, torch.Tensor | None]
+        a: torch.Tensor, valid: torch.Tensor, codes_b: torch.Tensor, scales_b: torch.Tensor, tensors: dict[str, torch.Tensor | None]
     ) -> Any:
-        kw, n = codes_t.shape
-        s = scales_t.unsqueeze(1).expand(kw // rows_per_block, rows_per_block, n).reshape(kw, n)
+        nc, kw, lanes = codes_b.shape
+        s = scales_b.unsqueeze(2).expand(nc, kw // rows_per_block, rows_per_block, lanes).reshape(nc, kw, lanes)
         # decoded, scaled weight terms shared by every row of a: Inductor CSEs them into one reduction loop with one
-        # accumulator per row, so the weight is read and decoded once for all rows
+        # accumulator per row, so the weight is read and decoded once for all rows; each (kw, lanes) tile is
+        # contiguous, so the reduction streams it
         if fp4:
-            terms = [fp4_times2(torch.bitwise_right_shift(codes_t, 4 * j) & 15) for j in range(8)]
+            terms = [fp4_times2(torch.bitwise_right_shift(codes_b, 4 * j) & 15) for j in range(8)]
         else:
-            terms = [codes_t.to(torch.float32)]
+            terms = [codes_b.to(torch.float32)]
         step = len(terms)
         rows = []
         for r in range(a.shape[0]):
-            acc = terms[0] * a[r, 0::step].unsqueeze(-1)
+            acc = terms[0] * a[r, 0::step].view(1, kw, 1)
             for j in range(1, step):
-                acc = acc + terms[j] * a[r, j::step].unsqueeze(-1)
-            rows.append((acc * s).sum(0))
-        y = epilogue_pointwise(torch.stack(rows), ep, tensors)
+                acc = acc + terms[j] * a[r, j::step].view(1, kw, 1)
+            rows.append((acc * s).sum(1).reshape(nc * lanes))
+        y = torch.stack(rows)
+        y = y[:, :n] if nc * lanes != n else y
+        y = epilogue_pointwise(y, ep, tensors)
         amax = torch.where(valid, y.abs(), 0.0).amax() if want_amax else None
         return y, amax
 
@@ -200,6 +205,12 @@ def _compiled(key: tuple[Any, ...], make: Callable[[], Callable[..., Any]], *, d
     return fn
 
 
+@functools.cache
+def _has_cxx() -> bool:
+    """A C++ compiler on PATH (looked up once per process: ``available()`` is on every call's path)."""
+    return any(shutil.which(c) is not None for c in ("g++", "c++", "clang++"))
+
+
 class InductorBackend:
     name = KernelBackend.INDUCTOR.value
     autotune_candidate = True
@@ -213,7 +224,7 @@ class InductorBackend:
         )
 
     def available(self) -> tuple[bool, str]:
-        if shutil.which("g++") is None and shutil.which("c++") is None and shutil.which("clang++") is None:
+        if not _has_cxx():
             return False, "no C++ compiler on PATH (Inductor's CPU backend needs one)"
         return True, "torch.compile (Inductor)"
 
@@ -243,15 +254,15 @@ class InductorBackend:
             a32 = a.to(torch.float32) if isinstance(a, torch.Tensor) else _dense_small(a)
             if w.k_padded != problem.k:
                 a32 = torch.nn.functional.pad(a32, (0, w.k_padded - problem.k))
-            codes_t, scales_t = prepared_gemv_weight(w)
+            codes_b, scales_b = prepared_gemv_weight(w)
             m, mp = problem.m, _pow2(problem.m)
             valid = torch.arange(mp, device=a32.device).unsqueeze(1) < m
             if mp != m:  # pad rows (zeros) so one kernel serves every M of the bucket
                 a32 = torch.nn.functional.pad(a32, (0, 0, 0, mp - m))
                 tensors = {k2: _pad_rows(v, ep, k2, mp) for k2, v in tensors.items()}
             key: tuple[Any, ...] = ("gemv", w.spec.name, mp, problem.n, problem.k, sig, problem.device.type, a32.dtype)
-            fn = _compiled(key, lambda: _make_gemv(w.spec, code_ep, want_amax))
-            y, amax = fn(a32.contiguous(), valid, codes_t, scales_t, tensors)
+            fn = _compiled(key, lambda: _make_gemv(w.spec, code_ep, want_amax, problem.n))
+            y, amax = fn(a32.contiguous(), valid, codes_b, scales_b, tensors)
             y = y[:m]
         else:
             a_parts, a_spec = _parts(problem.a)
