@@ -298,6 +298,20 @@ class CollectiveOps:
 
         return self._issue(name, async_op, timeout, launch, (inp,), (out,))
 
+    def _root_list(
+        self, name: str, t: torch.Tensor, lst: Sequence[torch.Tensor] | None, label: str, root: int
+    ) -> list[torch.Tensor]:
+        """The root's per-rank tensor list of gather/scatter, checked against ``t``; [] on the other ranks (which
+        must pass None)."""
+        if self._rank != root:
+            if lst:
+                raise ValueError(f"{name}: {label} must be None on non-root rank {self._rank} (root is {root})")
+            return []
+        out = v.check_list(lst, label, name, self._device, self._size)
+        v.check_same_dtype(name, t, "tensor", out, label)
+        v.check_same_numel(name, t, "tensor", out, label)
+        return out
+
     def gather(
         self,
         tensor: torch.Tensor,
@@ -311,13 +325,7 @@ class CollectiveOps:
         name = "gather"
         t = v.check_tensor(tensor, "tensor", name, self._device)
         root = v.check_rank(root, self._size, "root", name)
-        outs: list[torch.Tensor] = []
-        if self._rank == root:
-            outs = v.check_list(gather_list, "gather_list", name, self._device, self._size)
-            v.check_same_dtype(name, t, "tensor", outs, "gather_list")
-            v.check_same_numel(name, t, "tensor", outs, "gather_list")
-        elif gather_list:
-            raise ValueError(f"{name}: gather_list must be None on non-root rank {self._rank} (root is {root})")
+        outs = self._root_list(name, t, gather_list, "gather_list", root)
         pg = self._pg
 
         def launch(td: timedelta | None) -> list[Any]:
@@ -339,13 +347,7 @@ class CollectiveOps:
         name = "scatter"
         t = v.check_tensor(tensor, "tensor", name, self._device)
         root = v.check_rank(root, self._size, "root", name)
-        ins: list[torch.Tensor] = []
-        if self._rank == root:
-            ins = v.check_list(scatter_list, "scatter_list", name, self._device, self._size)
-            v.check_same_dtype(name, t, "tensor", ins, "scatter_list")
-            v.check_same_numel(name, t, "tensor", ins, "scatter_list")
-        elif scatter_list:
-            raise ValueError(f"{name}: scatter_list must be None on non-root rank {self._rank} (root is {root})")
+        ins = self._root_list(name, t, scatter_list, "scatter_list", root)
         pg = self._pg
 
         def launch(td: timedelta | None) -> list[Any]:
