@@ -228,3 +228,24 @@ def _invalidate_blocked(ctx: RankContext) -> dict[str, Any]:
 def test_invalidate_fails_an_op_blocked_on_a_frozen_peer_at_once() -> None:
     res = run_ranks(_invalidate_blocked, 2, timeout=60, allow_exit=[1])
     assert res[0]["in_flight"] is False and res[0]["invalidate_s"] < 3.0, res[0]
+
+
+def _abort_invalidates(ctx: RankContext) -> dict[str, Any]:
+    comm = Communicator(ctx.store, ctx.rank, 2, timeout=timedelta(seconds=60), name="abortwin")
+    win = comm.new_window(torch.zeros(8))
+    win.fence()
+    ctx.store.set(f"fenced{ctx.rank}", "1")
+    ctx.store.wait([f"fenced{1 - ctx.rank}"])
+    t0 = time.perf_counter()
+    comm.abort("generation 1 -> 2")  # what every reconfiguration of FaultTolerant does to the old generation
+    out: dict[str, Any] = {"abort_s": time.perf_counter() - t0}
+    with pytest.raises(WindowInvalidated, match="create a new one.*abortwin.*aborted: generation 1 -> 2"):
+        win.get(1 - ctx.rank)
+    with pytest.raises(WindowInvalidated):
+        win.put(torch.ones(1), 1 - ctx.rank, 0)
+    return out
+
+
+def test_abort_invalidates_the_communicators_windows() -> None:
+    for out in run_ranks(_abort_invalidates, 2, timeout=60):
+        assert out["abort_s"] < 1.0, out  # invalidation's release runs in the background

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import weakref
 import zlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -184,6 +185,7 @@ class Communicator(CollectiveOps):
         self._op_counter = 0
         self._split_seq = 0
         self._window_seq = 0  # windows created (each gets its own store namespace)
+        self._windows: weakref.WeakSet[Window] = weakref.WeakSet()  # live windows, invalidated by abort()
         self._opts: dict[tuple[str, object], Any] = {}
         self._waiter: CompletionWaiter | None = None
         self._pre_hooks: HookList[OpInfo] = HookList("pre")
@@ -276,8 +278,9 @@ class Communicator(CollectiveOps):
         """Abort: unblock every in-flight op on this rank with ``CommAborted`` at once; refuse all later ops.
 
         Any thread, idempotent (later calls do nothing). Order: mark aborted, run abort hooks, cancel in-flight ops
-        (their post hooks run here with status ABORTED), abandon the backend (calling its own abort when it has
-        one). A raising abort hook surfaces as ``HookError`` after all of that is done.
+        (their post hooks run here with status ABORTED), invalidate this communicator's RMA windows (their ops raise
+        ``WindowInvalidated``), abandon the backend (calling its own abort when it has one). A raising abort hook
+        surfaces as ``HookError`` after all of that is done.
         """
         with self._lock:
             if self._aborted is not None:
@@ -299,6 +302,8 @@ class Communicator(CollectiveOps):
             exc = CommAborted(f"cancelled by abort(){f' ({reason})' if reason else ''}",
                               **self._error_context(work.op, work.op_id))
             work._finish(WorkStatus.ABORTED, exc)
+        for win in list(self._windows):
+            win.invalidate(f"communicator {self._name!r} aborted{f': {reason}' if reason else ''}", wait=False)
         if not self._closed:
             self._closed = True
             backend = self._backend

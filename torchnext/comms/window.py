@@ -146,7 +146,9 @@ def new_window(
     if comm.errored() is not None:
         raise CommError(f"communicator is errored: {comm.errored()}", op="new_window", comm_name=comm.name,
                         rank=comm.rank, ranks=comm.ranks)
-    return Window(comm, tensor, code, mode, host, timeout_s)
+    win = Window(comm, tensor, code, mode, host, timeout_s)
+    comm._windows.add(win)  # invalidated when the communicator is aborted (reconfiguration)
+    return win
 
 
 class Window:
@@ -415,16 +417,21 @@ class Window:
         finally:
             self._shutdown_local()
 
-    def invalidate(self, reason: str | None = None) -> None:
+    def invalidate(self, reason: str | None = None, *, wait: bool = True) -> None:
         """Local, any thread, idempotent: from now on every op raises :class:`WindowInvalidated` ("window
         invalidated by reconfiguration, create a new one"); queued async ops fail with it; the service,
-        connections and mappings are released. For the fault-tolerance layer after a reconfiguration."""
+        connections and mappings are released. ``Communicator.abort()`` (which every reconfiguration of the
+        fault-tolerant layer runs on the old generation) calls it with ``wait=False``: the window is invalid when
+        the call returns, and the release finishes in a background thread."""
         with self._lock:
             if self._invalid is not None:
                 return
             self._invalid = WindowInvalidated(_INVALIDATED_TEXT + (f" ({reason})" if reason else ""),
                                               op="window", **self._ctx)
-        self._shutdown_local()
+        if wait:
+            self._shutdown_local()
+        else:
+            threading.Thread(target=self._shutdown_local, name="torchnext-window-release", daemon=True).start()
 
     def _shutdown_local(self) -> None:
         with self._lock:
