@@ -239,7 +239,7 @@ def _abort_invalidates(ctx: RankContext) -> dict[str, Any]:
     t0 = time.perf_counter()
     comm.abort("generation 1 -> 2")  # what every reconfiguration of FaultTolerant does to the old generation
     out: dict[str, Any] = {"abort_s": time.perf_counter() - t0}
-    with pytest.raises(WindowInvalidated, match="create a new one.*abortwin.*aborted: generation 1 -> 2"):
+    with pytest.raises(WindowInvalidated, match=r"create a new one.*abortwin.*aborted: generation 1 -> 2"):
         win.get(1 - ctx.rank)
     with pytest.raises(WindowInvalidated):
         win.put(torch.ones(1), 1 - ctx.rank, 0)
