@@ -391,34 +391,23 @@ def _analyze_p2p(key: str, group: GroupInfo, by_rank: dict[int, RankDump], repor
             continue
         s_list, r_list = sends.get(pair, []), recvs.get(pair, [])
         for s, rv in zip(s_list, r_list, strict=False):
-            if s.get("input_sizes") != rv.get("output_sizes"):
-                report.issues.append(
-                    Issue(
-                        kind=IssueKind.SIZE_MISMATCH.value,
-                        pg=key,
-                        generation=group.generation,
-                        seq=s["p2p_seq_id"],
-                        op="send",
-                        ranks=[src, dst],
-                        detail={"send_sizes": s.get("input_sizes"), "recv_sizes": rv.get("output_sizes")},
-                        message=f"send {src}->{dst} (tag {tag}) of {s.get('input_sizes')} met a recv of "
-                        f"{rv.get('output_sizes')}",
+            # the first difference wins: sizes, then dtypes
+            for what, kind in (("sizes", IssueKind.SIZE_MISMATCH), ("dtypes", IssueKind.DTYPE_MISMATCH)):
+                sent, got = s.get(f"input_{what}"), rv.get(f"output_{what}")
+                if sent != got:
+                    report.issues.append(
+                        Issue(
+                            kind=kind.value,
+                            pg=key,
+                            generation=group.generation,
+                            seq=s["p2p_seq_id"],
+                            op="send",
+                            ranks=[src, dst],
+                            detail={f"send_{what}": sent, f"recv_{what}": got},
+                            message=f"send {src}->{dst} (tag {tag}) of {sent} met a recv of {got}",
+                        )
                     )
-                )
-            elif s.get("input_dtypes") != rv.get("output_dtypes"):
-                report.issues.append(
-                    Issue(
-                        kind=IssueKind.DTYPE_MISMATCH.value,
-                        pg=key,
-                        generation=group.generation,
-                        seq=s["p2p_seq_id"],
-                        op="send",
-                        ranks=[src, dst],
-                        detail={"send_dtypes": s.get("input_dtypes"), "recv_dtypes": rv.get("output_dtypes")},
-                        message=f"send {src}->{dst} (tag {tag}) of {s.get('input_dtypes')} met a recv of "
-                        f"{rv.get('output_dtypes')}",
-                    )
-                )
+                    break
         n = min(len(s_list), len(r_list))
         for e, me, peer, what in [(e, src, dst, "send") for e in s_list[n:]] + [
             (e, dst, src, "recv") for e in r_list[n:]
