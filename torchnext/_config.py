@@ -50,6 +50,10 @@ class EnvConfig:
     ft_token: str | None = None
     """``TORCHNEXT_FT_TOKEN``: the job token members present to the coordinator (a shared secret)."""
 
+    huge_pages: int = 1
+    """``TORCHNEXT_HUGE_PAGES``: ``1`` asks Linux for transparent huge pages on the large CPU outputs torchnext
+    allocates itself (``madvise(MADV_HUGEPAGE)``, see :mod:`torchnext.lowp.workspace`); ``0`` never does."""
+
 
 ENV_VARS = {
     "fr_buffer_size": "TORCHNEXT_FR_BUFFER_SIZE",
@@ -58,6 +62,7 @@ ENV_VARS = {
     "autotune_cache": "TORCHNEXT_AUTOTUNE_CACHE",
     "ft_coordinator": "TORCHNEXT_FT_COORDINATOR",
     "ft_token": "TORCHNEXT_FT_TOKEN",
+    "huge_pages": "TORCHNEXT_HUGE_PAGES",
 }
 
 
@@ -75,6 +80,8 @@ def env_config() -> EnvConfig:
     autotune = values["autotune"]
     if autotune not in ("0", "1", "readonly"):
         raise ValueError(f"TORCHNEXT_AUTOTUNE={autotune!r}: expected one of '0', '1', 'readonly'")
+    if values["huge_pages"] not in (0, 1):
+        raise ValueError(f"TORCHNEXT_HUGE_PAGES={values['huge_pages']!r}: expected 0 or 1")
     if int(values["fr_buffer_size"]) < 0:  # type: ignore[call-overload]
         raise ValueError(f"TORCHNEXT_FR_BUFFER_SIZE={values['fr_buffer_size']!r} must be >= 0")
     return EnvConfig(**values)  # type: ignore[arg-type]
@@ -89,6 +96,7 @@ RELEVANT_ENV_NAMES: tuple[str, ...] = (
     "NVIDIA_VISIBLE_DEVICES",
     "CUDA_VISIBLE_DEVICES",
     "PYTORCH_CUDA_ALLOC_CONF",
+    "THP_MEM_ALLOC_ENABLE",
 )
 """Individual variables ``torchnext doctor`` reports (read-only)."""
 

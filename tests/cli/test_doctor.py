@@ -180,6 +180,15 @@ CASES: dict[str, tuple[list[Facts], list[Facts]]] = {
         [Facts(driver_version="550.54.15", torch_version="2.14.0+cpu")],
         [Facts(), cuda_facts(H100), Facts(driver_version="6.3", torch_hip_build="6.4")],
     ),
+    "cpu-alloc-small-pages": (
+        [Facts(thp_mode="madvise"), Facts(thp_mode="madvise", env={"THP_MEM_ALLOC_ENABLE": "0"})],
+        [
+            Facts(),
+            Facts(thp_mode="always"),
+            Facts(thp_mode="never"),
+            Facts(thp_mode="madvise", env={"THP_MEM_ALLOC_ENABLE": "1"}),
+        ],
+    ),
     "torchnext-config-invalid": (
         [
             Facts(
@@ -556,3 +565,14 @@ def test_docs_list_every_rule_and_the_api_example_runs(capsys: pytest.CaptureFix
     exec(compile(example, "docs/doctor.md", "exec"), {})
     out = capsys.readouterr().out
     assert "fp4-mx-needs-sm100" in out and "flex-attention-ima" in out and "hazards_applying" in out
+
+
+def test_thp_mode_parsing(tmp_path: Path) -> None:
+    from torchnext.doctor.environment import _thp_mode
+
+    f = tmp_path / "enabled"
+    f.write_text("always [madvise] never\n")
+    assert _thp_mode(str(f)) == "madvise"
+    f.write_text("[always] madvise never\n")
+    assert _thp_mode(str(f)) == "always"
+    assert _thp_mode(str(tmp_path / "missing")) is None

@@ -198,6 +198,20 @@ def _import_check(module: str) -> bool:
     return True
 
 
+
+_THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def _thp_mode(path: str = _THP_ENABLED) -> str | None:
+    """The selected THP mode (``always [madvise] never`` → ``"madvise"``); None without the file."""
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read()
+    except OSError:
+        return None
+    m = re.search(r"\[(\w+)\]", text)
+    return m.group(1) if m else None
+
 def collect_facts() -> Facts:
     """Probe the running interpreter and return its :class:`Facts` (never raises for a failing probe)."""
     import torch
@@ -248,6 +262,7 @@ def collect_facts() -> Facts:
         importable[short] = bool(c.gather(f"importable.{short}", functools.partial(_import_check, module), store=False))
     c.values["importable"] = importable
 
+    c.gather("thp_mode", _thp_mode)
     env = c.gather("env", relevant_environment, default={}) or {}
     c.values["container_version"] = env.get("NVIDIA_PYTORCH_VERSION")
     c.gather("torchnext_config", lambda: asdict(env_config()))

@@ -115,6 +115,10 @@ class Facts:
     """Whether a module imports (``triton``, ``cutlass``); the error of a failed import is in ``unavailable``
     under ``"importable.<name>"``."""
 
+    thp_mode: str | None = None
+    """Linux transparent huge pages mode (the bracketed word of ``/sys/kernel/mm/transparent_hugepage/enabled``:
+    ``always``, ``madvise`` or ``never``); None elsewhere or when unreadable."""
+
     container_version: str | None = None
     """NVIDIA NGC PyTorch container release (``NVIDIA_PYTORCH_VERSION``, e.g. ``"25.10"``); None outside one."""
     env: dict[str, str] = field(default_factory=dict)

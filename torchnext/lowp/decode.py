@@ -28,6 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from torchnext.lowp.formats import ElementKind, FormatSpec
 from torchnext.lowp.tensor import BlockScaledTensor
+from torchnext.lowp.workspace import scratch
 
 __all__ = ["GEMV_LANES", "dequantize_operand", "fp4_times2", "is_fp4", "prepared_gemv_weight", "scale_factors"]
 
@@ -81,12 +82,19 @@ def scale_factors(q: BlockScaledTensor, *, with_global_scale: bool = True) -> to
 
 
 def dequantize_operand(
-    q: BlockScaledTensor, dtype: torch.dtype = torch.float32, *, with_global_scale: bool = True
+    q: BlockScaledTensor,
+    dtype: torch.dtype = torch.float32,
+    *,
+    with_global_scale: bool = True,
+    scratch_tag: str | None = None,
 ) -> torch.Tensor:
     """Dense values of ``q`` (blocks along its last dim), logical shape, as ``dtype`` — the eager fast path.
 
     ``dtype=torch.bfloat16`` decodes in bf16 directly (see the module docstring: exact without a global scale);
-    ``with_global_scale=False`` omits the NVFP4 global scale."""
+    ``with_global_scale=False`` omits the NVFP4 global scale. ``scratch_tag`` (internal callers only): decode into
+    the reusable memory of :func:`torchnext.lowp.workspace.scratch` under that tag — the result is then valid only
+    until the next decode with the same tag on this thread, so it must not escape the caller (FP4 and FP8 elements;
+    other formats ignore it)."""
     if q.block_dim != len(q.shape) - 1:
         raise ValueError(f"dequantize_operand expects blocks along the last dim, got block_dim={q.block_dim}")
     spec = q.spec
@@ -103,13 +111,12 @@ def dequantize_operand(
             raise ValueError("dequantize_operand: with_global_scale=False needs FP4 or FP8 elements")
         return dequantize(q, dtype)
     if dtype == torch.bfloat16:
-        return _dequantize_bf16(q, factors, bf16_factors=q.global_scale is None or not with_global_scale)
+        return _dequantize_bf16(q, factors, bf16_factors=q.global_scale is None or not with_global_scale, tag=scratch_tag)
     if fp4:
-        lut = _pair_lut().to(q.device)
-        idx = q.qdata.reshape(-1).to(torch.int32)
-        vals = torch.index_select(lut, 0, idx).view(torch.float32).reshape(*rest, nb, spec.block_size)
+        pairs = _lookup(_pair_lut().to(q.device), q.qdata.reshape(-1), scratch_tag)
+        vals = pairs.view(torch.float32).reshape(*rest, nb, spec.block_size)
     else:
-        vals = q.qdata.to(torch.float32).reshape(*rest, nb, spec.block_size)
+        vals = _widen(q.qdata, torch.float32, scratch_tag).reshape(*rest, nb, spec.block_size)
     vals.mul_(factors)
     out = vals.reshape(*rest, kp)
     if kp != q.k:
@@ -117,7 +124,31 @@ def dequantize_operand(
     return out.to(dtype) if dtype != torch.float32 else out
 
 
-def _dequantize_bf16(q: BlockScaledTensor, factors: torch.Tensor, *, bf16_factors: bool) -> torch.Tensor:
+def _lookup(table: torch.Tensor, codes: torch.Tensor, tag: str | None, mask: int | None = None) -> torch.Tensor:
+    """``table[codes]`` for 1-D integer codes (made int32 first, optionally ``& mask``), into scratch if tagged."""
+    if tag is None:
+        idx = codes.to(torch.int32)
+        if mask is not None:
+            idx = idx & mask
+        return torch.index_select(table, 0, idx)
+    idx = scratch(f"{tag}.idx", codes.numel(), torch.int32, codes.device)
+    idx.copy_(codes)
+    if mask is not None:
+        idx.bitwise_and_(mask)
+    out = scratch(tag, codes.numel(), table.dtype, codes.device)
+    return torch.index_select(table, 0, idx, out=out)
+
+
+def _widen(codes: torch.Tensor, dtype: torch.dtype, tag: str | None) -> torch.Tensor:
+    """``codes.to(dtype)`` (FP8 → a wider float is exact), into scratch if tagged; storage shape kept."""
+    if tag is None:
+        return codes.to(dtype)
+    return scratch(tag, codes.numel(), dtype, codes.device).view(codes.shape).copy_(codes)
+
+
+def _dequantize_bf16(
+    q: BlockScaledTensor, factors: torch.Tensor, *, bf16_factors: bool, tag: str | None = None
+) -> torch.Tensor:
     """bf16 decode (FP4 via the bf16 pair table, FP8 by a cast); ``factors`` (..., nb, 1) fp32, exactly
     representable in bf16 when ``bf16_factors`` (no global scale folded in)."""
     spec = q.spec
@@ -126,18 +157,21 @@ def _dequantize_bf16(q: BlockScaledTensor, factors: torch.Tensor, *, bf16_factor
     nb = kp // spec.block_size
     if is_fp4(spec) and _little_endian():
         # 4 codes per lookup: half the index conversions and lookups of a per-byte table (512 KiB table, L2-sized)
-        idx = q.qdata.reshape(-1).view(torch.int16).to(torch.int32) & 0xFFFF
-        vals = torch.index_select(_quad_lut_bf16().to(q.device), 0, idx).view(torch.bfloat16)
+        quads = _lookup(_quad_lut_bf16().to(q.device), q.qdata.reshape(-1).view(torch.int16), tag, mask=0xFFFF)
+        vals = quads.view(torch.bfloat16)
     elif is_fp4(spec):  # big endian: the fp32 pair table (exact values), then a cast
         idx = q.qdata.reshape(-1).to(torch.int32)
         vals = torch.index_select(_pair_lut().to(q.device), 0, idx).view(torch.float32).to(torch.bfloat16)
     else:
-        vals = q.qdata.to(torch.bfloat16)  # E4M3 / E5M2 → bf16 is exact
+        vals = _widen(q.qdata, torch.bfloat16, tag)  # E4M3 / E5M2 → bf16 is exact
     vals = vals.reshape(*rest, nb, spec.block_size)
     if bf16_factors:  # E4M3 / E8M0 scales are exact in bf16
-        # bf16 * bf16 is computed in fp32 and rounded once: the same bits as the fp32 product cast to bf16
-        # (the expanded factor operand keeps the bf16 kernel vectorized: a size-1 broadcast dim does not)
-        vals.mul_(factors.to(torch.bfloat16).expand(vals.shape))
+        # bf16 * bf16 is computed in fp32 and rounded once: the same bits as the fp32 product cast to bf16.
+        # The factors are materialized at full size first: torch's bf16 multiply with a broadcast operand runs a
+        # slow path (11 ms for 16M elements here) while a broadcast copy + a same-shape multiply take 1.3 + 1.1 ms.
+        full = scratch(f"{tag}.f", vals.numel(), torch.bfloat16, vals.device) if tag else torch.empty_like(vals)
+        full = full.view(vals.shape).copy_(factors.to(torch.bfloat16).expand(vals.shape))
+        vals.mul_(full)
     else:
         vals = (vals.to(torch.float32) * factors).to(torch.bfloat16)
     out = vals.reshape(*rest, kp)

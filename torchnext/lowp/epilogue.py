@@ -35,6 +35,7 @@ __all__ = [
     "Epilogue",
     "EpilogueError",
     "EpilogueOutput",
+    "INPLACE_ACTIVATIONS",
     "apply_epilogue",
     "register_activation",
 ]
@@ -52,9 +53,27 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 """Activation registry: name → elementwise fp32 function (must also trace under ``torch.compile``)."""
 
+INPLACE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "relu": torch.relu_,
+    "gelu": lambda y: torch.ops.aten.gelu_(y),
+    "gelu_tanh": lambda y: torch.ops.aten.gelu_(y, approximate="tanh"),
+    "silu": lambda y: torch.nn.functional.silu(y, inplace=True),
+}
+"""In-place twins of :data:`ACTIVATIONS` (same kernels, same bits), used by the eager paths on an accumulator they
+own; an activation without one runs out of place."""
 
-def register_activation(name: str, fn: Callable[[torch.Tensor], torch.Tensor], *, overwrite: bool = False) -> None:
+
+def register_activation(
+    name: str,
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    inplace: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    overwrite: bool = False,
+) -> None:
     """Add an elementwise activation usable as ``Epilogue(activation=name)`` by every backend.
+
+    ``inplace`` (optional) computes the same values into its argument and returns it; the eager paths use it on
+    accumulators they own (saves one (M, N) allocation per call).
 
     Raises:
         EpilogueError: ``name`` is taken and ``overwrite`` is False.
@@ -62,6 +81,9 @@ def register_activation(name: str, fn: Callable[[torch.Tensor], torch.Tensor], *
     if name in ACTIVATIONS and not overwrite:
         raise EpilogueError(f"activation {name!r} is already registered (pass overwrite=True to replace it)")
     ACTIVATIONS[name] = fn
+    INPLACE_ACTIVATIONS.pop(name, None)
+    if inplace is not None:
+        INPLACE_ACTIVATIONS[name] = inplace
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -211,6 +233,26 @@ def epilogue_pointwise(acc: torch.Tensor, ep: Epilogue, tensors: dict[str, torch
     return y
 
 
+def _epilogue_pointwise_(acc: torch.Tensor, ep: Epilogue, tensors: dict[str, torch.Tensor | None]) -> torch.Tensor:
+    """:func:`epilogue_pointwise` computed into ``acc`` (fp32, owned by the caller): the same ops, the same bits."""
+    s = tensors.get("scale")
+    if s is not None:
+        acc.mul_(s)
+    b = tensors.get("bias")
+    if b is not None:
+        acc.add_(b)
+    if ep.activation is not None:
+        act = INPLACE_ACTIVATIONS.get(ep.activation)
+        if act is not None:
+            act(acc)
+        else:
+            acc.copy_(ACTIVATIONS[ep.activation](acc))
+    r = tensors.get("residual")
+    if r is not None:
+        acc.add_(r)
+    return acc
+
+
 def epilogue_tensors(ep: Epilogue, device: torch.device, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor | None]:
     """The epilogue's tensors converted to ``dtype`` on ``device`` (None where absent)."""
     s = ep.scale_tensor(device)
@@ -239,14 +281,22 @@ def _amax(y: torch.Tensor) -> torch.Tensor:
     return y.abs().amax().to(torch.float32)
 
 
-def apply_epilogue(acc: torch.Tensor, ep: Epilogue | None, out_dtype: torch.dtype, *, compute_dtype: Any = None) -> EpilogueOutput:
+def apply_epilogue(
+    acc: torch.Tensor, ep: Epilogue | None, out_dtype: torch.dtype, *, compute_dtype: Any = None, inplace: bool = False
+) -> EpilogueOutput:
     """The reference epilogue (module docstring) applied to an (M, N) accumulator.
 
     ``compute_dtype`` (default fp32) is the dtype the pointwise part runs in (the reference backend uses fp64 and
     rounds to fp32 before amax / quantization, so every backend is compared on the same fp32 ``y``).
+    ``inplace=True``: ``acc`` is an fp32 accumulator the caller owns and no longer needs; the pointwise part then
+    overwrites it (same values, no (M, N) temporaries) — unless autograd tracks ``acc``, where it runs out of place.
     """
     ep = ep or Epilogue()
     ep.check(acc.shape[0], acc.shape[1])
     cdt = compute_dtype or torch.float32
-    y = epilogue_pointwise(acc.to(cdt), ep, epilogue_tensors(ep, acc.device, cdt)).to(torch.float32)
+    tensors = epilogue_tensors(ep, acc.device, cdt)
+    if inplace and cdt == torch.float32 and acc.dtype == torch.float32 and not (torch.is_grad_enabled() and acc.requires_grad):
+        y = _epilogue_pointwise_(acc, ep, tensors)
+    else:
+        y = epilogue_pointwise(acc.to(cdt), ep, tensors).to(torch.float32)
     return finish_epilogue(y, ep, out_dtype)

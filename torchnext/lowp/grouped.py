@@ -34,6 +34,7 @@ from torchnext.lowp.epilogue import Epilogue, EpilogueError, apply_epilogue
 from torchnext.lowp.errors import FormatError
 from torchnext.lowp.scaled_mm import ScaledMMResult
 from torchnext.lowp.tensor import BlockScaledTensor
+from torchnext.lowp.workspace import fresh, reusable, scratch
 
 __all__ = ["expert_weight", "grouped_reference", "grouped_scaled_mm"]
 
@@ -110,24 +111,40 @@ def _grouped_acc(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> tor
     return _padded_bmm(a, w, offsets)
 
 
+def _to_bf16(x: torch.Tensor, tag: str | None) -> torch.Tensor:
+    if x.dtype == torch.bfloat16:
+        return x
+    if tag is None:
+        return x.to(torch.bfloat16)
+    return scratch(tag, x.numel(), torch.bfloat16, x.device).view(x.shape).copy_(x)
+
+
 def _grouped_acc_bf16(
-    a: torch.Tensor | BlockScaledTensor, w_stack: torch.Tensor | BlockScaledTensor, offsets: torch.Tensor, ep: Epilogue
+    a: torch.Tensor | BlockScaledTensor,
+    w_stack: torch.Tensor | BlockScaledTensor,
+    offsets: torch.Tensor,
+    ep: Epilogue,
+    reuse: bool,
 ) -> tuple[torch.Tensor, Epilogue]:
     """fp32 accumulator of the bf16 compute path (global scale applied to the output), and the epilogue left to
-    apply: a shared (N,) bias with no scale is added while widening bf16 → fp32 (one pass instead of two)."""
+    apply."""
     gs = None
     if isinstance(w_stack, BlockScaledTensor):
-        wd = dequantize_operand(w_stack, torch.bfloat16, with_global_scale=False)
+        wd = dequantize_operand(w_stack, torch.bfloat16, with_global_scale=False, scratch_tag="grouped.w" if reuse else None)
         gs = w_stack.global_scale
     else:
-        wd = w_stack.to(torch.bfloat16)
-    ad = a.to(torch.bfloat16) if isinstance(a, torch.Tensor) else dequantize_operand(a, torch.bfloat16)
+        wd = _to_bf16(w_stack, "grouped.w" if reuse else None)
+    if isinstance(a, torch.Tensor):
+        ad = _to_bf16(a, "grouped.a" if reuse else None)
+    else:
+        ad = dequantize_operand(a, torch.bfloat16, scratch_tag="grouped.a" if reuse else None)
     acc16 = _grouped_acc(ad, wd, offsets)
-    if gs is None and ep.scale is None and ep.bias is not None and ep.bias.dim() == 1:
-        # bf16 (T, N) + fp32 (N,) promotes to fp32: the same value as widening first, then adding
-        return torch.add(acc16, ep.bias.to(device=acc16.device, dtype=torch.float32)), replace(ep, bias=None)
-    acc = acc16.to(torch.float32)
-    return (acc * gs.to(torch.float32) if gs is not None else acc), ep
+    # widen into a fresh fp32 tensor (huge pages: see torchnext.lowp.workspace.fresh); it is the accumulator the
+    # epilogue then overwrites in place
+    acc = fresh(acc16.shape, torch.float32, acc16.device).copy_(acc16) if reuse else acc16.to(torch.float32)
+    if gs is not None:
+        acc = acc.mul_(gs.to(torch.float32)) if reuse else acc * gs.to(torch.float32)
+    return acc, ep
 
 
 def grouped_scaled_mm(
@@ -156,10 +173,15 @@ def grouped_scaled_mm(
         raise ValueError(f"grouped_scaled_mm: compute_dtype must be torch.float32 or torch.bfloat16, got {compute_dtype}")
     ep = epilogue or Epilogue()
     _, t, _, _ = _validate(a, w_stack, offsets, ep)
+    # decoded operands go to scratch memory and the epilogue runs in place on the fresh accumulator, unless autograd
+    # could save them (see torchnext.lowp.workspace)
+    reuse = reusable(a, w_stack)
     if compute_dtype == torch.bfloat16:
-        acc, ep = _grouped_acc_bf16(a, w_stack, offsets, ep)
+        acc, ep = _grouped_acc_bf16(a, w_stack, offsets, ep, reuse)
     else:
-        acc = _grouped_acc(dense_operand(a), dense_operand(w_stack), offsets)
+        ad = dense_operand(a, scratch_tag="grouped.a" if reuse else None)
+        wd = dense_operand(w_stack, scratch_tag="grouped.w" if reuse else None)
+        acc = _grouped_acc(ad, wd, offsets)
     if ep.bias is not None and ep.bias.dim() == 2:
         ids = _expert_ids(offsets, t)
         s = ep.scale_tensor(acc.device)
@@ -167,7 +189,7 @@ def grouped_scaled_mm(
         acc = acc + ep.bias.to(torch.float32)[ids]
         ep = replace(ep, scale=None, bias=None)
     out_dtype = ep.out_dtype or (a.dtype if isinstance(a, torch.Tensor) else a.orig_dtype)
-    res = apply_epilogue(acc, ep, out_dtype)
+    res = apply_epilogue(acc, ep, out_dtype, inplace=True)
     if ep.output_amax or ep.out_format is not None:
         return ScaledMMResult(res.output, res.amax, res.quantized)
     return res.output

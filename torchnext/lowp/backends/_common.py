@@ -10,8 +10,11 @@ from torchnext.lowp.tensor import BlockScaledTensor
 __all__ = ["dense_operand"]
 
 
-def dense_operand(x: torch.Tensor | BlockScaledTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``x`` as a dense ``dtype`` matrix (block-scaled operands via the eager LUT dequantizer)."""
+def dense_operand(
+    x: torch.Tensor | BlockScaledTensor, dtype: torch.dtype = torch.float32, *, scratch_tag: str | None = None
+) -> torch.Tensor:
+    """``x`` as a dense ``dtype`` matrix (block-scaled operands via the eager LUT dequantizer; with ``scratch_tag``
+    decoded into reusable scratch memory, valid until the next use of the tag: see :mod:`torchnext.lowp.workspace`)."""
     if isinstance(x, torch.Tensor):
         return x if x.dtype == dtype else x.to(dtype)
-    return dequantize_operand(x, dtype)
+    return dequantize_operand(x, dtype, scratch_tag=scratch_tag)

@@ -1,6 +1,7 @@
 """``eager``: the decomposed path in eager torch ops, on any device. Fast LUT dequantize of each block-scaled
-operand to fp32 (:func:`torchnext.lowp.decode.dequantize_operand`), ``F.linear`` in fp32, then the epilogue as
-separate eager ops. It needs no compiler, so it is the fallback when ``inductor`` cannot compile."""
+operand to fp32 (:func:`torchnext.lowp.decode.dequantize_operand`, into reused scratch memory: see
+:mod:`torchnext.lowp.workspace`), ``F.linear`` in fp32, then the epilogue as separate eager ops on the accumulator,
+in place. It needs no compiler, so it is the fallback when ``inductor`` cannot compile."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torchnext.lowp.backends import EPILOGUE_FEATURES, Capability, KernelBackend
 from torchnext.lowp.backends._common import dense_operand
 from torchnext.lowp.epilogue import EpilogueOutput, apply_epilogue
 from torchnext.lowp.formats import FORMATS
+from torchnext.lowp.workspace import fresh, reusable
 
 __all__ = ["BACKEND", "EagerBackend"]
 
@@ -32,10 +34,16 @@ class EagerBackend:
         return check_capability(self.capability(), problem)
 
     def run(self, problem: Problem) -> EpilogueOutput:
-        a = dense_operand(problem.a)
-        w = dense_operand(problem.w)
-        acc = torch.nn.functional.linear(a, w)
-        return apply_epilogue(acc, problem.epilogue, problem.out_dtype)
+        # decoded operands live in scratch memory unless autograd could save them (they never leave this call)
+        reuse = reusable(problem.a, problem.w)
+        a = dense_operand(problem.a, scratch_tag="eager.a" if reuse else None)
+        w = dense_operand(problem.w, scratch_tag="eager.w" if reuse else None)
+        if reuse and a.dim() == 2 and a.dtype == w.dtype:
+            # the same BLAS call as F.linear, into a fresh accumulator with huge pages advised (workspace.fresh)
+            acc = torch.mm(a, w.t(), out=fresh((a.shape[0], w.shape[0]), a.dtype, a.device))
+        else:
+            acc = torch.nn.functional.linear(a, w)
+        return apply_epilogue(acc, problem.epilogue, problem.out_dtype, inplace=True)
 
 
 BACKEND = EagerBackend()
