@@ -186,3 +186,55 @@ def test_wire_framing() -> None:
         LineReader().feed(b"[1, 2]\n")
     with pytest.raises(ProtocolError, match="longer"):
         LineReader().feed(b"x" * (1 << 17))
+
+
+def test_finish_ends_the_job_without_reconfiguring() -> None:
+    m = _formed(3, min_size=2, settle_s=0.0)
+    for mid in (0, 1, 2):
+        m.vote(mid, 1, 0, 1.0)
+    assert m.step == 1
+    m.outbox.clear()
+    m.finish(0, 2.0)
+    assert m.finished_step == 1 and m.to_close == [0]
+    m.failure(1, 2.1, "closed", hung=False)  # a plain exit after the end: not a failure
+    m.tick(50.0)  # and silence (member 2 sends no heartbeats on this clock) changes nothing either
+    m.tick(500.0)
+    assert m.gen == 1 and not _gens(m) and m.fatal is None
+    events = [h["event"] for h in m.history]
+    assert events.count("finish") == 1 and events.count("left_after_finish") == 2 and "failure" not in events
+    with pytest.raises(Rejected) as exc:
+        m.join(None, 1, 600.0)
+    assert exc.value.code == "finished"
+
+
+def test_vote_after_finish_is_refused_and_joiners_are_told() -> None:
+    m = _formed(2, settle_s=0.0)
+    m.join(7, 0, 0.5)  # a joiner waiting for the next decision
+    m.outbox.clear()
+    m.finish(0, 1.0)
+    told = {mid: msg for mid, msg in m.outbox}
+    assert told[7]["t"] == "fatal" and told[7]["code"] == "finished" and 7 in m.to_close
+    m.outbox.clear()
+    m.vote(1, 1, 0, 1.1)
+    assert m.outbox and m.outbox[0][1]["code"] == "finished" and m.step == 0
+
+
+def test_finish_during_an_open_vote_is_an_ordinary_leave() -> None:
+    m = _formed(3, min_size=2, settle_s=0.0)
+    for mid in (0, 1, 2):
+        m.vote(mid, 1, 0, 0.5)  # step 0 committed: every member holds the state
+    m.vote(1, 1, 1, 1.0)  # member 1 already voted for the next step: member 0 leaving now is a departure
+    m.finish(0, 1.1)
+    m.tick(1.1)
+    assert m.finished_step is None and m.gen == 2 and m.members == (1, 2)
+    assert any(h["event"] == "failure" and h["why"] == "left" for h in m.history)
+
+
+def test_failure_report_after_finish_is_answered_finished() -> None:
+    m = _formed(2, settle_s=0.0)
+    m.finish(0, 1.0)
+    m.outbox.clear()
+    m.report_failure(1, 1, "peer closed", 1.1)
+    m.tick(2.0)
+    assert m.outbox == [(1, {"t": "fatal", "code": "finished", "reason": "the job finished at step 0: no new generation"})]
+    assert m.gen == 1

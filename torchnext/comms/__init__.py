@@ -32,6 +32,7 @@ from torchnext.comms.hooks import OpInfo as OpInfo
 from torchnext.comms.hooks import PostHookArgs as PostHookArgs
 from torchnext.comms.hooks import RemovableHandle as RemovableHandle
 from torchnext.comms.membership import CoordinatorLost as CoordinatorLost
+from torchnext.comms.membership import JobFinished as JobFinished
 from torchnext.comms.membership import MembershipConfig as MembershipConfig
 from torchnext.comms.membership import MembershipError as MembershipError
 from torchnext.comms.membership import QuorumLost as QuorumLost
@@ -60,6 +61,7 @@ __all__ = [
     "FaultTolerant",
     "FaultTolerantConfig",
     "HealingError",
+    "JobFinished",
     "MembershipConfig",
     "MembershipError",
     "QuorumLost",

@@ -154,6 +154,12 @@ class Coordinator:
             return self._state.members
 
     @property
+    def finished_step(self) -> int | None:
+        """The committed step at which the job finished (a member called ``FaultTolerant.finish``), else None."""
+        with self._lock:
+            return self._state.finished_step
+
+    @property
     def step(self) -> int:
         """Committed steps."""
         with self._lock:
@@ -258,7 +264,10 @@ class Coordinator:
             elif kind == "fail":
                 st.report_failure(mid, int(msg.get("gen", -1)), str(msg.get("reason", ""))[:500], now)
             elif kind == "bye":
-                st.leave(mid, now)
+                if msg.get("done") is True:
+                    st.finish(mid, now)
+                else:
+                    st.leave(mid, now)
             elif kind == "event":  # timing marks from members (benchmarks): recorded as they are
                 st.history.append({"event": "member_event", "member": mid, "at": now,
                                    **{k: v for k, v in msg.items() if k != "t" and isinstance(v, (int, float, str))}})

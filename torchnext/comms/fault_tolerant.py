@@ -35,7 +35,9 @@ Semantics
 * Split children (``ft.split``/``ft.split_by_color``) are **invalidated** at every reconfiguration: their ops raise
   ``CommAborted`` naming the superseded generation. Split again in an ``on_reconfigure`` callback.
 * Fatal conditions raise :class:`~torchnext.comms.membership.MembershipError` subclasses from any call:
-  ``RemovedFromGroup`` ("you were removed"), ``CoordinatorLost``, ``QuorumLost``.
+  ``RemovedFromGroup`` ("you were removed"), ``CoordinatorLost``, ``QuorumLost``, ``JobFinished`` (another member
+  called ``finish()`` and this one tried to commit a later step).
+* End of training: ``ft.finish()`` after the last step (every member). Departures after it are not failures.
 
 Thread-safety: one training thread uses the object; the heartbeat thread only aborts communicators.
 """
@@ -59,7 +61,7 @@ from torchnext.comms.errors import CommError
 from torchnext.comms.healing import DEFAULT_CHUNK_BYTES, HealStats, recv_state, send_state
 from torchnext.comms.hooks import HookList, PostHookArgs, RemovableHandle
 from torchnext.comms.member import MemberClient
-from torchnext.comms.membership import MembershipError, QuorumLost, RemovedFromGroup
+from torchnext.comms.membership import JobFinished, MembershipError, QuorumLost, RemovedFromGroup
 from torchnext.comms.work import WorkStatus
 
 __all__ = ["FaultTolerant", "FaultTolerantConfig", "Reconfiguration", "Step"]
@@ -147,17 +149,25 @@ class Step:
         return self.committed
 
     def __enter__(self) -> Step:
-        self._ft._settle(need_new=False)
+        ft = self._ft
+        ft._check_not_finished()
+        ft._settle(need_new=False)
+        with ft._lock:
+            ft._in_step = True
+        ft._check_not_finished()  # a notice that arrived meanwhile
         return self
 
     def __exit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
         ft = self._ft
+        with ft._lock:
+            ft._in_step = False
         if exc is None:
             if not self.decided:
                 self.commit()
             ft._settle(need_new=not self.committed)
             return False
         if isinstance(exc, CommError) and not isinstance(exc, MembershipError):
+            ft._check_not_finished(exc)
             self.error = exc
             ft._report(f"{type(exc).__name__}: {exc}")
             ft._settle(need_new=True)
@@ -207,6 +217,8 @@ class FaultTolerant:
         self._callbacks: HookList[Reconfiguration] = HookList("reconfigure")
         self._attempted = 0
         self._closed = False
+        self._in_step = False
+        self._finished_step: int | None = None
         self.reconfigurations: list[Reconfiguration] = []
         self.fault_hook: Callable[[str], None] | None = None
         """Testing seam (``torchnext.testing``): called with ``"reconfigure"`` before a generation's Communicator is
@@ -329,11 +341,27 @@ class FaultTolerant:
                 self._raise_fatal()
 
     def close(self) -> None:
-        """Leave the group (the others reconfigure without this member) and release resources. Idempotent."""
+        """Leave the group (the others reconfigure without this member) and release resources. Idempotent.
+        At the end of training use :meth:`finish` instead, so the others do not reconfigure."""
+        self._leave(finished=False)
+
+    def finish(self) -> None:
+        """Leave at the end of the job: call it after the last committed step (outside ``ft.step()``).
+
+        The coordinator then records the job as finished at the committed step ``S``: this and every later departure
+        (``finish``, ``close``, a crash) changes nothing for the others — no new generation, no abort — so members may
+        leave in any order without a final barrier. A member still training afterwards gets :class:`JobFinished` at
+        its next vote; joins are refused. Finishing while others already voted for a later step is an ordinary
+        :meth:`close`. Releases resources like :meth:`close`; idempotent."""
+        if self._in_step:
+            raise RuntimeError("FaultTolerant.finish() inside ft.step(): finish after the last step's `with` block")
+        self._leave(finished=True)
+
+    def _leave(self, *, finished: bool) -> None:
         if self._closed:
             return
         self._closed = True
-        self._client.close(graceful=True)
+        self._client.close(graceful=True, finished=finished)
         with self._lock:
             comm, self._comm = self._comm, None
             children, self._children = self._children, []
@@ -347,14 +375,30 @@ class FaultTolerant:
         self.close()
 
     # ---------------------------------------------------------------------------------------------- internals
+    def _check_not_finished(self, cause: BaseException | None = None) -> None:
+        """Raise :class:`JobFinished` if another member finished the job and this one is past the finished step."""
+        done = self._finished_step
+        if done is not None and self._step >= done:
+            raise JobFinished(f"member {self.member_id}: the job finished at step {done} (another member called "
+                              f"finish()); step {self._step} cannot commit") from cause
+
     def _raise_fatal(self) -> None:
         fatal = self._client.fatal
         if fatal is not None:
             raise fatal
 
     def _on_interrupt(self, msg: dict[str, Any]) -> None:
-        """Heartbeat thread: a new generation (abort), quorum wait, removal, fatal or lost coordinator."""
+        """Heartbeat thread: a new generation (abort), quorum wait, removal, fatal or lost coordinator; or the
+        job's end (``finished``), which aborts only a step begun after the finished step."""
         now = time.monotonic()
+        if msg["t"] == "finished":
+            with self._lock:
+                self._finished_step = int(msg["step"])
+                beyond = self._in_step and self._step >= self._finished_step
+                targets = [*self._children, *([self._comm] if self._comm is not None else [])] if beyond else []
+            for c in targets:
+                _quiet_abort(c, f"the job finished at step {msg['step']} (member {msg.get('by')} finished)")
+            return
         with self._lock:
             if msg["t"] == "gen":
                 self._newest_gen = max(self._newest_gen, int(msg["gen"]))

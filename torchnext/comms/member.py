@@ -20,7 +20,14 @@ from typing import Any
 
 from torchnext.comms._wire import LineReader, ProtocolError, encode, tune_socket
 from torchnext.comms.coordinator import PROTOCOL_VERSION
-from torchnext.comms.membership import CoordinatorLost, MembershipError, QuorumLost, Rejected, RemovedFromGroup
+from torchnext.comms.membership import (
+    CoordinatorLost,
+    JobFinished,
+    MembershipError,
+    QuorumLost,
+    Rejected,
+    RemovedFromGroup,
+)
 
 __all__ = ["MemberClient", "parse_address"]
 
@@ -137,12 +144,13 @@ class MemberClient:
         except queue.Empty:
             return None
 
-    def close(self, *, graceful: bool = True) -> None:
-        """Say goodbye (graceful) and stop the thread. Idempotent."""
+    def close(self, *, graceful: bool = True, finished: bool = False) -> None:
+        """Say goodbye (graceful; ``finished``: as the job's end, see ``Membership.finish``) and stop the thread.
+        Idempotent."""
         if self._closed.is_set():
             return
         if graceful and self.fatal is None:
-            self.send({"t": "bye"})
+            self.send({"t": "bye", "done": True} if finished else {"t": "bye"})
         self._closed.set()
         self._thread.join(timeout=2)
         try:
@@ -210,10 +218,11 @@ class MemberClient:
                 f"{msg.get('gen')} ({msg.get('reason')}); restart the process to join again as a new member"), msg)
             return False
         if kind == "fatal":
-            cls = QuorumLost if msg.get("code") == "quorum_lost" else MembershipError
+            code = msg.get("code")
+            cls = QuorumLost if code == "quorum_lost" else JobFinished if code == "finished" else MembershipError
             self._lose(cls(f"the coordinator ended the job ({msg.get('code')}): {msg.get('reason')}"), msg)
             return False
-        if kind in _INTERRUPTING or (kind == "gen" and msg.get("abort")):
+        if kind in _INTERRUPTING or kind == "finished" or (kind == "gen" and msg.get("abort")):
             self._on_interrupt(msg)
         self.events.put(msg)
         self.news.set()

@@ -34,6 +34,12 @@ Membership changes
 * **grow** (a process joined): the joiner waits; the next commit decision carries generation ``g + 1`` (``next``),
   so members switch between steps without aborting anything; the joiner heals from ``donor``. If no step commits
   within ``grow_timeout_s`` the coordinator grows with ``abort=True`` instead (an idle or stuck group).
+* **finish** (a member of the generation says ``bye`` with ``done`` between steps, i.e. after its last commit): the
+  job is over at the committed step ``S``. From then on departures (finish, bye, a closed connection, silence) are
+  recorded as ``left_after_finish`` and change nothing — no generation, no abort, no quorum wait — so members can
+  leave in any order; the other members get a ``finished`` notice (a member already past step ``S`` stops); a vote for a later step is answered ``fatal`` with code ``finished`` (:class:`JobFinished`),
+  a join is rejected with code ``finished``, and members still waiting to join are told the same. A ``done`` bye
+  while a vote round is open (others already voted for the next step) is an ordinary leave.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from typing import Any
 
 __all__ = [
     "CoordinatorLost",
+    "JobFinished",
     "MembershipConfig",
     "MembershipError",
     "Membership",
@@ -71,9 +78,14 @@ class QuorumLost(MembershipError):
     """Fewer than ``min_size`` members (or none holding the committed state) remained, and no joiner arrived in time."""
 
 
+class JobFinished(MembershipError):
+    """The job finished: a member declared the last step done (``FaultTolerant.finish``), so no later step can
+    commit and no process can join."""
+
+
 class Rejected(MembershipError):
-    """The coordinator refused a join: ``code`` is ``"auth"``, ``"removed"``, ``"duplicate"``, ``"bad_request"`` or
-    ``"fatal"``."""
+    """The coordinator refused a join: ``code`` is ``"auth"``, ``"removed"``, ``"duplicate"``, ``"bad_request"``,
+    ``"finished"`` or ``"fatal"``."""
 
     def __init__(self, code: str, reason: str) -> None:
         self.code = code
@@ -157,6 +169,8 @@ class Membership:
     last_commit_at: float = 0.0
     last_commit_gen: int = 0
     fatal: str | None = None
+    finished_step: int | None = None
+    """The committed step at which the first member finished (None while the job runs); see "finish" above."""
     outbox: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     to_close: list[int] = field(default_factory=list)
     to_fence: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
@@ -170,6 +184,8 @@ class Membership:
         """A process asks to join; returns its member id or raises :class:`Rejected`."""
         if self.fatal is not None:
             raise Rejected("fatal", f"the job has failed: {self.fatal}")
+        if self.finished_step is not None:
+            raise Rejected("finished", f"the job finished at step {self.finished_step}")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise Rejected("bad_request", f"step must be an int >= 0, got {step!r}")
         if requested is None:
@@ -210,6 +226,11 @@ class Membership:
         m = self.live.pop(mid, None)
         if m is None:
             return
+        if self.finished_step is not None:  # the job is over: a departure changes nothing
+            self.removed[mid] = f"left after the job finished ({why})"
+            self.history.append({"event": "left_after_finish", "member": mid, "why": why, "at": now})
+            self.to_close.append(mid)
+            return
         self.removed[mid] = why
         self.history.append({"event": "failure", "member": mid, "why": why, "hung": hung, "at": now})
         if hung:
@@ -224,14 +245,52 @@ class Membership:
         """Graceful exit (``bye``): like a failure, without the alarm."""
         self.failure(mid, now, "left", hung=False)
 
+    def finish(self, mid: int, now: float) -> None:
+        """Member ``mid`` leaves at the end of the job (``bye`` with ``done``); see "finish" in the module docstring.
+        Outside a generation, or while a vote round is open, it is an ordinary :meth:`leave`."""
+        if mid not in self.live:
+            return
+        if self.finished_step is None and (self.votes or mid not in self.members or self.change_at is not None):
+            self.leave(mid, now)
+            return
+        if self.finished_step is None:
+            self.finished_step = self.step
+            self.change_at = None
+            self.change_reasons = []
+            self.waiting_since = None
+            for m in self.members:  # the others may still be finishing their loop: a notice, not an abort
+                if m != mid and m in self.live:
+                    self.outbox.append((m, {"t": "finished", "step": self.step, "by": mid}))
+            for j in self._joiners():  # processes waiting to join a job that is over
+                self.live.pop(j)
+                self.removed[j] = "the job finished before it joined"
+                self.outbox.append((j, {"t": "fatal", "code": "finished",
+                                        "reason": f"the job finished at step {self.step} (member {mid} finished)"}))
+                self.to_close.append(j)
+        self.live.pop(mid)
+        self.removed[mid] = f"finished at step {self.finished_step}"
+        self.history.append({"event": "finish", "member": mid, "step": self.finished_step, "at": now})
+        self.to_close.append(mid)
+
     def report_failure(self, mid: int, gen: int, reason: str, now: float) -> None:
-        """A member's collective failed in generation ``gen``: regenerate (stale reports are ignored)."""
+        """A member's collective failed in generation ``gen``: regenerate (stale reports are ignored). After the job
+        finished there is nothing to regenerate: the member is told so."""
+        if self.finished_step is not None and mid in self.live:
+            self.outbox.append((mid, {"t": "fatal", "code": "finished",
+                                      "reason": f"the job finished at step {self.finished_step}: no new generation"}))
+            return
         if gen == self.gen and mid in self.members and mid in self.live:
             self.history.append({"event": "report", "member": mid, "reason": reason, "at": now})
             self._schedule_change(now, f"member {mid} reported a failed collective: {reason}")
 
     def vote(self, mid: int, gen: int, step: int, now: float) -> None:
         """Member ``mid`` completed step ``step``'s collectives in generation ``gen``."""
+        if self.finished_step is not None and mid in self.live:
+            self.outbox.append((mid, {
+                "t": "fatal", "code": "finished",
+                "reason": f"the job finished at step {self.finished_step}: no later step can commit",
+            }))
+            return
         if gen != self.gen or mid not in self.members or mid not in self.live:
             return  # stale: a newer generation message is on its way to this member
         if step != self.step:
@@ -256,6 +315,8 @@ class Membership:
             if silent > cfg.heartbeat_timeout_s:
                 self.failure(mid, now, f"missed heartbeats for {silent:.3f}s (timeout {cfg.heartbeat_timeout_s}s)",
                              hung=True)
+        if self.finished_step is not None:
+            return  # nothing to decide once the job is over (silent members were handled above)
         if self.change_at is not None and now >= self.change_at:
             self._reconfigure(now)
         if self.waiting_since is not None and now - self.waiting_since > cfg.quorum_timeout_s:
