@@ -8,11 +8,9 @@ Usage: python benchmarks/control/bench_complex.py [--quick] [--json PATH]
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -23,13 +21,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from _common import parse_args
+
 import torchnext
-
-
-def header() -> None:
-    print(f"torchnext {torchnext.__version__}  torch {torch.__version__}  python {platform.python_version()}")
-    print(f"machine: {platform.machine()} cpus={os.cpu_count()} threads={torch.get_num_threads()}")
-    print(f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  (shared machine: figures are noisy, compare ratios)")
 
 
 def timed_us(fns: dict[str, Callable[[], Any]], *, number: int, repeat: int) -> dict[str, float]:
@@ -111,15 +105,7 @@ def complex_wrapper_probe() -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", default=None)
-    ap.add_argument(
-        "--threads", type=int, default=1, help="intra-op threads (default 1: stable figures on a shared 2-core box)"
-    )
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    header()
+    a = parse_args(__doc__.split("\n")[0] if __doc__ else None)
     g = torch.Generator().manual_seed(0)
     results: dict[str, Any] = {}
     x = torch.randn(64, 256, generator=g)

@@ -10,10 +10,8 @@ Usage: python benchmarks/control/bench_switch.py [--quick] [--json PATH]
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -24,16 +22,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-import torchnext
+from _common import parse_args
+
 from torchnext.control import switch
-
-
-def header() -> None:
-    print(f"torchnext {torchnext.__version__}  torch {torch.__version__}  python {platform.python_version()}")
-    print(
-        f"machine: {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()} threads={torch.get_num_threads()}"
-    )
-    print(f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  (shared machine: figures are noisy, compare ratios)")
 
 
 def median_us(fn: Callable[[], Any], *, number: int, repeat: int) -> float:
@@ -140,15 +131,7 @@ def bench_compile_time() -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", default=None)
-    ap.add_argument(
-        "--threads", type=int, default=1, help="intra-op threads (default 1: stable figures on a shared 2-core box)"
-    )
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    header()
+    a = parse_args(__doc__.split("\n")[0] if __doc__ else None)
     results: dict[str, Any] = {}
     e = results["eager"] = bench_eager(a.quick)
     print("\n[eager: dispatch overhead with cheap branches (elementwise op on 4 elements), 8 branches]")

@@ -18,7 +18,7 @@ import torch
 
 from torchnext.lowp.elements import decode_reference, encode_fast, stochastic_round
 from torchnext.lowp.formats import FormatSpec
-from torchnext.lowp.options import ResolvedOptions
+from torchnext.lowp.options import ResolvedOptions, block_outputs
 from torchnext.lowp.scales import SCALE_RECIPES, ScaleInputs
 
 __all__ = ["CHUNK_ELEMENTS", "dequantize_blocks", "quantize_blocks"]
@@ -110,14 +110,11 @@ def quantize_blocks(
     """Quantize the rows of ``x2`` (one block per row); see :mod:`torchnext.lowp.reference`."""
     el = spec.element
     n, block = x2.shape
-    storage = el.torch_dtype if el.torch_dtype is not None else torch.uint8
-    codes = torch.empty(n, block // el.per_byte, dtype=storage, device=x2.device)
-    scales = torch.empty(n, dtype=spec.scale_dtype, device=x2.device)
+    codes, scale_bytes = block_outputs(x2, spec)
+    scales = scale_bytes.view(spec.scale_dtype)
     if n == 0 or block == 0:
         return codes, scales
-    recipe = opts.recipe if opts.recipe is not None else opts.scale_mode
-    assert recipe is not None
-    scale_fn = SCALE_RECIPES[(recipe, True)]
+    scale_fn = SCALE_RECIPES[(opts.scale_recipe, True)]
     rows = _rows_per_chunk(block)
     skip_clamp = el.torch_dtype is not None and _cast_saturates(el.torch_dtype)
 

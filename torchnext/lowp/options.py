@@ -140,6 +140,26 @@ class ResolvedOptions:
     swizzle: bool
     backend: str
 
+    @property
+    def scale_recipe(self) -> str:
+        """The key of the scale recipe the quantizers run: the named recipe (``te``, ``torchao``) or, for MX
+        formats, the scale mode (``floor``, ``rceil``)."""
+        name = self.recipe if self.recipe is not None else self.scale_mode
+        if name is None:  # resolve() always sets one of the two
+            raise FormatError("ResolvedOptions has neither a recipe nor a scale mode")
+        return name
+
+
+def block_outputs(x2: torch.Tensor, spec: FormatSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized outputs of a ``quantize_blocks`` kernel for the rows of ``x2`` (one block per row): the codes
+    (``el.torch_dtype`` or packed uint8, ``block / per_byte`` per row) and one scale byte per row (uint8; view it
+    as ``spec.scale_dtype``)."""
+    el = spec.element
+    n, block = x2.shape
+    storage = el.torch_dtype if el.torch_dtype is not None else torch.uint8
+    codes = torch.empty(n, block // el.per_byte, dtype=storage, device=x2.device)
+    return codes, torch.empty(n, dtype=torch.uint8, device=x2.device)
+
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:

@@ -26,9 +26,7 @@ def quantize_blocks(
     el = spec.element
     xf = x2.float()
     amax = torch.amax(torch.abs(xf), dim=1) if xf.shape[1] else torch.zeros(xf.shape[0], device=xf.device)
-    recipe = opts.recipe if opts.recipe is not None else opts.scale_mode
-    assert recipe is not None
-    scale, mult = SCALE_RECIPES[(recipe, False)](amax, inp)
+    scale, mult = SCALE_RECIPES[(opts.scale_recipe, False)](amax, inp)
     y = xf * mult[:, None]
     if noise is not None:
         y = stochastic_round(y, el, noise)

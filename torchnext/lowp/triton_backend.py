@@ -21,7 +21,7 @@ from torchnext.lowp.eager import dequantize_blocks
 from torchnext.lowp.elements import stochastic_round
 from torchnext.lowp.errors import FormatError
 from torchnext.lowp.formats import FormatSpec
-from torchnext.lowp.options import ResolvedOptions
+from torchnext.lowp.options import ResolvedOptions, block_outputs
 from torchnext.lowp.scales import SCALE_RECIPES, ScaleInputs
 
 __all__ = ["dequantize_blocks", "quantize_blocks"]
@@ -150,14 +150,10 @@ def quantize_blocks(
     """Same contract as :func:`torchnext.lowp.reference.quantize_blocks`."""
     el = spec.element
     n, block = x2.shape
-    storage = el.torch_dtype if el.torch_dtype is not None else torch.uint8
-    codes = torch.empty(n, block // el.per_byte, dtype=storage, device=x2.device)
-    scale_bytes = torch.empty(n, dtype=torch.uint8, device=x2.device)
+    codes, scale_bytes = block_outputs(x2, spec)
     if n == 0 or block == 0:
         return codes, scale_bytes.view(spec.scale_dtype)
-    recipe = opts.recipe if opts.recipe is not None else opts.scale_mode
-    assert recipe is not None
-    rid = _RECIPE_IDS[recipe]
+    rid = _RECIPE_IDS[opts.scale_recipe]
     glob = inp.global_encode if rid == 1 else inp.global_decode
     has_global = glob is not None
     glob_t = (glob if glob is not None else torch.ones((), device=x2.device)).float().reshape(1).to(x2.device)
@@ -166,7 +162,7 @@ def quantize_blocks(
         # stochastic rounding: round on the host with the shared definition (the scale multiplier is recomputed
         # there), then the kernel encodes the exactly representable rounded values
         amax = x2.float().abs().amax(dim=1)
-        _, mult = SCALE_RECIPES[(recipe, True)](amax, inp)
+        _, mult = SCALE_RECIPES[(opts.scale_recipe, True)](amax, inp)
         rounded = stochastic_round(x2.float() * mult[:, None], el, noise).contiguous()
     if el.bits not in (4, 8):
         raise FormatError(f"the triton backend handles 4- and 8-bit elements, not {el.bits}-bit {el.name}")
