@@ -192,3 +192,32 @@ def test_long_sync_op_completes_on_issuing_thread_and_honours_its_timeout() -> N
         assert r["posts"] == [(1, "COMPLETED", r["me"])]
     assert res[0]["timeout"] == "CommTimeout"
     assert res[0]["posts2"][-1][:2] == (2, "TIMED_OUT")
+
+
+def _p2p_infos(ctx: RankContext) -> list[tuple[str, int | None, int | None, tuple[tuple[str, int, int], ...]]]:
+    from torchnext.comms import P2POp
+
+    comm = Communicator(ctx.store, ctx.rank, ctx.world_size, timeout=timedelta(seconds=30))
+    seen: list[Any] = []
+    comm.register_pre_hook(seen.append)
+    peer = 1 - ctx.rank
+    t = torch.ones(2)
+    if ctx.rank == 0:
+        comm.send(t, peer, tag=5)
+    else:
+        comm.recv(t, peer, tag=5)
+    comm.batch_p2p([P2POp("send", t, peer, tag=3), P2POp("recv", torch.empty(2), peer, tag=3)])
+    comm.all_reduce(t)
+    comm.shutdown()
+    return [(i.op, i.peer, i.tag, tuple((p.kind, p.peer, p.tag) for p in i.batch)) for i in seen]
+
+
+def test_op_info_carries_p2p_tags_and_batch_ops() -> None:
+    for rank, infos in enumerate(run_threads(_p2p_infos, 2, timeout=60)):
+        first = "send" if rank == 0 else "recv"
+        peer = 1 - rank
+        assert infos == [
+            (first, peer, 5, ()),
+            ("batch_p2p", None, None, (("send", peer, 3), ("recv", peer, 3))),
+            ("all_reduce", None, None, ()),
+        ]

@@ -123,6 +123,25 @@ def p2p_body(ctx: RankContext, d: str) -> Any:
         _dump(fr, d)
 
 
+def tagged_batch_body(ctx: RankContext, d: str) -> Any:
+    from torchnext.comms import P2POp
+
+    comm, fr = _setup(ctx, d)
+    t = torch.ones(4)
+    comm.all_reduce(t)
+    if ctx.rank == 0:
+        try:  # two tagged sends in one batch; rank 1 only ever receives tag 8
+            comm.batch_p2p([P2POp("send", t, 1, tag=7), P2POp("send", t.clone(), 1, tag=8)], timeout=1.5)
+        except CommTimeout:
+            pass
+        _dump(fr, d)
+        ctx.store.set("sent", "1")
+    else:
+        comm.recv(torch.empty(4), 0, tag=8)
+        _wait_key(ctx, "sent")
+        _dump(fr, d)
+
+
 def straggler_body(ctx: RankContext, d: str) -> Any:
     comm, fr = _setup(ctx, d)
     t = torch.ones(4)
@@ -261,6 +280,17 @@ def test_send_without_recv(tmp_path: Path) -> None:
     report = _analyze(tmp_path)
     assert _first(report) == ("unmatched_p2p", [0], 1, "send", "world")
     assert report.issues[0].detail["peer"] == 1
+
+
+def test_batch_p2p_pairs_each_op_by_tag(tmp_path: Path) -> None:
+    """batch_p2p is recorded op by op with its peers and tags: the tag-8 send pairs with rank 1's tag-8 recv, the
+    tag-7 send is reported unmatched (tag and peer named)."""
+    run_ranks(tagged_batch_body, 2, args=(str(tmp_path),), timeout=90)
+    report = _analyze(tmp_path)
+    unmatched = [i for i in report.issues if i.kind == "unmatched_p2p"]
+    assert len(unmatched) == 1, report.issues
+    assert unmatched[0].ranks == [0] and unmatched[0].op == "send"
+    assert unmatched[0].detail["tag"] == 7 and unmatched[0].detail["peer"] == 1
 
 
 def test_straggler(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 
 Per attached communicator::
 
-    pre hook  (issuing thread)      -> recorder.record(pg, info.op, inputs, outputs, op_id, peer, timeout)
+    pre hook  (issuing thread)      -> recorder.record(pg, info.op, inputs, outputs, op_id, peer, tag, timeout)
+                                       (batch_p2p: one send/recv record per op of the batch, same op_id)
     post hook (terminal transition) -> recorder.complete(rid, state); TIMED_OUT / ERROR -> automatic dump
     abort hook (abort() caller)     -> automatic dump (before in-flight ops are cancelled: they show as "started")
     split child created             -> attached to the same recorder, with its own pg id
@@ -48,7 +49,7 @@ class Attachment:
             backend=str(comm.backend),
             timeout_ms=int(comm.timeout.total_seconds() * 1000),
         )
-        self._rids: dict[int, int] = {}
+        self._rids: dict[int, int | list[int]] = {}
         from torchnext.comms.work import WorkStatus
 
         self._completed = WorkStatus.COMPLETED
@@ -63,6 +64,17 @@ class Attachment:
     def pre(self, info: Any) -> None:
         try:
             td = info.timeout
+            ms = self._default_ms if td is self._default_td or td == self._default_td else int(td.total_seconds() * 1e3)
+            if info.batch:
+                # batch_p2p: one send/recv entry per op (peer, tag, tensor), so the analyzer pairs each of them
+                now = time_ns()
+                self._rids[info.op_id] = [
+                    self.recorder._record(self.pg_id, p.kind, (p.tensor,) if p.kind == "send" else (),
+                                          (p.tensor,) if p.kind == "recv" else (), info.op_id, p.peer, p.tag, ms,
+                                          info.async_op, True, now)
+                    for p in info.batch
+                ]
+                return
             self._rids[info.op_id] = self.recorder._record(
                 self.pg_id,
                 info.op,
@@ -70,8 +82,8 @@ class Attachment:
                 info.outputs,
                 info.op_id,
                 info.peer,
-                0,
-                self._default_ms if td is self._default_td or td == self._default_td else int(td.total_seconds() * 1e3),
+                info.tag or 0,
+                ms,
                 info.async_op,
                 True,
                 time_ns(),
@@ -81,14 +93,20 @@ class Attachment:
 
     def post(self, args: Any) -> None:
         try:
-            rid = self._rids.pop(args.info.op_id, -1)
+            rids = self._rids.pop(args.info.op_id, -1)
             status = args.status
             if status is self._completed:
-                self.recorder.complete(rid)
+                if isinstance(rids, int):
+                    self.recorder.complete(rids)
+                else:
+                    for rid in rids:
+                        self.recorder.complete(rid)
                 return
             state = _STATES.get(status.name, "error")
             exc = args.exception
-            self.recorder.complete(rid, state, error=None if exc is None else f"{type(exc).__name__}: {exc}")
+            error = None if exc is None else f"{type(exc).__name__}: {exc}"
+            for rid in [rids] if isinstance(rids, int) else rids:
+                self.recorder.complete(rid, state, error=error)
         except Exception as err:
             self.recorder._internal_error("post hook", err)
             return

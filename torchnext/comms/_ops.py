@@ -68,6 +68,8 @@ class CollectiveOps:
             reduce_op: ReduceOp | None = None,
             finalize: Callable[[], None] | None = None,
             has_future: bool = True,
+            tag: int | None = None,
+            batch: tuple[Any, ...] = (),
         ) -> Work | None: ...
 
         def _opt(self, kind: str, key: object, make: Callable[[], Any], timeout: timedelta | None) -> Any: ...
@@ -387,7 +389,7 @@ class CollectiveOps:
         tag = self._check_tag(tag, "send")
         pg = self._pg
         return self._issue("send", async_op, timeout, lambda td: [pg.send([t], dst, tag)], (t,), (), peer=dst,
-                           has_future=False)
+                           has_future=False, tag=tag)
 
     def recv(
         self, tensor: torch.Tensor, src: int, tag: int = 0, *, async_op: bool = False, timeout: Timeout = None
@@ -398,7 +400,7 @@ class CollectiveOps:
         tag = self._check_tag(tag, "recv")
         pg = self._pg
         return self._issue("recv", async_op, timeout, lambda td: [pg.recv([t], src, tag)], (), (t,), peer=src,
-                           has_future=False)
+                           has_future=False, tag=tag)
 
     def batch_p2p(self, ops: Sequence[P2POp], *, async_op: bool = False, timeout: Timeout = None) -> Work | None:
         """Issue every send/recv of ``ops`` at once; one Work completes when all of them did (any order across
@@ -421,4 +423,5 @@ class CollectiveOps:
 
         inputs = [t for is_send, t, _, _ in checked if is_send]
         outputs = [t for is_send, t, _, _ in checked if not is_send]
-        return self._issue("batch_p2p", async_op, timeout, launch, inputs, outputs, has_future=False)
+        batch = tuple(P2POp("send" if is_send else "recv", t, peer, tag) for is_send, t, peer, tag in checked)
+        return self._issue("batch_p2p", async_op, timeout, launch, inputs, outputs, has_future=False, batch=batch)

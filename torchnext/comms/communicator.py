@@ -421,6 +421,8 @@ class Communicator(CollectiveOps):
         reduce_op: ReduceOp | None = None,
         finalize: Callable[[], None] | None = None,
         has_future: bool = True,
+        tag: int | None = None,
+        batch: tuple[Any, ...] = (),
     ) -> Work | None:
         if self._closed or self._error is not None:
             self._refuse(op)
@@ -444,7 +446,7 @@ class Communicator(CollectiveOps):
             if pre or self._post_hooks.snapshot:  # positional: this is the hot path
                 info = _new_tuple(OpInfo, (op, op_id, self._name, self._ranks, self._rank, self._size, async_op, root,
                                            peer, None if reduce_op is None else reduce_op._value_, tuple(inputs),
-                                           tuple(outputs), td or self._timeout))  # = OpInfo(...), minus a frame
+                                           tuple(outputs), td or self._timeout, tag, batch))  # = OpInfo(...), minus a frame
             # sync ops first wait in this thread where the backend's timed wait is only a wait (Gloo collectives);
             # elsewhere (Gloo send/recv: a timed wait *is* the op's timeout) they wait like async ops
             sliced = not async_op and has_future and self._interruptible

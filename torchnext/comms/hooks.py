@@ -33,6 +33,7 @@ import torch
 from torchnext.comms.errors import HookError
 
 if TYPE_CHECKING:
+    from torchnext.comms._ops import P2POp
     from torchnext.comms.work import Work, WorkStatus
 
 __all__ = ["AbortHookArgs", "OpInfo", "PostHookArgs", "RemovableHandle"]
@@ -67,6 +68,10 @@ class OpInfo(NamedTuple):
     """Tensors written by the op on this rank (in-place ops list the same tensor in both)."""
     timeout: timedelta
     """The op's effective timeout."""
+    tag: int | None = None
+    """The p2p tag of ``send``/``recv``; None for other ops."""
+    batch: tuple[P2POp, ...] = ()
+    """``batch_p2p``: its ops, validated, in the caller's order (kind, tensor, peer, tag); () for other ops."""
 
 
 class PostHookArgs(NamedTuple):
