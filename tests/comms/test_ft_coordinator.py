@@ -109,10 +109,11 @@ def test_parse_address() -> None:
             parse_address(bad)
 
 
-def _start_coordinator_process(token: str) -> tuple[subprocess.Popen[str], str]:
+def _start_coordinator_process(token: str, *extra: str, min_size: int = 1) -> tuple[subprocess.Popen[str], str]:
     env = {**os.environ, "TORCHNEXT_FT_TOKEN": token}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torchnext", "coordinator", "--port", "0", "--min-size", "1", "--initial-size", "2"],
+        [sys.executable, "-m", "torchnext", "coordinator", "--port", "0", "--min-size", str(min_size),
+         "--initial-size", "2", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     assert proc.stdout is not None
@@ -149,3 +150,33 @@ def test_coordinator_process_death_stops_every_member_with_a_clear_error(tmp_pat
         assert r["error"] and r["error"].startswith("CoordinatorLost"), r["error"]
         assert r["step"] > 0
         assert r["ended_at"] - killed_at < 2.0, r["ended_at"] - killed_at
+
+
+@pytest.mark.parametrize("ending", ["finished", "failed"])
+def test_coordinator_process_exits_when_the_job_is_over(ending: str) -> None:
+    """``torchnext coordinator`` exits by itself once every member left: 0 after finish(), 1 after the job failed."""
+    token = "job-secret"
+    proc, address = _start_coordinator_process(token, "--quorum-timeout", "0.5", min_size=2)
+    try:
+        a, b = _client(address, token, 0), _client(address, token, 1)
+        for c in (a, b):
+            msg = c.next_event(10)
+            assert msg is not None and msg["t"] == "gen"
+        if ending == "finished":
+            a.close(finished=True)
+            b.close()  # after the finish: not a failure either
+        else:
+            a.close()  # a plain departure leaves 1 < min_size: quorum lost after 0.5 s, b is told, the job failed
+            msg = b.next_event(10)
+            while msg is not None and msg["t"] not in ("fatal",):
+                msg = b.next_event(10)
+            assert msg is not None and isinstance(b.fatal, Exception)
+            b.close()
+        rc = proc.wait(timeout=30)
+        out = proc.stdout.read() if proc.stdout is not None else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    assert rc == (0 if ending == "finished" else 1), out
+    assert ("finished at step 0" if ending == "finished" else "failed:") in out

@@ -153,6 +153,19 @@ class Coordinator:
         with self._lock:
             return self._state.members
 
+    def outcome(self) -> str | None:
+        """None while the job runs or members are still connected; else ``"finished at step S"`` or ``"failed:
+        <reason>"`` (the job is over and every member left)."""
+        with self._lock:
+            st = self._state
+            if st.live or self._by_member:
+                return None
+            if st.finished_step is not None:
+                return f"finished at step {st.finished_step}"
+            if st.fatal is not None:
+                return f"failed: {st.fatal}"
+            return None
+
     @property
     def finished_step(self) -> int | None:
         """The committed step at which the job finished (a member called ``FaultTolerant.finish``), else None."""
@@ -387,11 +400,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s, help="seconds")
     parser.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s, help="seconds")
     parser.add_argument("--quorum-timeout", type=float, default=d.quorum_timeout_s, help="seconds")
+    parser.add_argument("--exit-when-done", action=argparse.BooleanOptionalAction, default=True,
+                        help="exit once the job is over and every member left: 0 after FaultTolerant.finish(), 1 "
+                             "after the job failed (default: on)")
 
 
 def run(args: argparse.Namespace) -> int:
-    """``torchnext coordinator``: serve until SIGINT/SIGTERM. The token comes from TORCHNEXT_FT_TOKEN or is generated
-    and printed (members need it)."""
+    """``torchnext coordinator``: serve until SIGINT/SIGTERM, or (``--exit-when-done``, the default) until the job is
+    over and every member left: exit 0 when it finished (``FaultTolerant.finish``), 1 when it failed (quorum or state
+    lost). The token comes from TORCHNEXT_FT_TOKEN or is generated and printed (members need it)."""
     from torchnext._config import env_config
 
     try:
@@ -412,9 +429,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"torchnext coordinator listening on {coord.address} (store port {coord.store_port})", flush=True)
     if token is None:
         print(f"job token: {coord.token} (set TORCHNEXT_FT_TOKEN on the members)", flush=True)
+    rc = 0
     try:
-        while not stop.wait(0.5):
-            pass
+        while not stop.wait(0.2):
+            outcome = coord.outcome() if args.exit_when_done else None
+            if outcome is not None:
+                print(f"torchnext coordinator: the job {outcome}; every member left, exiting", flush=True)
+                rc = 0 if outcome.startswith("finished") else 1
+                break
     finally:
         coord.stop()
-    return 0
+    return rc

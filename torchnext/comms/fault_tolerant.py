@@ -15,6 +15,7 @@ Usage (every process runs the same loop; a replacement process runs it too and j
             opt.zero_grad()
         # a failed step (PeerFailure, CommAborted, ...) was swallowed by the context: the group reconfigured and
         # healed; ft.step_count did not move, so the loop simply retries the step.
+    ft.finish()                               # the job's end: leaving is not a failure
 
 Semantics
 ---------
