@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -167,32 +166,12 @@ def dynamic_spec(spec: Any) -> Callable[[F], F]:
                 binding.compiled.check(bound)
             return fn(*args, **kwargs)
 
+        # torch 2.14's own decorator (torch.fx.experimental.dynamic_spec.dynamic_spec) is deliberately not applied
+        # on top: measured with torch 2.14.1, it makes torch.export reject the dynamic_shapes our entry points pass
+        # ("Both `@dynamic_spec(...)` is attached ... AND a `dynamic_shapes=` argument was passed"), and its
+        # translation refuses specs whose IntVars appear only in expressions or assumptions, which ours checks.
+        # One code path on 2.13 and 2.14: torchnext's wrapper and entry points.
         setattr(wrapper, _SPEC_ATTR, binding)
-        return _apply_torch_decorator(wrapper, spec)
+        return wrapper  # type: ignore[return-value]
 
     return decorate
-
-
-def _apply_torch_decorator(wrapper: Any, spec: Any) -> Any:
-    """On torch >= 2.14, also let torch's own compile/export/make_fx see the spec (torch's decorator, if present).
-
-    torch 2.13 has no decorator, so this returns ``wrapper`` unchanged there; on 2.14 this path is untested in
-    torchnext's CI (2.14 is not installed), and a failure of torch's decorator is reported as a warning.
-    """
-    from torch.fx.experimental import dynamic_spec as tds
-
-    native = getattr(tds, "dynamic_spec", None)
-    if native is None:
-        return wrapper
-    try:  # pragma: no cover - torch 2.14 only
-        result = native(spec)(wrapper)
-    except Exception as e:  # pragma: no cover
-        warnings.warn(
-            f"torch's own dynamic_spec decorator rejected the spec ({e}); torchnext's entry points still honour it",
-            stacklevel=3,
-        )
-        return wrapper
-    if callable(result) and result is not wrapper:  # pragma: no cover
-        setattr(result, _SPEC_ATTR, getattr(wrapper, _SPEC_ATTR))
-        return result
-    return wrapper  # pragma: no cover
