@@ -16,8 +16,8 @@ clock) from the victim, the coordinator and every survivor:
 * commit   = last survivor committed a step           - rebuild
 * total    = last survivor committed a step           - failure          (goal: p50 <= 100 ms, p99 <= 300 ms)
 
-Peers: torch 2.14.1's native ``dist._reconfigure`` is measured when present (it is not in torch 2.13); torchft 0.2.0
-figures measured on this machine are quoted in docs/benchmarks.md.
+Peers: torch 2.14.1's native ``dist._reconfigure`` is measured by ``bench_native_reconfigure.py`` (it is not in
+torch 2.13); torchft 0.2.0 figures measured on this machine are quoted in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -287,7 +287,7 @@ def native_reconfigure_peer() -> str:
 
     if not hasattr(dist, "_reconfigure"):
         return f"skipped: torch {torch.__version__} has no torch.distributed._reconfigure (added in 2.14.1)"
-    return "present but not measured by this script version"
+    return "present: measured by benchmarks/comms/bench_native_reconfigure.py (same failure, native rebuild)"
 
 
 def main() -> None:
