@@ -203,7 +203,7 @@ def section_scaled_mm(dev: torch.device, smoke: bool, reps: int) -> Result:
                 w8, sw = _fp8_rowwise(w)
 
                 def fp8_rowwise(a8: torch.Tensor = a8, sa: torch.Tensor = sa, w8: torch.Tensor = w8, sw: torch.Tensor = sw) -> Any:
-                    y = torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sw.t(), out_dtype=torch.bfloat16)
+                    y = torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sw.t().contiguous(), out_dtype=torch.bfloat16)
                     y = F.gelu(y.float() + bias)
                     return y, y.abs().max()
 
