@@ -221,3 +221,12 @@ def test_eager_scaled_mm_fast_path_same_bits(pooled: None) -> None:
         with torch.no_grad():
             scaled_mm(torch.randn(9, 64), quantize(torch.randn(24, 64), "nvfp4"), epilogue=ep, backend="eager")
         assert torch.equal(r1.output, keep)  # type: ignore[union-attr]
+
+
+def test_cast_into_scratch(pooled: None) -> None:
+    x = torch.randn(5, 7)
+    assert ws.cast(x, torch.float32, "c") is x  # same dtype: no copy
+    y = ws.cast(x, torch.bfloat16, "c")
+    assert y.shape == x.shape and torch.equal(y, x.to(torch.bfloat16))
+    assert ws.cast(x * 2, torch.bfloat16, "c").data_ptr() == y.data_ptr()  # reused
+    assert ws.cast(x, torch.bfloat16).data_ptr() != y.data_ptr()  # untagged: fresh

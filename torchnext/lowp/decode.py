@@ -28,7 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from torchnext.lowp.formats import ElementKind, FormatSpec
 from torchnext.lowp.tensor import BlockScaledTensor
-from torchnext.lowp.workspace import scratch
+from torchnext.lowp.workspace import cast, scratch
 
 __all__ = ["GEMV_LANES", "dequantize_operand", "fp4_times2", "is_fp4", "prepared_gemv_weight", "scale_factors"]
 
@@ -116,7 +116,7 @@ def dequantize_operand(
         pairs = _lookup(_pair_lut().to(q.device), q.qdata.reshape(-1), scratch_tag)
         vals = pairs.view(torch.float32).reshape(*rest, nb, spec.block_size)
     else:
-        vals = _widen(q.qdata, torch.float32, scratch_tag).reshape(*rest, nb, spec.block_size)
+        vals = cast(q.qdata, torch.float32, scratch_tag).reshape(*rest, nb, spec.block_size)  # FP8 → fp32: exact
     vals.mul_(factors)
     out = vals.reshape(*rest, kp)
     if kp != q.k:
@@ -139,13 +139,6 @@ def _lookup(table: torch.Tensor, codes: torch.Tensor, tag: str | None, mask: int
     return torch.index_select(table, 0, idx, out=out)
 
 
-def _widen(codes: torch.Tensor, dtype: torch.dtype, tag: str | None) -> torch.Tensor:
-    """``codes.to(dtype)`` (FP8 → a wider float is exact), into scratch if tagged; storage shape kept."""
-    if tag is None:
-        return codes.to(dtype)
-    return scratch(tag, codes.numel(), dtype, codes.device).view(codes.shape).copy_(codes)
-
-
 def _dequantize_bf16(
     q: BlockScaledTensor, factors: torch.Tensor, *, bf16_factors: bool, tag: str | None = None
 ) -> torch.Tensor:
@@ -163,7 +156,7 @@ def _dequantize_bf16(
         idx = q.qdata.reshape(-1).to(torch.int32)
         vals = torch.index_select(_pair_lut().to(q.device), 0, idx).view(torch.float32).to(torch.bfloat16)
     else:
-        vals = _widen(q.qdata, torch.bfloat16, tag)  # E4M3 / E5M2 → bf16 is exact
+        vals = cast(q.qdata, torch.bfloat16, tag)  # E4M3 / E5M2 → bf16 is exact
     vals = vals.reshape(*rest, nb, spec.block_size)
     if bf16_factors:  # E4M3 / E8M0 scales are exact in bf16
         # bf16 * bf16 is computed in fp32 and rounded once: the same bits as the fp32 product cast to bf16.

@@ -34,7 +34,7 @@ from torchnext.lowp.epilogue import Epilogue, EpilogueError, apply_epilogue
 from torchnext.lowp.errors import FormatError
 from torchnext.lowp.scaled_mm import ScaledMMResult
 from torchnext.lowp.tensor import BlockScaledTensor
-from torchnext.lowp.workspace import fresh, reusable, scratch
+from torchnext.lowp.workspace import fresh, reusable
 
 __all__ = ["expert_weight", "grouped_reference", "grouped_scaled_mm"]
 
@@ -111,40 +111,24 @@ def _grouped_acc(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> tor
     return _padded_bmm(a, w, offsets)
 
 
-def _to_bf16(x: torch.Tensor, tag: str | None) -> torch.Tensor:
-    if x.dtype == torch.bfloat16:
-        return x
-    if tag is None:
-        return x.to(torch.bfloat16)
-    return scratch(tag, x.numel(), torch.bfloat16, x.device).view(x.shape).copy_(x)
-
-
 def _grouped_acc_bf16(
-    a: torch.Tensor | BlockScaledTensor,
-    w_stack: torch.Tensor | BlockScaledTensor,
-    offsets: torch.Tensor,
-    ep: Epilogue,
-    reuse: bool,
-) -> tuple[torch.Tensor, Epilogue]:
-    """fp32 accumulator of the bf16 compute path (global scale applied to the output), and the epilogue left to
-    apply."""
+    a: torch.Tensor | BlockScaledTensor, w_stack: torch.Tensor | BlockScaledTensor, offsets: torch.Tensor, reuse: bool
+) -> torch.Tensor:
+    """fp32 accumulator of the bf16 compute path (an NVFP4 global scale applied to the output)."""
     gs = None
     if isinstance(w_stack, BlockScaledTensor):
         wd = dequantize_operand(w_stack, torch.bfloat16, with_global_scale=False, scratch_tag="grouped.w" if reuse else None)
         gs = w_stack.global_scale
     else:
-        wd = _to_bf16(w_stack, "grouped.w" if reuse else None)
-    if isinstance(a, torch.Tensor):
-        ad = _to_bf16(a, "grouped.a" if reuse else None)
-    else:
-        ad = dequantize_operand(a, torch.bfloat16, scratch_tag="grouped.a" if reuse else None)
+        wd = dense_operand(w_stack, torch.bfloat16, scratch_tag="grouped.w" if reuse else None)
+    ad = dense_operand(a, torch.bfloat16, scratch_tag="grouped.a" if reuse else None)
     acc16 = _grouped_acc(ad, wd, offsets)
     # widen into a fresh fp32 tensor (huge pages: see torchnext.lowp.workspace.fresh); it is the accumulator the
     # epilogue then overwrites in place
     acc = fresh(acc16.shape, torch.float32, acc16.device).copy_(acc16) if reuse else acc16.to(torch.float32)
     if gs is not None:
         acc = acc.mul_(gs.to(torch.float32)) if reuse else acc * gs.to(torch.float32)
-    return acc, ep
+    return acc
 
 
 def grouped_scaled_mm(
@@ -177,7 +161,7 @@ def grouped_scaled_mm(
     # could save them (see torchnext.lowp.workspace)
     reuse = reusable(a, w_stack)
     if compute_dtype == torch.bfloat16:
-        acc, ep = _grouped_acc_bf16(a, w_stack, offsets, ep, reuse)
+        acc = _grouped_acc_bf16(a, w_stack, offsets, reuse)
     else:
         ad = dense_operand(a, scratch_tag="grouped.a" if reuse else None)
         wd = dense_operand(w_stack, scratch_tag="grouped.w" if reuse else None)

@@ -38,7 +38,7 @@ import torch
 
 from torchnext._config import env_config
 
-__all__ = ["HUGE_MIN_BYTES", "MIN_BYTES", "advise_huge_pages", "fresh", "release_workspace", "reusable", "scratch", "workspace_bytes"]
+__all__ = ["HUGE_MIN_BYTES", "MIN_BYTES", "advise_huge_pages", "cast", "fresh", "release_workspace", "reusable", "scratch", "workspace_bytes"]
 
 MIN_BYTES = 1 << 20
 """Requests smaller than this (1 MiB) are plain ``torch.empty``."""
@@ -81,6 +81,15 @@ def scratch(tag: str, numel: int, dtype: torch.dtype, device: torch.device | str
         buf = torch.empty(numel, dtype=dtype, device=device)
         pool[key] = buf
     return buf[:numel]
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype, tag: str | None = None) -> torch.Tensor:
+    """``x.to(dtype)``; with ``tag``, into :func:`scratch` memory under that tag (valid until its next use)."""
+    if x.dtype == dtype:
+        return x
+    if tag is None:
+        return x.to(dtype)
+    return scratch(tag, x.numel(), dtype, x.device).view(x.shape).copy_(x)
 
 
 def reusable(*inputs: object) -> bool:

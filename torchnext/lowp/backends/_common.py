@@ -6,6 +6,7 @@ import torch
 
 from torchnext.lowp.decode import dequantize_operand
 from torchnext.lowp.tensor import BlockScaledTensor
+from torchnext.lowp.workspace import cast
 
 __all__ = ["dense_operand"]
 
@@ -14,7 +15,8 @@ def dense_operand(
     x: torch.Tensor | BlockScaledTensor, dtype: torch.dtype = torch.float32, *, scratch_tag: str | None = None
 ) -> torch.Tensor:
     """``x`` as a dense ``dtype`` matrix (block-scaled operands via the eager LUT dequantizer; with ``scratch_tag``
-    decoded into reusable scratch memory, valid until the next use of the tag: see :mod:`torchnext.lowp.workspace`)."""
+    decoded or cast into reusable scratch memory, valid until the next use of the tag: see
+    :mod:`torchnext.lowp.workspace`)."""
     if isinstance(x, torch.Tensor):
-        return x if x.dtype == dtype else x.to(dtype)
+        return cast(x, dtype, scratch_tag)
     return dequantize_operand(x, dtype, scratch_tag=scratch_tag)
