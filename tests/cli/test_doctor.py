@@ -495,6 +495,8 @@ def test_render_shows_advice_and_escapes_markup() -> None:
         (Facts(torch_version="2.12.0"), False, 0),
         (Facts(torch_version="2.12.0"), True, 1),
         (cuda_facts(H100), True, 1),
+        (Facts(thp_mode="madvise"), False, 0),
+        (Facts(thp_mode="madvise"), True, 0),  # an info hazard applies: advice, not a failed gate
     ],
 )
 def test_strict_exit_codes(

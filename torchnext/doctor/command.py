@@ -1,6 +1,7 @@
 """``torchnext doctor``: print the environment, torchnext's backends and the known hazards that apply here.
 
-Exit status: 0 normally; with ``--strict``, 1 when any hazard applies (for CI gates and cluster prologues).
+Exit status: 0 normally; with ``--strict``, 1 when a warning or critical hazard applies (for CI gates and cluster
+prologues; info hazards are printed but never fail the gate).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print the report as JSON (stable schema) instead of tables"
     )
-    parser.add_argument("--strict", action="store_true", help="exit with status 1 when any hazard applies")
+    parser.add_argument(
+        "--strict", action="store_true", help="exit with status 1 when a warning or critical hazard applies"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,4 +35,4 @@ def run(args: argparse.Namespace) -> int:
         from torchnext.doctor.render import render
 
         render(report, Console())
-    return 1 if args.strict and report.applying else 0
+    return 1 if args.strict and report.gating else 0

@@ -19,7 +19,7 @@ from typing import Any
 
 from torchnext.doctor.facts import Facts
 from torchnext.doctor.probes import BackendStatus, Probe, run_probes
-from torchnext.doctor.rules import RULES, HazardResult, Rule, evaluate_rules
+from torchnext.doctor.rules import RULES, HazardResult, Rule, Severity, evaluate_rules
 
 __all__ = ["SCHEMA_VERSION", "DoctorReport", "build_report"]
 
@@ -38,6 +38,11 @@ class DoctorReport:
     def applying(self) -> list[HazardResult]:
         """The hazards that apply here."""
         return [h for h in self.hazards if h.verdict.applies]
+
+    @property
+    def gating(self) -> list[HazardResult]:
+        """The applying hazards that fail ``--strict``: warnings and criticals (info is advice, never a gate)."""
+        return [h for h in self.applying if h.rule.severity is not Severity.INFO]
 
     def to_json(self) -> dict[str, Any]:
         return {
