@@ -142,6 +142,23 @@ def tagged_batch_body(ctx: RankContext, d: str) -> Any:
         _dump(fr, d)
 
 
+def window_signal_body(ctx: RankContext, d: str) -> Any:
+    comm, fr = _setup(ctx, d)
+    t = torch.ones(4)
+    comm.all_reduce(t)
+    win = comm.new_window(torch.zeros(8))
+    peer = 1 - ctx.rank
+    win.put(torch.ones(2), peer, 0)
+    if ctx.rank == 1:
+        try:  # rank 0 never signals
+            win.wait_signal(0, 1, timeout=1.0)
+        except CommTimeout:
+            pass
+    comm.all_reduce(t)  # collectives stay aligned across ranks around the one-sided ops
+    _dump(fr, d)
+    win.close()
+
+
 def straggler_body(ctx: RankContext, d: str) -> Any:
     comm, fr = _setup(ctx, d)
     t = torch.ones(4)
@@ -291,6 +308,29 @@ def test_batch_p2p_pairs_each_op_by_tag(tmp_path: Path) -> None:
     assert len(unmatched) == 1, report.issues
     assert unmatched[0].ranks == [0] and unmatched[0].op == "send"
     assert unmatched[0].detail["tag"] == 7 and unmatched[0].detail["peer"] == 1
+
+
+def test_window_wait_signal_that_never_came(tmp_path: Path) -> None:
+    """Window ops are in the dumps (one-sided: numbered with the p2p ops, never paired); a wait_signal that timed out
+    is reported as window_op naming the waiting rank and the peer; collectives around it stay aligned; the
+    torchfrtrace-compatible pickle dumps leave window ops out."""
+    run_ranks(window_signal_body, 2, args=(str(tmp_path),), timeout=90)
+    report = _analyze(tmp_path)
+    found = [(i.kind, i.ranks, i.op) for i in report.issues]
+    assert found[0] == ("window_op", [1], "window.wait_signal"), report.issues
+    # the only other finding is the consequence: rank 1 reached the next all_reduce ~1 s late
+    assert found[1:] in ([], [("straggler", [1], "all_reduce")]), report.issues
+    issue = report.issues[0]
+    assert issue.detail["peer"] == 0 and issue.detail["state"] == "timed_out"
+    assert "waits for a signal from rank 0" in issue.message
+    dump = json.loads(next(tmp_path.glob("*rank_1.json")).read_text())
+    ops = [e["op"] for e in dump["entries"]]
+    assert "window.put" in ops and "window.wait_signal" in ops
+    import pickle
+
+    with open(next(p for p in tmp_path.iterdir() if p.name.endswith("rank_1") and "trace" in p.name), "rb") as f:
+        compat = pickle.load(f)
+    assert not [e for e in compat["entries"] if e["profiling_name"].split(":")[-1].startswith("window.")]
 
 
 def test_straggler(tmp_path: Path) -> None:

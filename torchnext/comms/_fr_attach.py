@@ -49,6 +49,7 @@ class Attachment:
             backend=str(comm.backend),
             timeout_ms=int(comm.timeout.total_seconds() * 1000),
         )
+        # keyed by the OpInfo object (the same one reaches the post hook): window ops number themselves per window
         self._rids: dict[int, int | list[int]] = {}
         from torchnext.comms.work import WorkStatus
 
@@ -68,14 +69,14 @@ class Attachment:
             if info.batch:
                 # batch_p2p: one send/recv entry per op (peer, tag, tensor), so the analyzer pairs each of them
                 now = time_ns()
-                self._rids[info.op_id] = [
+                self._rids[id(info)] = [
                     self.recorder._record(self.pg_id, p.kind, (p.tensor,) if p.kind == "send" else (),
                                           (p.tensor,) if p.kind == "recv" else (), info.op_id, p.peer, p.tag, ms,
                                           info.async_op, True, now)
                     for p in info.batch
                 ]
                 return
-            self._rids[info.op_id] = self.recorder._record(
+            self._rids[id(info)] = self.recorder._record(
                 self.pg_id,
                 info.op,
                 info.inputs,
@@ -93,7 +94,7 @@ class Attachment:
 
     def post(self, args: Any) -> None:
         try:
-            rids = self._rids.pop(args.info.op_id, -1)
+            rids = self._rids.pop(id(args.info), -1)
             status = args.status
             if status is self._completed:
                 if isinstance(rids, int):

@@ -16,10 +16,15 @@ from typing import Any, Protocol
 
 from torchnext.comms._fr_format import dtype_name
 
-__all__ = ["P2P_OPS", "entries_json", "format_entries"]
+__all__ = ["P2P_OPS", "WINDOW_OPS", "entries_json", "format_entries"]
 
-P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "batch_p2p"})
-"""Ops numbered by ``p2p_seq_id`` (point-to-point: not every member takes part)."""
+WINDOW_OPS = frozenset(
+    {"window.put", "window.get", "window.get_rows", "window.accumulate", "window.signal", "window.wait_signal"}
+)
+"""One-sided RMA window ops (recorded with their target as ``peer``; never in torchfrtrace-compatible dumps)."""
+
+P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "batch_p2p"}) | WINDOW_OPS
+"""Ops numbered by ``p2p_seq_id`` (point-to-point or one-sided: not every member takes part)."""
 _FINAL_STATES = frozenset({"completed", "error", "timed_out", "aborted"})
 
 (
@@ -102,6 +107,8 @@ def format_entries(
     for e in live:
         g = groups[e[_PG]]
         op, peer = e[_OP], e[_PEER]
+        if torch_compat and op in WINDOW_OPS:
+            continue  # torchfrtrace knows no one-sided ops (its p2p parser would reject them)
         t0, t1, state, tid = e[_TCREATED], e[_TDONE], e[_STATE], e[_TID]
         out.append(
             {

@@ -11,10 +11,12 @@ traces are stitched across reconfigurations without mixing generations)::
         elif dtypes differ:                   dtype_mismatch
         else: lateness[rank] = entered_at[rank] - min(entered_at)   -> straggler when > threshold
     p2p: k-th send a->b (tag t) pairs with the k-th recv on b from a (tag t); leftovers -> unmatched_p2p
+    window ops (one-sided, nothing to pair): one still "started" at the dump, or ended in error / timed_out
+                                          -> window_op (names the rank, the target rank and where the target was)
     last_completed[pg] = the highest seq completed on every member
 
 Issues come out most important first: missing_ranks, op_mismatch, size_mismatch, dtype_mismatch, unmatched_p2p,
-straggler. :meth:`Report.to_json` is the stable ``--json`` schema.
+window_op, straggler. :meth:`Report.to_json` is the stable ``--json`` schema.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class IssueKind(str, Enum):
     SIZE_MISMATCH = "size_mismatch"
     DTYPE_MISMATCH = "dtype_mismatch"
     UNMATCHED_P2P = "unmatched_p2p"
+    WINDOW_OP = "window_op"
     STRAGGLER = "straggler"
 
 
@@ -381,7 +384,7 @@ def _analyze_p2p(key: str, group: GroupInfo, by_rank: dict[int, RankDump], repor
                 continue
             if e["op"] in ("send", "isend"):
                 sends[(r, int(e["peer_global"]), e.get("tag", 0))].append(e)
-            else:
+            elif e["op"] in ("recv", "irecv"):
                 recvs[(int(e["peer_global"]), r, e.get("tag", 0))].append(e)
     for pair in sorted(set(sends) | set(recvs)):
         src, dst, tag = pair
@@ -448,8 +451,41 @@ def analyze(
         group = report.groups[key]
         _analyze_group(key, group, by_rank, straggler_ns, report)
         _analyze_p2p(key, group, by_rank, report)
+        _analyze_window(key, group, by_rank, report)
     report.issues.sort(key=lambda i: (_KIND_ORDER.get(i.kind, 99), i.generation, i.pg, i.seq or 0))
     return report
+
+
+_WINDOW_STUCK = ("started", "error", "timed_out")
+
+
+def _analyze_window(key: str, group: GroupInfo, by_rank: dict[int, RankDump], report: Report) -> None:
+    """One-sided window ops that did not complete: still in flight at the dump, failed, or timed out."""
+    for r in group.ranks:
+        d = by_rank.get(r)
+        if d is None:
+            continue
+        for e in d.entries:
+            op = e["op"]
+            if e["pg"] != key or not op.startswith("window.") or e["state"] not in _WINDOW_STUCK:
+                continue
+            peer = e.get("peer_global")
+            partner = by_rank.get(int(peer)) if peer is not None else None
+            verb = "waits for a signal from" if op == "window.wait_signal" else "targets"
+            report.issues.append(
+                Issue(
+                    kind=IssueKind.WINDOW_OP.value,
+                    pg=key,
+                    generation=group.generation,
+                    seq=e["p2p_seq_id"],
+                    op=op,
+                    ranks=[r],
+                    detail={"peer": peer, "state": e["state"], "error": e.get("error"), "peer_where": _where(partner)},
+                    message=f"{op} on rank {r} {verb} rank {peer} and is {e['state']} on {key!r}"
+                    + (f": {e['error']}" if e.get("error") else "")
+                    + ("" if partner is not None or peer is None else f" (rank {peer} has no dump)"),
+                )
+            )
 
 
 def analyze_dir(

@@ -100,7 +100,7 @@ def _print_text(report: Any) -> None:
     if not report.issues:
         console.print("[green]no issues found[/]")
     for i, issue in enumerate(report.issues, 1):
-        colour = "red" if issue.kind in ("missing_ranks", "op_mismatch", "unmatched_p2p") else "yellow"
+        colour = "red" if issue.kind in ("missing_ranks", "op_mismatch", "unmatched_p2p", "window_op") else "yellow"
         console.print(f"[bold {colour}]{i}. {issue.kind}[/] {escape(issue.message)}")
         if issue.kind == "missing_ranks":
             for r, where in issue.detail.get("missing", {}).items():

@@ -45,7 +45,8 @@ class OpInfo(NamedTuple):
     op: str
     """Op name, e.g. ``"all_reduce"`` (the Communicator method name; ``"split"`` for a split's exchange)."""
     op_id: int
-    """Per-communicator counter, starting at 1, incremented for every op issued through the public API."""
+    """Per-communicator counter, starting at 1, incremented for every op issued through the public API (window ops,
+    ``op`` ``"window.<name>"``: the window's own sequence)."""
     comm_name: str
     """Name of the communicator."""
     ranks: tuple[int, ...]

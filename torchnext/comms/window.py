@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from torchnext.comms.errors import CommError, CommTimeout, PeerFailure
+from torchnext.comms.hooks import OpInfo, PostHookArgs
 from torchnext.comms.reduce_op import ReduceOp
 from torchnext.comms.window_transport import Channel, WindowTransport
 from torchnext.comms.window_transport.segment import ACCUMULATE, DTYPES, Segment, dtype_code
@@ -105,12 +106,17 @@ class WindowWork(Work):
     __slots__ = ()
 
     def _finish(self, status: WorkStatus, exc: BaseException | None, *, breaks_comm: bool = True) -> bool:
-        with self._comm._lock:
+        comm = self._comm
+        with comm._lock:
             if self.status in _TERMINAL:
                 return False
             self.status = status
             self._exc = exc
             self._t_end = time.perf_counter()
+        info = self.info
+        if info is not None and comm._post_hooks.snapshot:
+            args = PostHookArgs(info, self, status, self._t_end - self._t0, exc)
+            self._hook_error = comm._post_hooks.run(args, stop_on_error=False)
         if self._done is not None:
             self._done.release()
         return True
@@ -286,7 +292,7 @@ class Window:
         """Write ``src`` (flattened) into ``dst_rank``'s registered tensor at element ``offset``."""
         flat = self._src("put", src, dst_rank)
         self._range("put", dst_rank, offset, flat.numel())
-        return self._run("put", dst_rank, lambda ch: ch.put(offset, flat), async_op, ())
+        return self._run("put", dst_rank, lambda ch: ch.put(offset, flat), async_op, (), inputs=(flat,))
 
     def get(self, src_rank: int, offset: int = 0, numel: int | None = None, *, out: torch.Tensor | None = None,
             async_op: bool = False) -> torch.Tensor | WindowWork:
@@ -339,7 +345,8 @@ class Window:
                              f"{[o.name for o in ACCUMULATE]}")
         flat = self._src("accumulate", src, dst_rank)
         self._range("accumulate", dst_rank, offset, flat.numel())
-        return self._run("accumulate", dst_rank, lambda ch: ch.accumulate(offset, flat, rop), async_op, ())
+        return self._run("accumulate", dst_rank, lambda ch: ch.accumulate(offset, flat, rop), async_op, (),
+                         inputs=(flat,))
 
     def signal(self, peer: int, value: int = 1, *, async_op: bool = False) -> WindowWork | None:
         """Add ``value`` (a positive int) to ``peer``'s counter for this rank; ordered after this rank's earlier
@@ -359,6 +366,12 @@ class Window:
         if not _is_int(expected):
             raise TypeError(f"window.wait_signal: expected must be an int, got {expected!r}")
         limit = self._timeout_s if timeout is None else _seconds(timeout)
+        info = self._hook_start("wait_signal", peer, (), (), False)
+        if info is None:
+            return self._wait_signal(peer, expected, limit)
+        return int(self._tracked(info, (), lambda: self._wait_signal(peer, expected, limit)))
+
+    def _wait_signal(self, peer: int, expected: int, limit: float) -> int:
         counter = self._segment.signals
         t0 = time.perf_counter()
         next_check = t0 + _LIVENESS_EVERY_S
@@ -527,21 +540,60 @@ class Window:
             except Exception:
                 pass  # reported by the work itself
 
+    def _hook_start(self, op: str, peer: int, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+                    async_op: bool) -> OpInfo | None:
+        """With hooks on the communicator: the op's :class:`OpInfo` (``op`` ``"window.<name>"``, ``op_id`` this
+        window's sequence, ``peer`` the target rank), after the pre hooks ran (a raising one: ``HookError``, the op
+        is not issued). Without hooks: None (nothing else to pay)."""
+        comm = self._comm
+        if not (comm._pre_hooks.snapshot or comm._post_hooks.snapshot):
+            return None
+        with self._lock:
+            self._op_seq += 1
+            seq = self._op_seq
+        info = OpInfo(f"window.{op}", seq, comm.name, tuple(comm.ranks), comm.rank, comm.size, async_op, None, peer,
+                      None, tuple(inputs), tuple(outputs), timedelta(seconds=self._timeout_s))
+        error = comm._pre_hooks.run(info, stop_on_error=True)
+        if error is not None:
+            raise error
+        return info
+
+    def _tracked(self, info: OpInfo, outputs: Sequence[torch.Tensor], body: Callable[[], Any]) -> Any:
+        """Run a synchronous op under a Work that only feeds the post hooks (its terminal state and duration)."""
+        work = WindowWork(self._comm, info.op, info.op_id, info, outputs, self._timeout_s, info.peer, False)
+        work.status = WorkStatus.IN_PROGRESS
+        try:
+            out = body()
+        except BaseException as exc:
+            work._finish(WorkStatus.TIMED_OUT if isinstance(exc, CommTimeout) else WorkStatus.ERROR, exc)
+            raise
+        work._finish(WorkStatus.COMPLETED, None)
+        if work._hook_error is not None:
+            raise work._hook_error
+        return out
+
     def _run(self, op: str, target: int, fn: Callable[[Channel], None], async_op: bool,
-             outputs: Sequence[torch.Tensor], result: torch.Tensor | None = None) -> Any:
+             outputs: Sequence[torch.Tensor], result: torch.Tensor | None = None,
+             inputs: Sequence[torch.Tensor] = ()) -> Any:
         self._alive_or_raise(op)
         channel = self._channels.get(target)
         if channel is None:
             raise self._refusal(op)
+        info = self._hook_start(op, target, inputs, outputs, async_op)
         if not async_op:
-            self._drain(target)  # program order with this rank's pending async ops to the same target
-            fn(channel)
-            return result
+            def body() -> torch.Tensor | None:
+                self._drain(target)  # program order with this rank's pending async ops to the same target
+                fn(channel)
+                return result
+
+            return body() if info is None else self._tracked(info, outputs, body)
         with self._lock:
             if self._invalid is not None or self._closed:
                 raise self._refusal(op)
-            self._op_seq += 1
-            work = WindowWork(self._comm, f"window.{op}", self._op_seq, None, outputs, self._timeout_s, target, True)
+            if info is None:
+                self._op_seq += 1
+            seq = self._op_seq if info is None else info.op_id
+            work = WindowWork(self._comm, f"window.{op}", seq, info, outputs, self._timeout_s, target, True)
             work.status = WorkStatus.IN_PROGRESS
             self._pending[target] = work
             if self._queue is None:
