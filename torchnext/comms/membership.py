@@ -264,8 +264,7 @@ class Membership:
             for j in self._joiners():  # processes waiting to join a job that is over
                 self.live.pop(j)
                 self.removed[j] = "the job finished before it joined"
-                self.outbox.append((j, {"t": "fatal", "code": "finished",
-                                        "reason": f"the job finished at step {self.step} (member {mid} finished)"}))
+                self._tell_finished(j, f"member {mid} finished")
                 self.to_close.append(j)
         self.live.pop(mid)
         self.removed[mid] = f"finished at step {self.finished_step}"
@@ -276,8 +275,7 @@ class Membership:
         """A member's collective failed in generation ``gen``: regenerate (stale reports are ignored). After the job
         finished there is nothing to regenerate: the member is told so."""
         if self.finished_step is not None and mid in self.live:
-            self.outbox.append((mid, {"t": "fatal", "code": "finished",
-                                      "reason": f"the job finished at step {self.finished_step}: no new generation"}))
+            self._tell_finished(mid, "no new generation")
             return
         if gen == self.gen and mid in self.members and mid in self.live:
             self.history.append({"event": "report", "member": mid, "reason": reason, "at": now})
@@ -286,10 +284,7 @@ class Membership:
     def vote(self, mid: int, gen: int, step: int, now: float) -> None:
         """Member ``mid`` completed step ``step``'s collectives in generation ``gen``."""
         if self.finished_step is not None and mid in self.live:
-            self.outbox.append((mid, {
-                "t": "fatal", "code": "finished",
-                "reason": f"the job finished at step {self.finished_step}: no later step can commit",
-            }))
+            self._tell_finished(mid, "no later step can commit")
             return
         if gen != self.gen or mid not in self.members or mid not in self.live:
             return  # stale: a newer generation message is on its way to this member
@@ -418,6 +413,11 @@ class Membership:
                     self.outbox.append((j, nxt))
         for m in old:
             self.outbox.append((m, decision))
+
+    def _tell_finished(self, mid: int, why: str) -> None:
+        """Member ``mid`` learns that the job is over (a ``fatal`` with code ``finished``: ``JobFinished``)."""
+        self.outbox.append((mid, {"t": "fatal", "code": "finished",
+                                  "reason": f"the job finished at step {self.finished_step}: {why}"}))
 
     def _fail_job(self, code: str, reason: str) -> None:
         self.fatal = reason
