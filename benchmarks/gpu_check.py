@@ -44,7 +44,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from torchnext.lowp import Epilogue, ScaledMMResult, dequantize, grouped_scaled_mm, quantize, scaled_mm
-from torchnext.lowp.grouped import grouped_reference
+from torchnext.lowp.mm.grouped import grouped_reference
 
 Result = dict[str, Any]
 

@@ -2,7 +2,9 @@
 
 Subpackages:
 
-* :mod:`torchnext.comms`   -- a Communicator over any torch.distributed backend (Gloo, NCCL, custom).
+* :mod:`torchnext.comms`   -- a Communicator over any torch.distributed backend (Gloo, NCCL, custom), its Flight
+  Recorder and RMA windows.
+* :mod:`torchnext.ft`      -- fault tolerance: coordinator, membership, reconfiguration, healing.
 * :mod:`torchnext.lowp`    -- block-scaled formats (NVFP4, MXFP8, MXFP4) and scaled matmuls.
 * :mod:`torchnext.control` -- compiler control flow (switch, while_loop, dynamic_spec, complex -> real).
 
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("comms", "lowp", "control", "testing")
+_SUBMODULES = ("comms", "ft", "lowp", "control", "testing")
 
 # Curated top-level re-exports: public name -> (module, attribute). Filled in as the areas land.
 _REEXPORTS: dict[str, tuple[str, str]] = {
@@ -48,6 +50,7 @@ __all__ = ["__version__", *_SUBMODULES]
 if TYPE_CHECKING:  # pragma: no cover
     from torchnext import comms as comms
     from torchnext import control as control
+    from torchnext import ft as ft
     from torchnext import lowp as lowp
     from torchnext import testing as testing
 

@@ -46,11 +46,11 @@ _BUILTIN: tuple[Subcommand, ...] = (
         module="torchnext.doctor.command",
         help="Show the environment, which torchnext backends can run here, and known hazards (--json, --strict).",
     ),
-    Subcommand(name="coordinator", module="torchnext.comms.coordinator",
+    Subcommand(name="coordinator", module="torchnext.ft.coordinator",
                help="run the fault-tolerance coordinator (TCPStore + membership service)"),
     Subcommand(name="demo", module="torchnext.demo.cli",
                help="fault-tolerant low-precision MoE training on local ranks that survives a killed rank"),
-    Subcommand(name="fr", module="torchnext.comms.fr_cli", help="Flight Recorder: analyze dumps (fr analyze DIR)"),
+    Subcommand(name="fr", module="torchnext.comms.flight_recorder.cli", help="Flight Recorder: analyze dumps (fr analyze DIR)"),
 )
 for _cmd in _BUILTIN:
     register_subcommand(_cmd)

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from torchnext.comms import Coordinator, CoordinatorConfig, MembershipConfig
+from torchnext.ft import Coordinator, CoordinatorConfig, MembershipConfig
 from torchnext.testing.ft_workload import FTJob, WorkerSpec, overhead_worker
 
 N = 4

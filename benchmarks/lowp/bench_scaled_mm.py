@@ -1,4 +1,4 @@
-"""Benchmark torchnext.lowp.scaled_mm on CPU: fused vs unfused, decode GEMV, grouped GEMM, autotuner choices.
+"""Benchmark torchnext.lowp.mm.scaled_mm on CPU: fused vs unfused, decode GEMV, grouped GEMM, autotuner choices.
 
 Run: ``python benchmarks/lowp/bench_scaled_mm.py [--reps 15] [--quick] [--only fused|decode|grouped] [--json out.json]``
 
@@ -27,10 +27,10 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from torchnext.lowp import Epilogue, dequantize, grouped_scaled_mm, quantize, scaled_mm
-from torchnext.lowp import autotune as at
-from torchnext.lowp.decode import dequantize_operand
-from torchnext.lowp.grouped import grouped_reference
-from torchnext.lowp.scaled_mm import make_problem, run_problem
+from torchnext.lowp.mm import autotune as at
+from torchnext.lowp.mm.decode import dequantize_operand
+from torchnext.lowp.mm.grouped import grouped_reference
+from torchnext.lowp.mm.scaled_mm import make_problem, run_problem
 
 
 def interleaved(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 2) -> dict[str, tuple[float, float]]:
@@ -213,7 +213,7 @@ def _one_expert(w_stack: Any, e: int) -> Any:
     """Expert ``e`` as a (1, N, K) stack (a view of its codes and scales)."""
     from dataclasses import replace
 
-    from torchnext.lowp.grouped import expert_weight
+    from torchnext.lowp.mm.grouped import expert_weight
 
     w = expert_weight(w_stack, e)
     return replace(w, qdata=w.qdata.unsqueeze(0), scales=w.scales.unsqueeze(0), shape=torch.Size([1, *w.shape]),

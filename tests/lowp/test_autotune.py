@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from torchnext.lowp import Epilogue, quantize, scaled_mm
-from torchnext.lowp import autotune as at
-from torchnext.lowp.backends import BACKENDS, Capability, Problem, get_backend, register_backend
-from torchnext.lowp.epilogue import EpilogueOutput, apply_epilogue
-from torchnext.lowp.scaled_mm import make_problem
+from torchnext.lowp.mm import autotune as at
+from torchnext.lowp.mm.backends import BACKENDS, Capability, Problem, get_backend, register_backend
+from torchnext.lowp.mm.epilogue import EpilogueOutput, apply_epilogue
+from torchnext.lowp.mm.scaled_mm import make_problem
 
 
 class _Fake:
@@ -80,7 +80,7 @@ def test_picks_fastest_correct_and_caches(isolated: Path, caplog: pytest.LogCapt
     slow, fast = _Fake("t_slow", delay=0.02), _Fake("t_fast", delay=0.0)
     _add(at._added, fast_wrong, crash, slow, fast)  # type: ignore[attr-defined]
     a, w = _problem()
-    with caplog.at_level(logging.INFO, logger="torchnext.lowp.autotune"):
+    with caplog.at_level(logging.INFO, logger="torchnext.lowp.mm.autotune"):
         y = scaled_mm(a, w)  # type: ignore[arg-type]
     assert "chose t_fast" in caplog.text
     rec = at.memory_record(make_problem(a, w, None))  # type: ignore[arg-type]

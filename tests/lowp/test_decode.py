@@ -8,8 +8,8 @@ import torch
 from mm_helpers import FORMATS, SQNR_BACKEND_DB, sqnr_db
 
 from torchnext.lowp import Epilogue, grouped_scaled_mm, quantize
-from torchnext.lowp.decode import dequantize_operand
-from torchnext.lowp.grouped import grouped_reference
+from torchnext.lowp.mm.decode import dequantize_operand
+from torchnext.lowp.mm.grouped import grouped_reference
 
 SQNR_BF16_DB = 40.0
 """bf16 activations and bf16 GEMM output vs the fp32 semantics (≈ 50 dB measured on Gaussian data)."""
@@ -100,7 +100,7 @@ def test_fp4_times2_all_codes_vs_ml_dtypes(dtype: torch.dtype) -> None:
     import ml_dtypes
     import numpy as np
 
-    from torchnext.lowp.decode import fp4_times2
+    from torchnext.lowp.mm.decode import fp4_times2
 
     codes = np.arange(16, dtype=np.uint8)
     # ml_dtypes' float4_e2m1fn stores one code per byte in the low nibble
@@ -111,7 +111,7 @@ def test_fp4_times2_all_codes_vs_ml_dtypes(dtype: torch.dtype) -> None:
 
 
 def test_fp4_times2_is_right_under_flush_to_zero() -> None:
-    from torchnext.lowp.decode import fp4_times2
+    from torchnext.lowp.mm.decode import fp4_times2
 
     ref = fp4_times2(torch.arange(16, dtype=torch.int32))
     if not torch.set_flush_denormal(True):
@@ -123,7 +123,7 @@ def test_fp4_times2_is_right_under_flush_to_zero() -> None:
 
 
 def test_prepared_gemv_weight_tiles_and_pads() -> None:
-    from torchnext.lowp.decode import GEMV_LANES, prepared_gemv_weight
+    from torchnext.lowp.mm.decode import GEMV_LANES, prepared_gemv_weight
 
     w = quantize(torch.randn(40, 64), "nvfp4")
     codes_b, scales_b = prepared_gemv_weight(w)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torchnext.lowp import Format, quantize
-from torchnext.lowp import eager as eager_mod
+from torchnext.lowp.quantizers import eager as eager_mod
 
 OPTS = {"nvfp4": [{}, {"global_scale": True}, {"recipe": "te"}], "mxfp8_e4m3": [{}, {"scale_mode": "rceil"}],
         "mxfp8_e5m2": [{}], "mxfp4": [{}, {"scale_mode": "rceil"}]}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from torchnext.lowp import Epilogue, EpilogueError, quantize, register_activation
-from torchnext.lowp.epilogue import ACTIVATIONS, apply_epilogue
+from torchnext.lowp.mm.epilogue import ACTIVATIONS, apply_epilogue
 
 
 def _inputs(m: int = 6, n: int = 40, seed: int = 0) -> dict[str, torch.Tensor]:

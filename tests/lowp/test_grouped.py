@@ -7,8 +7,8 @@ import torch
 from mm_helpers import SQNR_BACKEND_DB, sqnr_db
 
 from torchnext.lowp import Epilogue, FormatError, ScaledMMResult, grouped_scaled_mm, quantize
-from torchnext.lowp import grouped as grouped_mod
-from torchnext.lowp.grouped import grouped_reference
+from torchnext.lowp.mm import grouped as grouped_mod
+from torchnext.lowp.mm.grouped import grouped_reference
 
 SIZES = [0, 13, 1, 40, 0, 7, 33]
 

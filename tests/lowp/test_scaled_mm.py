@@ -15,9 +15,9 @@ from torchnext.lowp import (
     quantize,
     scaled_mm,
 )
-from torchnext.lowp.backends import get_backend
-from torchnext.lowp.decode import dequantize_operand
-from torchnext.lowp.scaled_mm import make_problem
+from torchnext.lowp.mm.backends import get_backend
+from torchnext.lowp.mm.decode import dequantize_operand
+from torchnext.lowp.mm.scaled_mm import make_problem
 
 N = 48
 
@@ -177,7 +177,7 @@ def test_gemv_prepared_weight_follows_inplace_changes() -> None:
 
 
 def test_inductor_strategy_by_m() -> None:
-    from torchnext.lowp.backends.inductor import GEMV_MAX_M, strategy_for
+    from torchnext.lowp.mm.backends.inductor import GEMV_MAX_M, strategy_for
 
     w = quantize(torch.randn(N, 32), "nvfp4")
     assert strategy_for(make_problem(torch.randn(1, 32), w, None)) == "gemv"

@@ -52,8 +52,8 @@ MM_CHECK = textwrap.dedent(
     """
     import sys, torch
     from torchnext.lowp import Epilogue, quantize, scaled_mm
-    from torchnext.lowp.backends.triton import BACKEND
-    from torchnext.lowp.scaled_mm import make_problem
+    from torchnext.lowp.mm.backends.triton import BACKEND
+    from torchnext.lowp.mm.scaled_mm import make_problem
     device = {device!r}
     g = torch.Generator().manual_seed(0)
     bad = []
@@ -121,7 +121,7 @@ def test_triton_scaled_mm_kernel_on_cuda_matches_reference() -> None:
 def test_triton_backend_error_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     # simulate a missing package whether or not triton is installed (None in sys.modules makes `import` fail)
     monkeypatch.setitem(sys.modules, "triton", None)
-    monkeypatch.delitem(sys.modules, "torchnext.lowp.triton_backend", raising=False)
+    monkeypatch.delitem(sys.modules, "torchnext.lowp.quantizers.triton", raising=False)
     import torchnext.lowp
 
     monkeypatch.delattr(torchnext.lowp, "triton_backend", raising=False)  # else `from ... import` finds the attribute

@@ -12,9 +12,9 @@ import torch
 from torchnext._config import env_config
 from torchnext.lowp import Epilogue, grouped_scaled_mm, quantize, register_activation, scaled_mm
 from torchnext.lowp import workspace as ws
-from torchnext.lowp.decode import dequantize_operand
-from torchnext.lowp.epilogue import ACTIVATIONS, INPLACE_ACTIVATIONS, apply_epilogue
-from torchnext.lowp.grouped import grouped_reference
+from torchnext.lowp.mm.decode import dequantize_operand
+from torchnext.lowp.mm.epilogue import ACTIVATIONS, INPLACE_ACTIVATIONS, apply_epilogue
+from torchnext.lowp.mm.grouped import grouped_reference
 
 
 def same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:

@@ -4,6 +4,12 @@ Public names::
 
     from torchnext.comms import Communicator, Work, WorkStatus, ReduceOp, CommError, CommTimeout, CommAborted, PeerFailure
     from torchnext.comms import FlightRecorder          # collective trace + hang analysis (docs/flight_recorder.md)
+    from torchnext.comms import Window                  # one-sided RMA windows (docs/comms_windows.md)
+
+Layout: the core (``communicator``, ``_ops``, ``work``, ``hooks``, ``errors``, ``reduce_op``, ``backends/``,
+``extension``) knows none of its extensions; :mod:`torchnext.comms.flight_recorder` and
+:mod:`torchnext.comms.window` build on it and register themselves with :mod:`torchnext.comms.extension` when this
+package is imported. Fault tolerance is a layer above: :mod:`torchnext.ft`.
 
 See ``docs/comms.md`` for the contract (ops, Work, hooks, abort, split, errors, thread-safety).
 """
@@ -14,29 +20,16 @@ from torchnext.comms.backends import BackendHandle as BackendHandle
 from torchnext.comms.backends import get_backend as get_backend
 from torchnext.comms.backends import register_backend as register_backend
 from torchnext.comms.communicator import Communicator as Communicator
-from torchnext.comms.coordinator import Coordinator as Coordinator
-from torchnext.comms.coordinator import CoordinatorConfig as CoordinatorConfig
 from torchnext.comms.errors import CommAborted as CommAborted
 from torchnext.comms.errors import CommError as CommError
 from torchnext.comms.errors import CommTimeout as CommTimeout
 from torchnext.comms.errors import HookError as HookError
 from torchnext.comms.errors import PeerFailure as PeerFailure
-from torchnext.comms.fault_tolerant import FaultTolerant as FaultTolerant
-from torchnext.comms.fault_tolerant import FaultTolerantConfig as FaultTolerantConfig
-from torchnext.comms.fault_tolerant import Reconfiguration as Reconfiguration
-from torchnext.comms.fault_tolerant import Step as Step
 from torchnext.comms.flight_recorder import FlightRecorder as FlightRecorder
-from torchnext.comms.healing import HealingError as HealingError
 from torchnext.comms.hooks import AbortHookArgs as AbortHookArgs
 from torchnext.comms.hooks import OpInfo as OpInfo
 from torchnext.comms.hooks import PostHookArgs as PostHookArgs
 from torchnext.comms.hooks import RemovableHandle as RemovableHandle
-from torchnext.comms.membership import CoordinatorLost as CoordinatorLost
-from torchnext.comms.membership import JobFinished as JobFinished
-from torchnext.comms.membership import MembershipConfig as MembershipConfig
-from torchnext.comms.membership import MembershipError as MembershipError
-from torchnext.comms.membership import QuorumLost as QuorumLost
-from torchnext.comms.membership import RemovedFromGroup as RemovedFromGroup
 from torchnext.comms.reduce_op import ReduceOp as ReduceOp
 from torchnext.comms.window import Window as Window
 from torchnext.comms.window import WindowBoundsError as WindowBoundsError
@@ -55,19 +48,6 @@ __all__ = [
     "CommError",
     "CommTimeout",
     "Communicator",
-    "Coordinator",
-    "CoordinatorConfig",
-    "CoordinatorLost",
-    "FaultTolerant",
-    "FaultTolerantConfig",
-    "HealingError",
-    "JobFinished",
-    "MembershipConfig",
-    "MembershipError",
-    "QuorumLost",
-    "Reconfiguration",
-    "RemovedFromGroup",
-    "Step",
     "FlightRecorder",
     "HookError",
     "OpInfo",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-import weakref
 import zlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -13,10 +12,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from torchnext.comms import _peer_reports
 from torchnext.comms import _validate as v
 from torchnext.comms._ops import CollectiveOps, P2POp
 from torchnext.comms.backends import BackendConfig, BackendHandle, get_backend
 from torchnext.comms.errors import CommAborted, CommError, PeerFailure
+from torchnext.comms.extension import factory, option
 from torchnext.comms.hooks import AbortHookArgs, HookList, OpInfo, PostHookArgs, RemovableHandle
 from torchnext.comms.reduce_op import ReduceOp
 from torchnext.comms.work import CompletionWaiter, Work, WorkStatus, _new_tuple, future_callback
@@ -33,10 +34,6 @@ Timeout = float | timedelta | None
 # Backends abandoned by abort(): kept alive forever so their destructors (which join worker threads still blocked in
 # the aborted op, up to the op's timeout) never run -- not even at interpreter exit.
 _GRAVEYARD: list[BackendHandle] = []
-
-
-_PEER_FAILURE_KEY = "peer_failure"
-"""Store key (in the communicator's namespace) where the first rank that saw a PeerFailure publishes it."""
 
 
 def _abandon(handle: BackendHandle) -> None:
@@ -101,10 +98,7 @@ class Communicator(CollectiveOps):
         if not isinstance(name, str) or not name or "/" in name:
             raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
         if flight_recorder is not False:
-            from torchnext.comms.flight_recorder import FlightRecorder as _FR
-
-            if flight_recorder is not True and not isinstance(flight_recorder, _FR):
-                raise TypeError(f"flight_recorder must be a bool or a FlightRecorder, got {flight_recorder!r}")
+            option("flight_recorder").check(flight_recorder)
         if not isinstance(store, dist.Store):
             raise TypeError(f"store must be a torch.distributed.Store, got {type(store).__name__}")
         if global_ranks is None:
@@ -116,10 +110,8 @@ class Communicator(CollectiveOps):
                 raise ValueError(f"global_ranks must be {world_size} distinct non-negative ints, got {global_ranks!r}")
         prefixed = dist.PrefixStore(f"torchnext/{name}", store)
         self._setup(prefixed, rank, world_size, ranks, backend=backend, timeout=timeout, name=name, device=device)
-        if flight_recorder is True:
-            _FR.attach(self, capacity=None)  # TORCHNEXT_FR_BUFFER_SIZE (default 2000; 0 disables)
-        elif flight_recorder is not False:
-            flight_recorder.add_communicator(self)
+        if flight_recorder is not False:
+            option("flight_recorder").attach(self, flight_recorder)  # True: TORCHNEXT_FR_BUFFER_SIZE entries
 
     @classmethod
     def from_env(
@@ -184,14 +176,15 @@ class Communicator(CollectiveOps):
         self._closed = False
         self._op_counter = 0
         self._split_seq = 0
-        self._window_seq = 0  # windows created (each gets its own store namespace)
-        self._windows: weakref.WeakSet[Window] = weakref.WeakSet()  # live windows, invalidated by abort()
         self._opts: dict[tuple[str, object], Any] = {}
         self._waiter: CompletionWaiter | None = None
         self._pre_hooks: HookList[OpInfo] = HookList("pre")
         self._post_hooks: HookList[PostHookArgs] = HookList("post")
         self._abort_hooks: HookList[AbortHookArgs] = HookList("abort")
-        self._flight_recorder: FlightRecorder | None = None  # set by FlightRecorder.add_communicator
+        self._split_hooks: HookList[Communicator] = HookList("split")
+        self.extensions: dict[str, Any] = {}
+        """Per-communicator state of the extensions attached to it, by extension name (``"flight_recorder"``,
+        ``"windows"``, ...): see :mod:`torchnext.comms.extension`."""
         dev = None if device is None else torch.device(device)
         cfg = BackendConfig(store=store, rank=rank, size=size, timeout=self._timeout, device=dev, name=name)
         self._backend = factory(cfg)
@@ -230,8 +223,9 @@ class Communicator(CollectiveOps):
 
     @property
     def flight_recorder(self) -> FlightRecorder | None:
-        """The :class:`~torchnext.comms.FlightRecorder` recording this communicator (and its split children)."""
-        return self._flight_recorder
+        """The :class:`~torchnext.comms.FlightRecorder` recording this communicator (and its split children), or
+        None (``extensions["flight_recorder"]``, set by the recorder when it attaches)."""
+        return self.extensions.get("flight_recorder")
 
     @property
     def timeout(self) -> timedelta:
@@ -268,6 +262,13 @@ class Communicator(CollectiveOps):
         """Call ``fn(AbortHookArgs)`` once when this communicator is aborted."""
         return self._abort_hooks.add(fn)
 
+    def register_split_hook(self, fn: Callable[[Communicator], object]) -> RemovableHandle:
+        """Call ``fn(child)`` on this rank for every child communicator a later ``split``/``split_by_color``
+        creates here, once it is connected and before the split returns (extensions use it to follow children: the
+        Flight Recorder records them). A raising hook surfaces as ``HookError`` from the split; the child is shut
+        down first."""
+        return self._split_hooks.add(fn)
+
     # ------------------------------------------------------------------------------------------ state / lifecycle
     def errored(self) -> Exception | None:
         """The first failure that broke this communicator (timeout, peer failure, backend error), or the
@@ -277,10 +278,11 @@ class Communicator(CollectiveOps):
     def abort(self, reason: str | None = None) -> None:
         """Abort: unblock every in-flight op on this rank with ``CommAborted`` at once; refuse all later ops.
 
-        Any thread, idempotent (later calls do nothing). Order: mark aborted, run abort hooks, cancel in-flight ops
-        (their post hooks run here with status ABORTED), invalidate this communicator's RMA windows (their ops raise
-        ``WindowInvalidated``), abandon the backend (calling its own abort when it has one). A raising abort hook
-        surfaces as ``HookError`` after all of that is done.
+        Any thread, idempotent (later calls do nothing). Order: mark aborted, run abort hooks (extensions react
+        there: this communicator's RMA windows are invalidated, so their ops raise ``WindowInvalidated``; a Flight
+        Recorder dumps), cancel in-flight ops (their post hooks run here with status ABORTED), abandon the backend
+        (calling its own abort when it has one). A raising abort hook surfaces as ``HookError`` after all of that is
+        done.
         """
         with self._lock:
             if self._aborted is not None:
@@ -302,8 +304,6 @@ class Communicator(CollectiveOps):
             exc = CommAborted(f"cancelled by abort(){f' ({reason})' if reason else ''}",
                               **self._error_context(work.op, work.op_id))
             work._finish(WorkStatus.ABORTED, exc)
-        for win in list(self._windows):
-            win.invalidate(f"communicator {self._name!r} aborted{f': {reason}' if reason else ''}", wait=False)
         if not self._closed:
             self._closed = True
             backend = self._backend
@@ -349,42 +349,14 @@ class Communicator(CollectiveOps):
 
     # ------------------------------------------------------------------------------------------------ the engine
     # -------------------------------------------------------------------------------- peer-failure reports
-    # Gloo tells a peer's death only to the ranks that talk to it in the failing op; the others would sit in the
-    # op until its timeout and see a plain CommTimeout. So the first rank that sees PeerFailure publishes it in the
-    # communicator's store namespace, and a rank whose op times out looks there: a published report turns its
-    # timeout into a PeerFailure naming the reporter. Both happen only on failure paths, off the hot path.
+    def _publish_peer_failure(self, exc: PeerFailure) -> None:
+        """Tell the other members that this rank saw ``exc`` (see :mod:`torchnext.comms._peer_reports`)."""
+        where = self._ranks[self._rank] if self._ranks else self._rank
+        _peer_reports.publish(self._store, f"rank {self._rank} (global {where}): {exc}", self._name)
 
-    def _publish_peer_failure(self, exc: PeerFailure, within_s: float = 1.0) -> None:
-        """Record ``exc`` in the store for the other members, before the failing op returns to its caller (whose
-        next store request, e.g. building a new communicator, would otherwise queue ahead of it on a TCPStore
-        client); bounded: a store that does not answer within ``within_s`` is left behind (a daemon thread)."""
-        msg = f"rank {self._rank} (global {self._ranks[self._rank] if self._ranks else self._rank}): {exc}"
-
-        def publish() -> None:
-            try:
-                self._store.set(_PEER_FAILURE_KEY, msg)
-            except Exception:  # the store may be gone too; the report is best effort
-                pass
-
-        t = threading.Thread(target=publish, name=f"torchnext-{self._name}-report", daemon=True)
-        t.start()
-        t.join(within_s)
-
-    def _reported_peer_failure(self, within_s: float = 1.0) -> str | None:
-        """The failure another member published, if any (asked with a bounded wait: never hangs on a dead store)."""
-        box: list[str] = []
-
-        def ask() -> None:
-            try:
-                if self._store.check([_PEER_FAILURE_KEY]):
-                    box.append(self._store.get(_PEER_FAILURE_KEY).decode(errors="replace"))
-            except Exception:
-                pass
-
-        t = threading.Thread(target=ask, name=f"torchnext-{self._name}-ask", daemon=True)
-        t.start()
-        t.join(within_s)
-        return box[0] if box else None
+    def _reported_peer_failure(self) -> str | None:
+        """The failure another member published, if any (bounded: never hangs on a dead store)."""
+        return _peer_reports.reported(self._store, self._name)
 
     def _error_context(self, op: str | None, op_id: int | None) -> dict[str, Any]:
         return {"op": op, "op_id": op_id, "comm_name": self._name, "rank": self._rank, "ranks": self._ranks}
@@ -527,9 +499,8 @@ class Communicator(CollectiveOps):
         timeout: float | timedelta | None = None,
     ) -> Window:
         """Collective: register ``tensor`` in a one-sided RMA window (see :mod:`torchnext.comms.window`)."""
-        from torchnext.comms.window import new_window
-
-        return new_window(self, tensor, transport=transport, host=host, timeout=timeout)
+        window: Window = factory("new_window")(self, tensor, transport=transport, host=host, timeout=timeout)
+        return window
 
     # --------------------------------------------------------------------------------------------------- split
     def split(self, ranks: Sequence[int], name: str | None = None, *, timeout: Timeout = None) -> Communicator | None:
@@ -588,8 +559,11 @@ class Communicator(CollectiveOps):
             backend=self._backend_name, timeout=self._timeout,
             name=name or f"{self._name}.{seq}.{color}", device=self._device,
         )
-        if self._flight_recorder is not None:
-            self._flight_recorder.add_communicator(child)  # children are recorded by the parent's recorder
+        if self._split_hooks.snapshot:
+            hook_error = self._split_hooks.run(child, stop_on_error=True)
+            if hook_error is not None:
+                child.shutdown()
+                raise hook_error
         return child
 
 

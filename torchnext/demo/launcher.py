@@ -59,7 +59,7 @@ class DemoConfig:
     timeout_s: float = 600.0
     """Give up (DemoError) after this long."""
     lowp_backend: str = "eager"
-    """torchnext.lowp.scaled_mm backend for the block-scaled layers."""
+    """torchnext.lowp.mm.scaled_mm backend for the block-scaled layers."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """Extra environment for the rank processes."""
 
@@ -150,7 +150,7 @@ def _log_tail(path: Path, n: int = 15) -> str:
 
 def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the demo end to end and return the summary (also written to ``<out>/summary.json``)."""
-    from torchnext.comms import Coordinator, CoordinatorConfig, MembershipConfig
+    from torchnext.ft import Coordinator, CoordinatorConfig, MembershipConfig
 
     if cfg.ranks < 2:
         raise ValueError(f"the demo needs at least 2 ranks, got {cfg.ranks}")

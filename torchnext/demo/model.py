@@ -6,7 +6,7 @@
   keeps experts in use).
 * Expert and projection layers are :class:`LowpLinear`: fp32 master weights, and in the forward pass the weight is
   quantized to the chosen block-scaled format (NVFP4 or MXFP8) and multiplied with
-  :func:`torchnext.lowp.scaled_mm` with the bias fused into the epilogue. The backward pass uses the straight-through
+  :func:`torchnext.lowp.mm.scaled_mm` with the bias fused into the epilogue. The backward pass uses the straight-through
   estimator (gradients computed with the dequantized weight, applied to the master weight), as in
   quantization-aware training. ``bf16`` and ``fp32`` precisions use plain ``F.linear`` (bf16: weight and input cast).
 """
@@ -66,7 +66,7 @@ class ModelConfig:
     precision: Precision = Precision.NVFP4
     """Weight precision of projections and experts."""
     lowp_backend: str = "eager"
-    """``torchnext.lowp.scaled_mm`` backend for the block-scaled layers."""
+    """``torchnext.lowp.mm.scaled_mm`` backend for the block-scaled layers."""
 
 
 class _QuantLinearFn(torch.autograd.Function):

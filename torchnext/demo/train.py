@@ -58,7 +58,7 @@ class TrainConfig:
     member_id: int | None = None
     """Stable member id to ask the coordinator for (None: assigned)."""
     lowp_backend: str = "eager"
-    """``torchnext.lowp.scaled_mm`` backend."""
+    """``torchnext.lowp.mm.scaled_mm`` backend."""
     standby: bool = False
     """Warm spare: build everything, then wait for a line on stdin before joining the group."""
 
@@ -99,9 +99,10 @@ def _unflatten_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> No
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train until ``cfg.steps`` steps are committed; return this rank's final report."""
-    from torchnext.comms import FaultTolerant, FaultTolerantConfig, FlightRecorder, ReduceOp
+    from torchnext.comms import FlightRecorder, ReduceOp
     from torchnext.demo.data import VOCAB, batch_for_step
     from torchnext.demo.model import ModelConfig, MoETransformerLM, Precision
+    from torchnext.ft import FaultTolerant, FaultTolerantConfig
 
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1)

@@ -72,7 +72,7 @@ class BackendStatus:
         return {"area": self.area, "name": self.name, "available": self.available, "reason": self.reason}
 
 
-PROBE_PROVIDERS: list[str] = ["torchnext.doctor.builtin_probes", "torchnext.lowp.doctor_probes"]
+PROBE_PROVIDERS: list[str] = ["torchnext.doctor.builtin_probes", "torchnext.doctor.lowp_probes"]
 """Modules defining ``doctor_probes()``, imported in this order when doctor runs."""
 
 _REGISTERED: dict[tuple[str, str], Probe] = {}

@@ -1,22 +1,34 @@
-"""torchnext.lowp: block-scaled low-precision formats (NVFP4, MXFP8 E4M3/E5M2, MXFP4).
+"""torchnext.lowp: block-scaled low-precision formats (NVFP4, MXFP8 E4M3/E5M2, MXFP4) and the matmuls that use them.
 
 ``quantize(x, "nvfp4")`` returns a :class:`BlockScaledTensor` (codes, block scales, optional global scale, layout
 metadata); ``dequantize`` reads it back; ``quantization_error`` compares formats on your data. Bytes are identical
 to torchao 0.18's reference quantizers (see docs/lowp.md for the exact semantics and the documented differences).
+
+Layout: the format core (``formats``, ``elements``, ``scales``, ``options``, ``tensor``, ``quantize``), the quantizer
+kernels (:mod:`torchnext.lowp.quantizers`: reference, eager, triton), the matmuls (:mod:`torchnext.lowp.mm`:
+``scaled_mm``, epilogues, kernel backends, autotuner, grouped GEMM) and the modules on top (:mod:`torchnext.lowp.nn`).
 """
 
 from __future__ import annotations
 
-# matmul half (issue 7): scaled_mm, epilogues, backends, grouped GEMM, Linear modules
-from torchnext.lowp.backends import BackendUnavailable, KernelBackend, available_backends, register_backend
-from torchnext.lowp.epilogue import ACTIVATIONS, Epilogue, EpilogueError, register_activation
 from torchnext.lowp.errors import DeterminismError, FormatDTypeError, FormatError
 from torchnext.lowp.formats import FORMATS, ElementKind, ElementSpec, Format, FormatSpec, ScaleKind, format_spec
-from torchnext.lowp.grouped import grouped_scaled_mm
+from torchnext.lowp.mm import (
+                              ACTIVATIONS,
+                              BackendUnavailable,
+                              Epilogue,
+                              EpilogueError,
+                              KernelBackend,
+                              ScaledMMResult,
+                              available_backends,
+                              grouped_scaled_mm,
+                              register_activation,
+                              register_backend,
+                              scaled_mm,
+)
 from torchnext.lowp.nn import MXFP8Linear, NVFP4Linear, QuantizeReport, quantize_
 from torchnext.lowp.options import QuantOptions
 from torchnext.lowp.quantize import dequantize, quantization_error, quantize
-from torchnext.lowp.scaled_mm import ScaledMMResult, scaled_mm
 from torchnext.lowp.scales import swizzle, unswizzle
 from torchnext.lowp.tensor import BlockScaledTensor
 

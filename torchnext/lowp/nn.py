@@ -20,11 +20,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from torchnext.lowp.epilogue import Epilogue
 from torchnext.lowp.errors import FormatError
 from torchnext.lowp.formats import Format, format_spec
+from torchnext.lowp.mm.epilogue import Epilogue
+from torchnext.lowp.mm.scaled_mm import scaled_mm
 from torchnext.lowp.quantize import quantize
-from torchnext.lowp.scaled_mm import scaled_mm
 from torchnext.lowp.tensor import BlockScaledTensor
 
 __all__ = ["LINEAR_FOR_FORMAT", "BlockScaledLinear", "MXFP8Linear", "NVFP4Linear", "QuantizeReport", "quantize_"]

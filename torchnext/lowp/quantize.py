@@ -3,35 +3,20 @@
 from __future__ import annotations
 
 import math
-from types import ModuleType
 from typing import Any
 
 import torch
 
-from torchnext.lowp import eager, reference
 from torchnext.lowp import scales as _scales
 from torchnext.lowp.errors import FormatDTypeError, FormatError
 from torchnext.lowp.formats import Format, FormatSpec, format_spec
 from torchnext.lowp.options import QuantOptions, ResolvedOptions
+from torchnext.lowp.quantizers import get_quantizer
 from torchnext.lowp.tensor import BlockScaledTensor
 
 __all__ = ["dequantize", "quantization_error", "quantize"]
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _backend(name: str) -> ModuleType:
-    if name in ("auto", "eager"):
-        return eager
-    if name == "reference":
-        return reference
-    if name == "triton":
-        try:
-            from torchnext.lowp import triton_backend
-        except ImportError as exc:
-            raise FormatError(f"backend='triton' needs the triton package: {exc}") from None
-        return triton_backend
-    raise FormatError(f"unknown backend {name!r}")
 
 
 def _flush_denormal_on(device: torch.device) -> bool:
@@ -124,7 +109,7 @@ def quantize(
             "torch.set_flush_denormal(True) is in effect: the E8M0/E2M1 scales and codes need fp32 subnormals; "
             "call torch.set_flush_denormal(False) before quantizing"
         )
-    backend = _backend(ro.backend)
+    backend = get_quantizer(ro.backend)
     block = spec.block_size
     xm = x.movedim(dim, -1) if dim != x.dim() - 1 else x
     k = xm.shape[-1]
@@ -160,33 +145,19 @@ def quantize(
     )
 
 
-@torch.no_grad()
 def dequantize(
     q: BlockScaledTensor, dtype: torch.dtype | None = None, *, backend: str = "auto"
 ) -> torch.Tensor:
     """Dense values of ``q``: ``decode(code) * float(scale) * global_scale`` computed in fp32, cast to ``dtype``
     (default: the dtype that was quantized), padding dropped, logical shape and block dim restored (contiguous).
+    Same as ``q.dequantize(dtype, backend=backend)``.
 
     Raises:
         FormatError: ``q`` is not a BlockScaledTensor, or ``dtype`` is not a floating dtype.
     """
     if not isinstance(q, BlockScaledTensor):
         raise FormatError(f"dequantize expects a BlockScaledTensor, got {type(q).__name__}")
-    dtype = q.orig_dtype if dtype is None else dtype
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
-        raise FormatError(f"dequantize dtype must be float16/bfloat16/float32/float64, got {dtype}")
-    impl = _backend(backend)
-    spec = q.spec
-    rows, n_blocks = q.scale_matrix_shape
-    block = spec.block_size
-    codes = q.qdata.reshape(rows * n_blocks, block // spec.element.per_byte)
-    scales = q.unswizzled_scales().reshape(rows * n_blocks)
-    vals = impl.dequantize_blocks(codes, scales, spec, q.global_scale, dtype)
-    storage = q.storage_shape
-    out = vals.reshape(storage)[..., : q.k]
-    if q.block_dim != len(q.shape) - 1:
-        out = out.movedim(-1, q.block_dim)
-    return out.contiguous()
+    return q.dequantize(dtype, backend=backend)
 
 
 def quantization_error(x: torch.Tensor, fmt: Format | str | FormatSpec, **kwargs: Any) -> dict[str, float]:

@@ -30,6 +30,7 @@ import torch
 from torchnext.lowp import scales as _scales
 from torchnext.lowp.errors import FormatError
 from torchnext.lowp.formats import FORMATS, Format, FormatSpec, format_spec
+from torchnext.lowp.quantizers import get_quantizer
 
 __all__ = ["BlockScaledTensor"]
 
@@ -140,10 +141,27 @@ class BlockScaledTensor:
         return replace(self, scales=scales, swizzled=swizzle)
 
     def dequantize(self, dtype: torch.dtype | None = None, *, backend: str = "auto") -> torch.Tensor:
-        """Values as a dense tensor of ``dtype`` (default :attr:`orig_dtype`) with the logical shape."""
-        from torchnext.lowp.quantize import dequantize
+        """Values as a dense tensor of ``dtype`` (default :attr:`orig_dtype`) with the logical shape:
+        ``decode(code) * float(scale) * global_scale`` computed in fp32 by the quantizer kernel ``backend``, cast to
+        ``dtype``, padding dropped, block dim restored (contiguous).
 
-        return dequantize(self, dtype, backend=backend)
+        Raises:
+            FormatError: ``dtype`` is not a floating dtype of at least 16 bits, or ``backend`` is unknown.
+        """
+        dtype = self.orig_dtype if dtype is None else dtype
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+            raise FormatError(f"dequantize dtype must be float16/bfloat16/float32/float64, got {dtype}")
+        with torch.no_grad():
+            spec = self.spec
+            rows, n_blocks = self.scale_matrix_shape
+            block = spec.block_size
+            codes = self.qdata.reshape(rows * n_blocks, block // spec.element.per_byte)
+            scales = self.unswizzled_scales().reshape(rows * n_blocks)
+            vals = get_quantizer(backend).dequantize_blocks(codes, scales, spec, self.global_scale, dtype)
+            out = vals.reshape(self.storage_shape)[..., : self.k]
+            if self.block_dim != len(self.shape) - 1:
+                out = out.movedim(-1, self.block_dim)
+            return out.contiguous()
 
     def to(self, device: torch.device | str) -> BlockScaledTensor:
         """A copy on ``device`` (same layout and metadata)."""

@@ -133,7 +133,7 @@ class FaultInjector:
 
 def drop_coordinator(target: Any) -> None:
     """Kill the coordinator: a ``subprocess.Popen`` / pid of ``torchnext coordinator`` gets SIGKILL; an in-process
-    :class:`~torchnext.comms.Coordinator` is stopped (its connections and store close at once)."""
+    :class:`~torchnext.ft.Coordinator` is stopped (its connections and store close at once)."""
     if isinstance(target, int):
         os.kill(target, signal.SIGKILL)
     elif isinstance(target, subprocess.Popen):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from torchnext.comms.flight_recorder import FlightRecorder
+from torchnext.comms.flight_recorder.recorder import FlightRecorder
 
 __all__ = ["SCENARIOS", "Op", "Scenario", "write_scenario"]
 

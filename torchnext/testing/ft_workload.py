@@ -148,7 +148,8 @@ def _burn(seconds: float, a: torch.Tensor) -> None:
 def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     """Train ``spec.steps`` committed steps fault-tolerantly; return a report (never raises for membership ends:
     the report's ``error`` names it)."""
-    from torchnext.comms import CommAborted, FaultTolerant, FaultTolerantConfig, MembershipError
+    from torchnext.comms import CommAborted
+    from torchnext.ft import FaultTolerant, FaultTolerantConfig, MembershipError
 
     torch.set_num_threads(1)
     model = _Model(DIM, spec.state_mib)
@@ -293,7 +294,7 @@ def overhead_worker(spec: WorkerSpec) -> dict[str, Any]:
     """Per-step cost of the wrapper, measured in the same processes on the same Communicator: alternating blocks
     of plain steps (compute, all_reduce, update) and fault-tolerant steps (the same inside ``ft.step()`` with a
     commit). Returns ``{"plain": [s, ...], "ft": [s, ...]}`` (step durations, seconds)."""
-    from torchnext.comms import FaultTolerant, FaultTolerantConfig
+    from torchnext.ft import FaultTolerant, FaultTolerantConfig
 
     torch.set_num_threads(1)
     w = torch.zeros(DIM, dtype=torch.float64)

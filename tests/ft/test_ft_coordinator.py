@@ -1,0 +1,182 @@
+"""The coordinator: binding, authentication, fencing of removed ids, and its death as seen by members."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from torchnext.ft import Coordinator, CoordinatorConfig, CoordinatorLost, MembershipConfig, RemovedFromGroup
+from torchnext.ft._wire import LineReader, encode
+from torchnext.ft.member import MemberClient, parse_address
+from torchnext.ft.membership import Rejected
+from torchnext.testing.ft_workload import FTJob, WorkerSpec
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _client(address: str, token: str, member: int | None = None, timeout: float = 2.0) -> MemberClient:
+    return MemberClient(address, token, member_id=member, step=0, connect_timeout_s=5.0,
+                        coordinator_timeout_s=timeout, on_interrupt=lambda msg: None)
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses listening on ``port`` (from /proc/net/tcp{,6})."""
+    found = []
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(name) as fh:
+            for line in fh.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, p = local.rsplit(":", 1)
+                if int(p, 16) == port and state == "0A":
+                    found.append(addr)
+    return found
+
+
+def test_binds_only_to_loopback() -> None:
+    with Coordinator() as coord:
+        for port in (coord.port, coord.store_port):
+            addrs = _listening(port)
+            assert addrs and all(a == "0100007F" for a in addrs), (port, addrs)
+
+
+def test_wrong_token_and_garbage_are_rejected() -> None:
+    with Coordinator() as coord:
+        with pytest.raises(Rejected) as info:
+            _client(coord.address, "not-the-token")
+        assert info.value.code == "auth"
+        # a pickle (or any non-JSON) is a protocol violation: the connection is closed, nothing is executed
+        with socket.create_connection(("127.0.0.1", coord.port), timeout=5) as s:
+            s.sendall(b"\x80\x04\x95pickle\n")
+            s.settimeout(5)
+            assert s.recv(100) == b""
+        assert coord.members == ()
+
+
+def test_removed_member_cannot_rejoin_with_its_id() -> None:
+    cfg = CoordinatorConfig(membership=MembershipConfig(min_size=1, initial_size=2, settle_s=0.0))
+    with Coordinator(cfg) as coord:
+        a, b = _client(coord.address, coord.token, 5), _client(coord.address, coord.token, 6)
+        assert coord.wait_until(lambda c: c.members == (5, 6), 10)
+        b.close(graceful=False)  # drops the connection like a crash
+        assert coord.wait_until(lambda c: c.members == (5,), 10)
+        with pytest.raises(RemovedFromGroup, match="you were removed"):
+            _client(coord.address, coord.token, 6)
+        c = _client(coord.address, coord.token)  # a new process gets a new id
+        assert c.member_id not in (5, 6)
+        a.close()
+        c.close()
+
+
+def test_silent_coordinator_is_detected_within_timeout() -> None:
+    """A coordinator that stops answering (hung) -> CoordinatorLost after coordinator_timeout_s."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def fake() -> None:
+        conn, _ = srv.accept()
+        r = LineReader()
+        while not r.feed(conn.recv(4096)):
+            pass
+        conn.sendall(encode({"t": "welcome", "member": 0, "store_port": 1, "proto": 1,
+                             "heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 0.6}))
+        time.sleep(5)  # then silence
+        conn.close()
+
+    threading.Thread(target=fake, daemon=True).start()
+    lost = threading.Event()
+    client = MemberClient(f"127.0.0.1:{port}", "t", member_id=None, step=0, connect_timeout_s=5,
+                          coordinator_timeout_s=0.5, on_interrupt=lambda msg: lost.set())
+    t0 = time.monotonic()
+    assert lost.wait(3)
+    assert 0.4 < time.monotonic() - t0 < 1.5
+    assert isinstance(client.fatal, CoordinatorLost) and "no message from the coordinator" in str(client.fatal)
+    client.close()
+    srv.close()
+
+
+def test_parse_address() -> None:
+    assert parse_address("127.0.0.1:29400") == ("127.0.0.1", 29400)
+    for bad in ("nohost", "h:x", ":12", "h:0"):
+        with pytest.raises(ValueError):
+            parse_address(bad)
+
+
+def _start_coordinator_process(token: str, *extra: str, min_size: int = 1) -> tuple[subprocess.Popen[str], str]:
+    env = {**os.environ, "TORCHNEXT_FT_TOKEN": token}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchnext", "coordinator", "--port", "0", "--min-size", str(min_size),
+         "--initial-size", "2", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if "listening on" in line:
+            return proc, line.split("listening on ")[1].split()[0]
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    proc.wait()
+    raise AssertionError("torchnext coordinator did not start")
+
+
+def test_coordinator_process_death_stops_every_member_with_a_clear_error(tmp_path: Any) -> None:
+    token = "job-secret"
+    proc, address = _start_coordinator_process(token)
+    try:
+        with FTJob() as job:
+            for m in range(2):
+                job.launch(WorkerSpec(coordinator=address, token=token, member_id=m, steps=10**9,
+                                      step_sleep_s=0.01, coordinator_timeout_s=2.0, stop_file=str(tmp_path / "never")))
+            time.sleep(1.5)  # training
+            killed_at = time.monotonic()
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+            reports = job.wait([0, 1], timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    for r in reports.values():
+        assert r["error"] and r["error"].startswith("CoordinatorLost"), r["error"]
+        assert r["step"] > 0
+        assert r["ended_at"] - killed_at < 2.0, r["ended_at"] - killed_at
+
+
+@pytest.mark.parametrize("ending", ["finished", "failed"])
+def test_coordinator_process_exits_when_the_job_is_over(ending: str) -> None:
+    """``torchnext coordinator`` exits by itself once every member left: 0 after finish(), 1 after the job failed."""
+    token = "job-secret"
+    proc, address = _start_coordinator_process(token, "--quorum-timeout", "0.5", min_size=2)
+    try:
+        a, b = _client(address, token, 0), _client(address, token, 1)
+        for c in (a, b):
+            msg = c.next_event(10)
+            assert msg is not None and msg["t"] == "gen"
+        if ending == "finished":
+            a.close(finished=True)
+            b.close()  # after the finish: not a failure either
+        else:
+            a.close()  # a plain departure leaves 1 < min_size: quorum lost after 0.5 s, b is told, the job failed
+            msg = b.next_event(10)
+            while msg is not None and msg["t"] not in ("fatal",):
+                msg = b.next_event(10)
+            assert msg is not None and isinstance(b.fatal, Exception)
+            b.close()
+        rc = proc.wait(timeout=30)
+        out = proc.stdout.read() if proc.stdout is not None else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    assert rc == (0 if ending == "finished" else 1), out
+    assert ("finished at step 0" if ending == "finished" else "failed:") in out

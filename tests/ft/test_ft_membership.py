@@ -1,0 +1,240 @@
+"""The coordinator's decision logic (no sockets): generations, quorum, commits, fencing; and the wire framing."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchnext.ft._wire import LineReader, ProtocolError, encode
+from torchnext.ft.membership import Membership, MembershipConfig, Rejected
+
+
+def _mk(**kw: object) -> Membership:
+    kw.setdefault("heartbeat_interval_s", 1.0)  # the fake clock below never sends heartbeats
+    kw.setdefault("heartbeat_timeout_s", 100.0)
+    return Membership(MembershipConfig(**kw))  # type: ignore[arg-type]
+
+
+def _gens(m: Membership) -> list[tuple[int, dict]]:
+    out = [(mid, msg) for mid, msg in m.outbox if msg["t"] == "gen"]
+    m.outbox.clear()
+    return out
+
+
+def _formed(n: int, **kw: object) -> Membership:
+    m = _mk(initial_size=n, **kw)
+    for i in range(n):
+        m.join(i, 0, 0.0)
+    m.outbox.clear()
+    return m
+
+
+def test_formation_waits_for_initial_size_and_picks_donor_with_most_steps() -> None:
+    m = _mk(min_size=2, initial_size=3)
+    m.join(None, 0, 0.0)
+    m.join(None, 5, 0.0)
+    assert m.gen == 0 and not m.outbox
+    m.join(None, 5, 0.0)
+    gens = _gens(m)
+    assert m.gen == 1 and m.members == (0, 1, 2)
+    msg = gens[0][1]
+    assert msg["donor"] == 1 and msg["joiners"] == [0, 2] and msg["step"] == 5 and not msg["abort"]
+    assert sorted(mid for mid, _ in gens) == [0, 1, 2]
+
+
+def test_crash_shrinks_after_settle_and_batches_simultaneous_failures() -> None:
+    m = _formed(4, min_size=2, settle_s=0.01)
+    m.failure(2, 1.0, "closed", hung=False)
+    m.tick(1.005)
+    assert m.gen == 1  # still settling
+    m.failure(3, 1.006, "closed", hung=False)
+    m.tick(1.011)
+    gens = _gens(m)
+    assert m.gen == 2 and m.members == (0, 1)
+    assert {mid for mid, _ in gens} == {0, 1} and all(msg["abort"] for _, msg in gens)
+    assert m.to_close == [2, 3]
+
+
+def test_report_regenerates_same_members_and_stale_report_ignored() -> None:
+    m = _formed(3, settle_s=0.0)
+    m.report_failure(1, 0, "stale", 1.0)
+    m.tick(1.0)
+    assert m.gen == 1
+    m.report_failure(1, 1, "PeerFailure", 1.0)
+    m.tick(1.0)
+    assert m.gen == 2 and m.members == (0, 1, 2)
+
+
+def test_heartbeat_expiry_fences_and_removed_id_is_rejected() -> None:
+    m = _formed(3, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, settle_s=0.0)
+    for i in (0, 1):
+        m.heartbeat(i, 0.45)
+    m.tick(0.55)
+    assert m.members == (0, 1) and m.gen == 2
+    assert m.to_fence and m.to_fence[0][0] == 2 and m.to_fence[0][1]["t"] == "removed"
+    with pytest.raises(Rejected, match="you were removed") as info:
+        m.join(2, 0, 1.0)
+    assert info.value.code == "removed"
+    with pytest.raises(Rejected) as dup:
+        m.join(0, 0, 1.0)
+    assert dup.value.code == "duplicate"
+
+
+def test_forgive_after_coordinator_stall() -> None:
+    m = _formed(2, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5)
+    m.forgive(2.0)
+    m.tick(2.1)
+    assert m.members == (0, 1) and m.gen == 1
+
+
+def test_commit_needs_every_vote_and_stale_votes_do_not_count() -> None:
+    m = _formed(3)
+    m.vote(0, 1, 0, 1.0)
+    m.vote(1, 1, 0, 1.0)
+    m.vote(2, 0, 0, 1.0)  # stale generation
+    assert m.step == 0 and not m.outbox
+    m.vote(2, 1, 0, 1.0)
+    assert m.step == 1
+    decisions = [(mid, msg) for mid, msg in m.outbox if msg["t"] == "decision"]
+    assert sorted(mid for mid, _ in decisions) == [0, 1, 2]
+    assert all(msg["step"] == 0 and msg["committed"] == 1 for _, msg in decisions)
+
+
+def test_vote_for_wrong_step_is_fatal_for_that_member() -> None:
+    m = _formed(2)
+    m.vote(0, 1, 7, 1.0)
+    assert m.outbox == [(0, {"t": "fatal", "code": "step_mismatch",
+                             "reason": "member 0 voted for step 7 but the committed step count is 0"})]
+
+
+def test_joiner_enters_at_the_next_commit_decision() -> None:
+    m = _formed(2)
+    m.vote(0, 1, 0, 1.0)
+    m.vote(1, 1, 0, 1.0)  # members 0, 1 hold the committed state now
+    m.outbox.clear()
+    m.join(None, 0, 1.1)
+    assert m.gen == 1 and not m.outbox
+    m.vote(0, 1, 1, 1.2)
+    m.vote(1, 1, 1, 1.2)
+    assert m.gen == 2 and m.members == (0, 1, 2)
+    by_member = {mid: msg for mid, msg in m.outbox}
+    assert by_member[2]["t"] == "gen" and by_member[2]["joiners"] == [2] and by_member[2]["donor"] == 0
+    assert by_member[0]["t"] == "decision" and by_member[0]["next"]["gen"] == 2 and not by_member[0]["next"]["abort"]
+
+
+def test_idle_group_grows_after_grow_timeout() -> None:
+    m = _formed(2, grow_timeout_s=0.5)
+    m.join(None, 0, 1.0)
+    m.tick(1.2)
+    assert m.gen == 1
+    m.tick(1.6)
+    assert m.gen == 2 and m.members == (0, 1, 2) and _gens(m)[0][1]["abort"]
+
+
+def test_quorum_rule_waits_then_fails() -> None:
+    m = _formed(3, min_size=2, settle_s=0.0, quorum_timeout_s=5.0)
+    m.failure(1, 1.0, "closed", hung=False)
+    m.failure(2, 1.0, "closed", hung=False)
+    m.tick(1.0)
+    assert m.gen == 1 and [msg["t"] for _, msg in m.outbox] == ["wait"]
+    m.outbox.clear()
+    m.tick(7.0)
+    assert m.fatal is not None and m.outbox[0][1]["code"] == "quorum_lost"
+    with pytest.raises(Rejected):
+        m.join(None, 0, 8.0)
+
+
+def test_quorum_regained_by_a_joiner() -> None:
+    m = _formed(2, min_size=2, settle_s=0.0)
+    m.vote(0, 1, 0, 0.5)
+    m.vote(1, 1, 0, 0.5)
+    m.failure(1, 1.0, "closed", hung=False)
+    m.tick(1.0)
+    m.outbox.clear()
+    m.join(None, 0, 2.0)
+    gens = _gens(m)
+    assert m.gen == 2 and m.members == (0, 2) and gens[0][1]["donor"] == 0 and gens[0][1]["joiners"] == [2]
+
+
+def test_every_state_holder_lost_is_fatal() -> None:
+    m = _formed(2, settle_s=0.0)
+    m.vote(0, 1, 0, 0.5)
+    m.vote(1, 1, 0, 0.5)
+    m.join(None, 0, 0.6)  # joiner not yet healed
+    m.failure(0, 1.0, "closed", hung=False)
+    m.failure(1, 1.0, "closed", hung=False)
+    m.tick(1.0)
+    assert m.fatal is not None and "committed state" in m.fatal
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="at least twice"):
+        MembershipConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=0.6)
+    with pytest.raises(ValueError, match="min_size"):
+        MembershipConfig(min_size=0)
+    with pytest.raises(ValueError, match="initial_size"):
+        MembershipConfig(min_size=3, initial_size=2)
+
+
+def test_wire_framing() -> None:
+    r = LineReader()
+    data = encode({"t": "hb"}) + encode({"t": "vote", "gen": 1, "step": 2})
+    assert r.feed(data[:5]) == []
+    assert r.feed(data[5:]) == [{"t": "hb"}, {"t": "vote", "gen": 1, "step": 2}]
+    with pytest.raises(ProtocolError, match="not JSON"):
+        LineReader().feed(b"\x80\x04pickle\n")
+    with pytest.raises(ProtocolError, match="not a message"):
+        LineReader().feed(b"[1, 2]\n")
+    with pytest.raises(ProtocolError, match="longer"):
+        LineReader().feed(b"x" * (1 << 17))
+
+
+def test_finish_ends_the_job_without_reconfiguring() -> None:
+    m = _formed(3, min_size=2, settle_s=0.0)
+    for mid in (0, 1, 2):
+        m.vote(mid, 1, 0, 1.0)
+    assert m.step == 1
+    m.outbox.clear()
+    m.finish(0, 2.0)
+    assert m.finished_step == 1 and m.to_close == [0]
+    m.failure(1, 2.1, "closed", hung=False)  # a plain exit after the end: not a failure
+    m.tick(50.0)  # and silence (member 2 sends no heartbeats on this clock) changes nothing either
+    m.tick(500.0)
+    assert m.gen == 1 and not _gens(m) and m.fatal is None
+    events = [h["event"] for h in m.history]
+    assert events.count("finish") == 1 and events.count("left_after_finish") == 2 and "failure" not in events
+    with pytest.raises(Rejected) as exc:
+        m.join(None, 1, 600.0)
+    assert exc.value.code == "finished"
+
+
+def test_vote_after_finish_is_refused_and_joiners_are_told() -> None:
+    m = _formed(2, settle_s=0.0)
+    m.join(7, 0, 0.5)  # a joiner waiting for the next decision
+    m.outbox.clear()
+    m.finish(0, 1.0)
+    told = {mid: msg for mid, msg in m.outbox}
+    assert told[7]["t"] == "fatal" and told[7]["code"] == "finished" and 7 in m.to_close
+    m.outbox.clear()
+    m.vote(1, 1, 0, 1.1)
+    assert m.outbox and m.outbox[0][1]["code"] == "finished" and m.step == 0
+
+
+def test_finish_during_an_open_vote_is_an_ordinary_leave() -> None:
+    m = _formed(3, min_size=2, settle_s=0.0)
+    for mid in (0, 1, 2):
+        m.vote(mid, 1, 0, 0.5)  # step 0 committed: every member holds the state
+    m.vote(1, 1, 1, 1.0)  # member 1 already voted for the next step: member 0 leaving now is a departure
+    m.finish(0, 1.1)
+    m.tick(1.1)
+    assert m.finished_step is None and m.gen == 2 and m.members == (1, 2)
+    assert any(h["event"] == "failure" and h["why"] == "left" for h in m.history)
+
+
+def test_failure_report_after_finish_is_answered_finished() -> None:
+    m = _formed(2, settle_s=0.0)
+    m.finish(0, 1.0)
+    m.outbox.clear()
+    m.report_failure(1, 1, "peer closed", 1.1)
+    m.tick(2.0)
+    assert m.outbox == [(1, {"t": "fatal", "code": "finished", "reason": "the job finished at step 0: no new generation"})]
+    assert m.gen == 1

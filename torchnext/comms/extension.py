@@ -1,0 +1,74 @@
+"""Extensions of the Communicator: how subsystems built on the core attach to it without the core importing them.
+
+The core (:mod:`torchnext.comms.communicator` and what it imports) knows no extension by module. Its two
+user-facing doors to extensions dispatch through this registry, which the extension packages fill when
+:mod:`torchnext.comms` is imported (it imports them to re-export their names):
+
+* ``Communicator(..., flight_recorder=value)`` -> ``option("flight_recorder")``: an :class:`OptionHandler` whose
+  ``check(value)`` runs before the communicator connects (bad input fails fast) and ``attach(comm, value)`` after;
+* ``comm.new_window(tensor, ...)`` -> ``factory("new_window")(comm, tensor, ...)``.
+
+Extensions keep per-communicator state in ``comm.extensions`` (a dict keyed by the extension's name) and follow
+its life through the core's hooks: ``register_split_hook`` (every child a split creates on this rank) and
+``register_abort_hook``. Semantics::
+
+    register_option(name, handler); option(name) is handler        # KeyError-free: unknown -> RuntimeError
+    register_factory(name, fn);     factory(name) is fn
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from torchnext.comms.communicator import Communicator
+
+__all__ = ["OptionHandler", "factory", "option", "register_factory", "register_option"]
+
+
+class OptionHandler(Protocol):
+    """A constructor keyword of :class:`~torchnext.comms.Communicator` served by an extension."""
+
+    def check(self, value: object) -> None:
+        """Raise ``TypeError``/``ValueError`` for a bad value (called before the communicator connects)."""
+
+    def attach(self, comm: Communicator, value: Any) -> None:
+        """Apply ``value`` to the connected ``comm``."""
+
+
+_OPTIONS: dict[str, OptionHandler] = {}
+_FACTORIES: dict[str, Callable[..., Any]] = {}
+_PROVIDERS = {"flight_recorder": "torchnext.comms.flight_recorder", "new_window": "torchnext.comms.window"}
+"""Which package provides the built-in entries (for the error message only: nothing is imported from here)."""
+
+
+def register_option(name: str, handler: OptionHandler) -> None:
+    """Serve ``Communicator(..., name=value)`` with ``handler`` (a later registration replaces an earlier one)."""
+    _OPTIONS[name] = handler
+
+
+def register_factory(name: str, fn: Callable[..., Any]) -> None:
+    """Serve the Communicator method ``name`` with ``fn(comm, *args, **kwargs)``."""
+    _FACTORIES[name] = fn
+
+
+def _missing(kind: str, name: str) -> RuntimeError:
+    provider = _PROVIDERS.get(name, "the package that provides it")
+    return RuntimeError(f"communicator {kind} {name!r} is not registered: import {provider}")
+
+
+def option(name: str) -> OptionHandler:
+    """The handler of constructor option ``name``; ``RuntimeError`` naming the package to import when none is."""
+    handler = _OPTIONS.get(name)
+    if handler is None:
+        raise _missing("option", name)
+    return handler
+
+
+def factory(name: str) -> Callable[..., Any]:
+    """The function behind the Communicator method ``name``; ``RuntimeError`` when none is registered."""
+    fn = _FACTORIES.get(name)
+    if fn is None:
+        raise _missing("method", name)
+    return fn

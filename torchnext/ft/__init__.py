@@ -1,0 +1,40 @@
+"""torchnext.ft: fault tolerance -- failure detection, agreement, in-place reconfiguration and healing.
+
+A layer above :mod:`torchnext.comms`: the :class:`Coordinator` (the job's TCPStore plus the membership service,
+:mod:`~torchnext.ft.membership`) decides generations; each member's :class:`FaultTolerant` talks to it
+(:mod:`~torchnext.ft.member`, line-delimited JSON over TCP: :mod:`~torchnext.ft._wire`), builds one Communicator per
+generation, commits steps in two phases (:class:`Step`) and heals joiners from a donor (:mod:`~torchnext.ft.healing`).
+See docs/fault_tolerance.md.
+"""
+
+from torchnext.ft.config import FaultTolerantConfig as FaultTolerantConfig
+from torchnext.ft.config import Reconfiguration as Reconfiguration
+from torchnext.ft.coordinator import Coordinator as Coordinator
+from torchnext.ft.coordinator import CoordinatorConfig as CoordinatorConfig
+from torchnext.ft.fault_tolerant import FaultTolerant as FaultTolerant
+from torchnext.ft.healing import HealingError as HealingError
+from torchnext.ft.healing import HealStats as HealStats
+from torchnext.ft.membership import CoordinatorLost as CoordinatorLost
+from torchnext.ft.membership import JobFinished as JobFinished
+from torchnext.ft.membership import MembershipConfig as MembershipConfig
+from torchnext.ft.membership import MembershipError as MembershipError
+from torchnext.ft.membership import QuorumLost as QuorumLost
+from torchnext.ft.membership import RemovedFromGroup as RemovedFromGroup
+from torchnext.ft.step import Step as Step
+
+__all__ = [
+    "Coordinator",
+    "CoordinatorConfig",
+    "CoordinatorLost",
+    "FaultTolerant",
+    "FaultTolerantConfig",
+    "HealStats",
+    "HealingError",
+    "JobFinished",
+    "MembershipConfig",
+    "MembershipError",
+    "QuorumLost",
+    "Reconfiguration",
+    "RemovedFromGroup",
+    "Step",
+]

@@ -1,0 +1,521 @@
+"""``FaultTolerant``: a Communicator that survives member failures, reconfigures in place and heals joiners.
+
+Usage (every process runs the same loop; a replacement process runs it too and joins at the next generation)::
+
+    ft = FaultTolerant(FaultTolerantConfig(coordinator="127.0.0.1:29400", token=TOKEN, min_size=2),
+                       state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
+                       load_state_dict=lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["optim"])))
+    while ft.step_count < total_steps:
+        with ft.step() as step:              # applies any pending generation (rebuild, heal) first
+            loss = model(batch(ft.step_count)).sum(); loss.backward()
+            for p in model.parameters():
+                ft.all_reduce(p.grad, ReduceOp.AVG)   # ft.<op> = the current generation's Communicator op
+            if step.commit():                 # two-phase commit through the coordinator
+                opt.step()
+            opt.zero_grad()
+        # a failed step (PeerFailure, CommAborted, ...) was swallowed by the context: the group reconfigured and
+        # healed; ft.step_count did not move, so the loop simply retries the step.
+    ft.finish()                               # the job's end: leaving is not a failure
+
+Semantics
+---------
+* ``step.commit()`` / ``ft.should_commit()`` returns True only when **every** member of the current generation
+  finished the step's collectives and voted; the coordinator then counts the step (``ft.step_count += 1`` on every
+  member). It returns False when the generation changed meanwhile; nothing is counted and the step is retried.
+  A committed step is never lost (survivors all received the decision before any later generation) nor applied
+  twice (the count is per generation and checked against the coordinator's at every reconfiguration).
+* Reconfiguration: when the coordinator announces generation ``g + 1`` with ``abort``, the heartbeat thread aborts
+  this member's Communicator at once (an in-flight collective raises ``CommAborted`` within milliseconds, it never
+  waits for a collective timeout), then the main thread builds the Communicator of ``g + 1`` under the store
+  prefix ``torchnext/<name>.g<g+1>/`` with ranks renumbered by sorted member id, heals the joiners from the donor,
+  and runs the ``on_reconfigure`` callbacks. A further failure during all this restarts it with ``g + 2``.
+* ``generation``, ``members`` (stable ids), ``member_id``, ``rank``, ``size`` describe the current generation.
+* Tensors of an op cancelled by a reconfiguration get fresh storage (``set_``) before the op raises, so a late
+  write by the abandoned backend (a resumed hung peer can complete the old collective) can never reach them; their
+  content is unspecified (views taken earlier keep the old storage).
+* Split children (``ft.split``/``ft.split_by_color``) are **invalidated** at every reconfiguration: their ops raise
+  ``CommAborted`` naming the superseded generation. Split again in an ``on_reconfigure`` callback.
+* Fatal conditions raise :class:`~torchnext.ft.membership.MembershipError` subclasses from any call:
+  ``RemovedFromGroup`` ("you were removed"), ``CoordinatorLost``, ``QuorumLost``, ``JobFinished`` (another member
+  called ``finish()`` and this one tried to commit a later step).
+* End of training: ``ft.finish()`` after the last step (every member). Departures after it are not failures.
+
+Thread-safety: one training thread uses the object; the heartbeat thread only aborts communicators.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchnext.comms.communicator import Communicator
+from torchnext.comms.errors import CommError
+from torchnext.comms.hooks import HookList, PostHookArgs, RemovableHandle
+from torchnext.comms.work import WorkStatus
+from torchnext.ft.config import FaultTolerantConfig, Reconfiguration
+from torchnext.ft.healing import HealStats, recv_state, send_state
+from torchnext.ft.member import MemberClient
+from torchnext.ft.membership import JobFinished, QuorumLost, RemovedFromGroup
+from torchnext.ft.step import Step
+
+__all__ = ["FaultTolerant"]
+
+_OPS = frozenset({
+    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_single", "reduce_scatter", "reduce_scatter_single",
+    "all_to_all", "all_to_all_single", "gather", "scatter", "send", "recv", "batch_p2p", "barrier",
+    "register_pre_hook", "register_post_hook", "register_abort_hook",
+})
+
+
+class FaultTolerant:
+    """Fault-tolerant communicator; see the module docstring. Construction joins the group and returns once this
+    member is part of a generation (healed when it joined a running job)."""
+
+    def __init__(
+        self,
+        config: FaultTolerantConfig | None = None,
+        *,
+        state_dict: Callable[[], Any] | None = None,
+        load_state_dict: Callable[[Any], object] | None = None,
+        step: int = 0,
+    ) -> None:
+        from torchnext._config import env_config
+
+        cfg = config or FaultTolerantConfig()
+        if not isinstance(cfg, FaultTolerantConfig):
+            raise TypeError(f"config must be a FaultTolerantConfig, got {type(cfg).__name__}")
+        if (state_dict is None) != (load_state_dict is None):
+            raise ValueError("pass both state_dict and load_state_dict (healing needs both), or neither")
+        env = env_config()
+        address = cfg.coordinator or env.ft_coordinator
+        token = cfg.token or env.ft_token
+        if not address:
+            raise ValueError("no coordinator address: set FaultTolerantConfig.coordinator or TORCHNEXT_FT_COORDINATOR")
+        if not token:
+            raise ValueError("no job token: set FaultTolerantConfig.token or TORCHNEXT_FT_TOKEN")
+        self.config = cfg
+        self._state_fn = state_dict
+        self._load_fn = load_state_dict
+        self._lock = threading.Lock()
+        self._comm: Communicator | None = None
+        self._children: list[Communicator] = []
+        self._gen: dict[str, Any] | None = None
+        self._pending: dict[str, Any] | None = None
+        self._newest_gen = 0
+        self._wait_epoch = 0
+        self._interrupt_at: dict[int, float] = {}
+        self._reported_gen = -1
+        self._step = step
+        self._callbacks: HookList[Reconfiguration] = HookList("reconfigure")
+        self._attempted = 0
+        self._closed = False
+        self._in_step = False
+        self._finished_step: int | None = None
+        self.reconfigurations: list[Reconfiguration] = []
+        self.fault_hook: Callable[[str], None] | None = None
+        """Testing seam (``torchnext.testing``): called with ``"reconfigure"`` before a generation's Communicator is
+        built and ``"healing"`` on the donor before it streams state."""
+        self.commit_times: deque[tuple[int, int, float]] = deque(maxlen=100_000)
+        """``(generation, committed step count, time.monotonic())`` of the last 100,000 commits on this member."""
+        self._client = MemberClient(
+            address, token, member_id=cfg.member_id, step=step, connect_timeout_s=cfg.connect_timeout_s,
+            coordinator_timeout_s=cfg.coordinator_timeout_s, on_interrupt=self._on_interrupt,
+        )
+        try:
+            self._settle(need_new=True, timeout=cfg.join_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------------------------------------ public
+    @property
+    def comm(self) -> Communicator:
+        """The current generation's Communicator (raises the fatal error if membership ended)."""
+        self._raise_fatal()
+        if self._comm is None:
+            raise RuntimeError("FaultTolerant is not part of a generation (closed?)")
+        return self._comm
+
+    @property
+    def member_id(self) -> int:
+        return self._client.member_id
+
+    @property
+    def generation(self) -> int:
+        return 0 if self._gen is None else int(self._gen["gen"])
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Member ids of the current generation, sorted (rank i is ``members[i]``)."""
+        return () if self._gen is None else tuple(self._gen["members"])
+
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.member_id)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def step_count(self) -> int:
+        """Committed steps (the same on every member of a generation)."""
+        return self._step
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _OPS:
+            return getattr(self.comm, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def split(self, ranks: list[int], name: str | None = None) -> Communicator | None:
+        """``comm.split`` of the current generation; the child is invalidated (aborted) at the next reconfiguration."""
+        child = self.comm.split(ranks, name)
+        if child is not None:
+            with self._lock:
+                self._children.append(child)
+        return child
+
+    def split_by_color(self, color: int | None, key: int = 0, *, name: str | None = None) -> Communicator | None:
+        """``comm.split_by_color`` of the current generation; invalidated at the next reconfiguration."""
+        child = self.comm.split_by_color(color, key, name=name)
+        if child is not None:
+            with self._lock:
+                self._children.append(child)
+        return child
+
+    def on_reconfigure(self, callback: Callable[[Reconfiguration], object]) -> RemovableHandle:
+        """Call ``callback(Reconfiguration)`` after every generation this member enters (after healing)."""
+        if not callable(callback):
+            raise TypeError(f"on_reconfigure: callback must be callable, got {callback!r}")
+        return self._callbacks.add(callback)
+
+    def step(self) -> Step:
+        """Context manager for one step attempt (see the module docstring)."""
+        return Step(self)
+
+    def should_commit(self) -> bool:
+        """Vote that this member completed the current step's collectives; wait for the coordinator's decision.
+
+        Reference::
+
+            if my communicator is broken or a new generation is pending: return False
+            send vote(generation, step_count); wait for the decision or a new generation
+            on commit: step_count += 1; return True        else: return False
+
+        Raises ``RemovedFromGroup``/``CoordinatorLost``/``QuorumLost`` when membership ended.
+        """
+        self._raise_fatal()
+        comm = self._comm
+        if comm is None or comm.errored() is not None or self._newest_gen > self.generation:
+            self._report("communicator broken before the vote")
+            return False
+        gen = self.generation
+        self._client.send({"t": "vote", "gen": gen, "step": self._step})
+        deadline = time.monotonic() + self.config.timeout_s
+        while True:
+            ev = self._client.next_event(deadline - time.monotonic())
+            if ev is None:
+                self._report(f"no commit decision within {self.config.timeout_s}s")
+                return False
+            kind = ev["t"]
+            if kind == "decision" and ev["gen"] == gen and ev["step"] == self._step:
+                self._step += 1
+                self.commit_times.append((gen, self._step, time.monotonic()))
+                if "next" in ev:
+                    self._note_gen(ev["next"])
+                return True
+            if kind == "gen":
+                self._note_gen(ev)
+                return False
+            if kind == "wait":
+                return False
+            if kind == "fatal":
+                self._raise_fatal()
+
+    def close(self) -> None:
+        """Leave the group (the others reconfigure without this member) and release resources. Idempotent.
+        At the end of training use :meth:`finish` instead, so the others do not reconfigure."""
+        self._leave(finished=False)
+
+    def finish(self) -> None:
+        """Leave at the end of the job: call it after the last committed step (outside ``ft.step()``).
+
+        The coordinator then records the job as finished at the committed step ``S``: this and every later departure
+        (``finish``, ``close``, a crash) changes nothing for the others — no new generation, no abort — so members may
+        leave in any order without a final barrier. A member still training afterwards gets :class:`JobFinished` at
+        its next vote; joins are refused. Finishing while others already voted for a later step is an ordinary
+        :meth:`close`. Releases resources like :meth:`close`; idempotent."""
+        if self._in_step:
+            raise RuntimeError("FaultTolerant.finish() inside ft.step(): finish after the last step's `with` block")
+        self._leave(finished=True)
+
+    def _leave(self, *, finished: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._client.close(graceful=True, finished=finished)
+        with self._lock:
+            comm, self._comm = self._comm, None
+            children, self._children = self._children, []
+        for c in [*children, *([comm] if comm is not None else [])]:
+            _quiet_abort(c, "FaultTolerant closed")
+
+    def __enter__(self) -> FaultTolerant:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------------------------------------- internals
+    def _check_not_finished(self, cause: BaseException | None = None) -> None:
+        """Raise :class:`JobFinished` if another member finished the job and this one is past the finished step."""
+        done = self._finished_step
+        if done is not None and self._step >= done:
+            raise JobFinished(f"member {self.member_id}: the job finished at step {done} (another member called "
+                              f"finish()); step {self._step} cannot commit") from cause
+
+    def _raise_fatal(self) -> None:
+        fatal = self._client.fatal
+        if fatal is not None:
+            raise fatal
+
+    def _on_interrupt(self, msg: dict[str, Any]) -> None:
+        """Heartbeat thread: a new generation (abort), quorum wait, removal, fatal or lost coordinator; or the
+        job's end (``finished``), which aborts only a step begun after the finished step."""
+        now = time.monotonic()
+        if msg["t"] == "finished":
+            with self._lock:
+                self._finished_step = int(msg["step"])
+                beyond = self._in_step and self._step >= self._finished_step
+                targets = [*self._children, *([self._comm] if self._comm is not None else [])] if beyond else []
+            for c in targets:
+                _quiet_abort(c, f"the job finished at step {msg['step']} (member {msg.get('by')} finished)")
+            return
+        with self._lock:
+            if msg["t"] == "gen":
+                self._newest_gen = max(self._newest_gen, int(msg["gen"]))
+                self._interrupt_at[int(msg["gen"])] = now
+                reason = f"generation {msg['gen']} announced ({msg.get('reason')})"
+            else:
+                self._wait_epoch += 1
+                reason = str(msg.get("reason") or msg["t"])
+            targets = [*self._children, *([self._comm] if self._comm is not None else [])]
+            self._children = []
+        for c in targets:
+            _quiet_abort(c, reason)
+
+    def _note_gen(self, msg: dict[str, Any]) -> None:
+        with self._lock:
+            self._newest_gen = max(self._newest_gen, int(msg["gen"]))
+        if self._pending is None or msg["gen"] > self._pending["gen"]:
+            self._pending = msg
+
+    def _drain(self) -> None:
+        while True:
+            ev = self._client.next_event(0)
+            if ev is None:
+                return
+            kind = ev["t"]
+            if kind == "gen":
+                self._note_gen(ev)
+            elif kind == "fatal":
+                self._raise_fatal()
+
+    def _report(self, reason: str) -> None:
+        """Tell the coordinator this generation is broken (once per generation; not if a newer one is known)."""
+        gen = self.generation
+        if gen and self._reported_gen != gen and self._newest_gen <= gen:
+            self._reported_gen = gen
+            self._client.send({"t": "fail", "gen": gen, "reason": reason[:300]})
+
+    def _settle(self, *, need_new: bool, timeout: float | None = None) -> None:
+        """Bring this member into the newest generation announced; with ``need_new`` wait for one newer than the
+        current (the current is broken). Failures while entering a generation wait for the next one."""
+        limit = self.config.reconfigure_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while True:
+            self._raise_fatal()
+            with self._lock:
+                epoch = self._wait_epoch
+            self._client.news.clear()
+            self._drain()
+            msg = self._pending
+            if msg is not None and msg["gen"] > max(self.generation, self._attempted):
+                self._attempted = int(msg["gen"])  # a generation is entered at most once (its store prefix is single-use)
+                if self._enter(msg, epoch, deadline):
+                    need_new = False
+                else:
+                    need_new = True
+                continue
+            if not need_new:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise QuorumLost(f"member {self.member_id}: no new generation within {limit}s after generation "
+                                 f"{self.generation} broke (is the coordinator's quorum reachable?)")
+            self._client.news.wait(min(remaining, 0.5))
+
+    def _enter(self, msg: dict[str, Any], epoch: int, deadline: float) -> bool:
+        """Build generation ``msg``'s Communicator, heal, run callbacks. False if interrupted or failed."""
+        gen = int(msg["gen"])
+        members = [int(m) for m in msg["members"]]
+        me = self.member_id
+        marks = {"start": time.monotonic()}
+        if gen in self._interrupt_at:
+            marks["interrupt"] = self._interrupt_at[gen]
+        if me not in members:
+            raise RemovedFromGroup(f"you were removed: member {me} is not in generation {gen} {members}")
+        if len(members) < self.config.min_size:
+            raise QuorumLost(f"generation {gen} has {len(members)} member(s), fewer than min_size="
+                             f"{self.config.min_size}")
+        with self._lock:
+            old, self._comm = self._comm, None
+            children, self._children = self._children, []
+        for c in [*children, *([old] if old is not None else [])]:
+            _quiet_abort(c, f"superseded by generation {gen}")
+        if self.fault_hook is not None:
+            self.fault_hook("reconfigure")
+        comm = self._build(gen, tuple(members), members.index(me), epoch, deadline)
+        if comm is None:
+            return False
+        self._gen = msg
+        self._pending = None
+        marks["built"] = time.monotonic()
+        healed: HealStats | None = None
+        joiners = [int(j) for j in msg["joiners"]]
+        donor = int(msg["donor"])
+        try:
+            if joiners and self._state_fn is not None:
+                healed = self._heal(comm, members, donor, joiners, int(msg["step"]))
+        except CommError as exc:
+            self._report(f"healing failed: {exc}")
+            return False
+        if me not in joiners and self._step != int(msg["step"]):
+            raise RuntimeError(f"member {me}: local committed step count {self._step} differs from generation "
+                               f"{gen}'s {msg['step']} (a commit was lost or applied twice: this is a bug)")
+        if me in joiners:
+            self._step = int(msg["step"])
+        marks["healed"] = time.monotonic()
+        info = Reconfiguration(
+            generation=gen, members=tuple(members), rank=members.index(me), size=len(members), step=self._step,
+            donor=donor, joiners=tuple(joiners), reason=str(msg.get("reason", "")), healed=healed, timings=marks,
+        )
+        self.reconfigurations.append(info)
+        for cb in self._callbacks.snapshot:
+            cb(info)
+        return True
+
+    def _build(self, gen: int, members: tuple[int, ...], rank: int, epoch: int,
+               deadline: float) -> Communicator | None:
+        """Connect generation ``gen``'s Communicator in a helper thread; give up (None) when a newer generation, a
+        quorum wait or a fatal error arrives first. An abandoned build is aborted when it finishes. Its ``ranks``
+        are the member ids."""
+        size = len(members)
+        cfg = self.config
+        box: dict[str, Any] = {}
+        done = threading.Event()
+        news = self._client.news
+
+        def build() -> None:
+            try:
+                # A store connection of its own: a TCPStore client serialises its requests, and an abandoned build
+                # may sit in a blocking get on its connection until the timeout.
+                store = dist.TCPStore(self._client.store_host, self._client.store_port, None, False,
+                                      timeout=timedelta(seconds=cfg.timeout_s))
+                c = Communicator(store, rank, size, backend=cfg.backend, name=f"{cfg.name}.g{gen}",
+                                 timeout=timedelta(seconds=cfg.timeout_s), device=cfg.device,
+                                 global_ranks=members)
+                c.register_post_hook(_quarantine_cancelled)
+                with self._lock:
+                    if box.get("abandoned"):
+                        _quiet_abort(c, "abandoned build")
+                    else:
+                        box["comm"] = c
+            except BaseException as exc:
+                box["error"] = exc
+            finally:
+                done.set()
+                news.set()
+
+        threading.Thread(target=build, name=f"torchnext-ft-build[g{gen}]", daemon=True).start()
+        while True:
+            with self._lock:
+                stale = self._newest_gen > gen or self._wait_epoch != epoch or self._client.fatal is not None
+                if stale or done.is_set():
+                    comm = box.get("comm")
+                    if stale:
+                        box["abandoned"] = True
+                        if comm is not None:
+                            _quiet_abort(comm, f"superseded before use (generation {gen})")
+                        return None
+                    if comm is not None:
+                        self._comm = comm
+                        return comm
+                    break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                box["abandoned"] = True
+                return None
+            news.clear()
+            if not done.is_set() and self._newest_gen <= gen:
+                news.wait(min(remaining, 0.5))
+        self._report(f"building generation {gen} failed: {box.get('error')}")
+        return None
+
+    def _heal(self, comm: Communicator, members: list[int], donor: int, joiners: list[int], step: int) -> HealStats | None:
+        me = self.member_id
+        assert self._state_fn is not None and self._load_fn is not None
+        droot = members.index(donor)
+        broadcast = len(joiners) > 1 and set(joiners) == set(members) - {donor}
+        if me == donor:
+            if self.fault_hook is not None:
+                self.fault_hook("healing")
+            state = self._state_fn()
+            if broadcast:
+                return send_state(comm, state, step=step, dst=None, chunk_bytes=self.config.heal_chunk_bytes)
+            stats = None
+            for j in joiners:
+                stats = send_state(comm, state, step=step, dst=members.index(j), chunk_bytes=self.config.heal_chunk_bytes)
+            return stats
+        if me in joiners:
+            with torch.no_grad():
+                state, got_step, stats = recv_state(comm, src=droot, broadcast=broadcast, into=self._state_fn())
+            if got_step != step:
+                raise RuntimeError(f"healing: donor {donor} sent step {got_step}, generation says {step}")
+            self._load_fn(state)
+            return stats
+        return None
+
+
+def _quiet_abort(comm: Communicator, reason: str) -> None:
+    try:
+        comm.abort(reason)
+    except Exception:  # a raising abort hook must not stop the reconfiguration
+        pass
+
+
+_QUARANTINED: list[Any] = []
+"""Storages taken away from the tensors of aborted ops: kept alive forever, because the abandoned backend may still
+write into them (freeing them would turn a late write into heap corruption)."""
+
+
+def _quarantine_cancelled(args: PostHookArgs) -> None:
+    """Post hook: give the tensors of an aborted op fresh storage, so the abandoned backend's late writes land in
+    the old storage (kept alive, never read again)."""
+    if args.status is not WorkStatus.ABORTED:
+        return
+    with torch.no_grad():
+        for t in args.info.outputs:
+            try:
+                _QUARANTINED.append(t.untyped_storage())
+                fresh = t.clone()
+                t.set_(fresh.untyped_storage(), fresh.storage_offset(), fresh.size(), fresh.stride())
+            except RuntimeError:
+                pass

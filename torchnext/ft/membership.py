@@ -1,0 +1,430 @@
+"""Membership with generations: who is in the group, decided by one place (the coordinator), fenced by number.
+
+This module is the coordinator's decision logic, free of sockets and threads (the server in
+:mod:`torchnext.ft.coordinator` feeds it events and delivers what it puts in ``outbox``), plus the configuration
+and the errors a member sees.
+
+Model
+-----
+* A **member** is one process, named by a stable int id (given by the process or assigned in join order). An id that
+  was removed is never accepted again: a restarted process joins as a new member.
+* A **generation** ``g`` is a sorted tuple of member ids. Ranks in generation ``g`` are ``members.index(id)``; the
+  Communicator of generation ``g`` is built under its own store prefix, so nothing of ``g - 1`` can leak into it.
+* The **committed step** counts the training steps every member of some generation completed and the coordinator
+  declared committed. It only grows, by one per decision.
+
+Quorum rule (what prevents split-brain)
+---------------------------------------
+1. Only the coordinator decides generations and commits; members never decide among themselves. A member that cannot
+   reach the coordinator stops (``CoordinatorLost``) instead of continuing alone.
+2. A generation is formed only with at least ``min_size`` live members, at least one of which holds the committed
+   state (a member of an earlier generation that committed a step, or the donor chosen at formation). With fewer,
+   the survivors wait up to ``quorum_timeout_s`` for joiners, then every member gets ``QuorumLost``.
+3. A step is committed only when **every** member of the current generation voted for it (two-phase commit). Votes
+   carry the generation, so a vote from a removed or stale member can never count.
+4. A removed member is **fenced**: its id is banned, its votes and reports are ignored, and the next message it reads
+   says "you were removed" (``RemovedFromGroup``). Survivors have abandoned the communicator it knew, and its next
+   generation name is never told to it, so it cannot corrupt the group even if it resumes mid-collective.
+
+Membership changes
+------------------
+* **shrink** (a member's connection closed, it missed heartbeats, or a member reported a failed collective): after
+  ``settle_s`` (to batch simultaneous failures) the coordinator pushes generation ``g + 1`` with the survivors
+  (plus pending joiners) and ``abort=True``: every survivor aborts its in-flight ops at once and rebuilds.
+* **grow** (a process joined): the joiner waits; the next commit decision carries generation ``g + 1`` (``next``),
+  so members switch between steps without aborting anything; the joiner heals from ``donor``. If no step commits
+  within ``grow_timeout_s`` the coordinator grows with ``abort=True`` instead (an idle or stuck group).
+* **finish** (a member of the generation says ``bye`` with ``done`` between steps, i.e. after its last commit): the
+  job is over at the committed step ``S``. From then on departures (finish, bye, a closed connection, silence) are
+  recorded as ``left_after_finish`` and change nothing — no generation, no abort, no quorum wait — so members can
+  leave in any order; the other members get a ``finished`` notice (a member already past step ``S`` stops); a vote for a later step is answered ``fatal`` with code ``finished`` (:class:`JobFinished`),
+  a join is rejected with code ``finished``, and members still waiting to join are told the same. A ``done`` bye
+  while a vote round is open (others already voted for the next step) is an ordinary leave.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "CoordinatorLost",
+    "JobFinished",
+    "MembershipConfig",
+    "MembershipError",
+    "Membership",
+    "QuorumLost",
+    "Rejected",
+    "RemovedFromGroup",
+]
+
+
+class MembershipError(RuntimeError):
+    """Base class of the fault-tolerance errors that end a member's participation (not retryable in place)."""
+
+
+class RemovedFromGroup(MembershipError):
+    """This member was removed from the group (it was declared failed, e.g. it missed heartbeats while stopped).
+
+    It must not continue training: restart the process so it joins as a new member and heals."""
+
+
+class CoordinatorLost(MembershipError):
+    """The coordinator closed the connection or stopped answering within the configured timeout."""
+
+
+class QuorumLost(MembershipError):
+    """Fewer than ``min_size`` members (or none holding the committed state) remained, and no joiner arrived in time."""
+
+
+class JobFinished(MembershipError):
+    """The job finished: a member declared the last step done (``FaultTolerant.finish``), so no later step can
+    commit and no process can join."""
+
+
+class Rejected(MembershipError):
+    """The coordinator refused a join: ``code`` is ``"auth"``, ``"removed"``, ``"duplicate"``, ``"bad_request"``,
+    ``"finished"`` or ``"fatal"``."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        self.code = code
+        self.reason = reason
+        super().__init__(f"join rejected ({code}): {reason}")
+
+
+@dataclass(kw_only=True)
+class MembershipConfig:
+    """Failure-detection and quorum policy, decided by the coordinator (members receive the heartbeat settings)."""
+
+    heartbeat_interval_s: float = 0.1
+    """Members send a heartbeat this often, from a dedicated thread that does nothing else."""
+    heartbeat_timeout_s: float = 0.6
+    """A member silent this long is declared failed (hung). A crash is seen earlier: its connection closes."""
+    min_size: int = 1
+    """Smallest generation allowed (quorum rule 2)."""
+    initial_size: int | None = None
+    """Members needed to form the first generation (None: ``min_size``)."""
+    settle_s: float = 0.005
+    """After a failure, wait this long for more failures before deciding (batches simultaneous crashes)."""
+    grow_timeout_s: float = 1.0
+    """A joiner waiting this long without a commit triggers a generation with ``abort=True``."""
+    quorum_timeout_s: float = 30.0
+    """Survivors below ``min_size`` wait this long for joiners before every member gets ``QuorumLost``."""
+    fence_linger_s: float = 60.0
+    """A removed (hung) member's connection is kept this long so that, if it resumes, it reads "you were removed"."""
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "grow_timeout_s", "quorum_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"MembershipConfig.{name} must be a positive number of seconds, got {value!r}")
+        if self.settle_s < 0 or self.fence_linger_s < 0:
+            raise ValueError("MembershipConfig.settle_s and fence_linger_s must be >= 0")
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"MembershipConfig.heartbeat_timeout_s={self.heartbeat_timeout_s} must be at least twice "
+                f"heartbeat_interval_s={self.heartbeat_interval_s} (one late heartbeat must not remove a member)"
+            )
+        if not isinstance(self.min_size, int) or self.min_size < 1:
+            raise ValueError(f"MembershipConfig.min_size must be an int >= 1, got {self.min_size!r}")
+        if self.initial_size is not None and (not isinstance(self.initial_size, int) or self.initial_size < self.min_size):
+            raise ValueError(
+                f"MembershipConfig.initial_size must be None or an int >= min_size={self.min_size}, got {self.initial_size!r}"
+            )
+
+
+@dataclass
+class _Member:
+    id: int
+    last_seen: float
+    step: int
+    joined_at: float
+    synced: bool = False
+    """Holds the committed state (committed a step in a generation, or was the formation donor)."""
+
+
+@dataclass
+class Membership:
+    """The coordinator's state machine. Call the event methods; then deliver ``outbox`` (``(member id, message)``),
+    close the connections in ``to_close`` and send "removed" on the ones in ``to_fence``; clear the three lists.
+
+    Reference of a shrink (no joiners)::
+
+        failure(m)  ->  after settle_s, in tick():  gen += 1; members = sorted(members - failed)
+                        outbox += [(s, {"t": "gen", "gen": gen, "members": members, "abort": True, ...}) for s in members]
+    """
+
+    config: MembershipConfig
+    gen: int = 0
+    members: tuple[int, ...] = ()
+    step: int = 0
+    live: dict[int, _Member] = field(default_factory=dict)
+    removed: dict[int, str] = field(default_factory=dict)
+    votes: set[int] = field(default_factory=set)
+    dead: set[int] = field(default_factory=set)
+    change_at: float | None = None
+    change_reasons: list[str] = field(default_factory=list)
+    waiting_since: float | None = None
+    last_commit_at: float = 0.0
+    last_commit_gen: int = 0
+    fatal: str | None = None
+    finished_step: int | None = None
+    """The committed step at which the first member finished (None while the job runs); see "finish" above."""
+    outbox: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    to_close: list[int] = field(default_factory=list)
+    to_fence: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """One record per join, failure, report, generation and first commit of a generation (``{"event": ..., "at":
+    time.monotonic(), ...}``): step ``s`` was committed by the last generation whose first commit is ``<= s``."""
+    _next_id: int = 0
+
+    # ------------------------------------------------------------------------------------------------ events
+    def join(self, requested: int | None, step: int, now: float) -> int:
+        """A process asks to join; returns its member id or raises :class:`Rejected`."""
+        if self.fatal is not None:
+            raise Rejected("fatal", f"the job has failed: {self.fatal}")
+        if self.finished_step is not None:
+            raise Rejected("finished", f"the job finished at step {self.finished_step}")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise Rejected("bad_request", f"step must be an int >= 0, got {step!r}")
+        if requested is None:
+            mid = self._next_id
+            while mid in self.live or mid in self.removed:
+                mid += 1
+        else:
+            if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
+                raise Rejected("bad_request", f"member id must be an int >= 0, got {requested!r}")
+            if requested in self.removed:
+                raise Rejected(
+                    "removed",
+                    f"you were removed: member {requested} was removed from the group ({self.removed[requested]}); "
+                    "a restarted process must join with a new member id",
+                )
+            if requested in self.live:
+                raise Rejected("duplicate", f"member id {requested} is already connected")
+            mid = requested
+        self._next_id = max(self._next_id, mid + 1)
+        self.live[mid] = _Member(mid, now, step, now)
+        self.history.append({"event": "join", "member": mid, "at": now})
+        self._maybe_form(now)
+        return mid
+
+    def heartbeat(self, mid: int, now: float) -> None:
+        m = self.live.get(mid)
+        if m is not None:
+            m.last_seen = now
+
+    def forgive(self, now: float) -> None:
+        """The coordinator itself stalled (its loop ran late): count every live member as just heard from."""
+        for m in self.live.values():
+            m.last_seen = max(m.last_seen, now)
+
+    def failure(self, mid: int, now: float, why: str, *, hung: bool) -> None:
+        """Member ``mid`` failed: its connection closed (``hung=False``) or it missed heartbeats (``hung=True``:
+        its connection is kept, fenced, so it learns it was removed if it resumes)."""
+        m = self.live.pop(mid, None)
+        if m is None:
+            return
+        if self.finished_step is not None:  # the job is over: a departure changes nothing
+            self.removed[mid] = f"left after the job finished ({why})"
+            self.history.append({"event": "left_after_finish", "member": mid, "why": why, "at": now})
+            self.to_close.append(mid)
+            return
+        self.removed[mid] = why
+        self.history.append({"event": "failure", "member": mid, "why": why, "hung": hung, "at": now})
+        if hung:
+            self.to_fence.append((mid, {"t": "removed", "gen": self.gen, "reason": why}))
+        else:
+            self.to_close.append(mid)
+        if mid in self.members:
+            self.dead.add(mid)
+            self._schedule_change(now, f"member {mid} {why}")
+
+    def leave(self, mid: int, now: float) -> None:
+        """Graceful exit (``bye``): like a failure, without the alarm."""
+        self.failure(mid, now, "left", hung=False)
+
+    def finish(self, mid: int, now: float) -> None:
+        """Member ``mid`` leaves at the end of the job (``bye`` with ``done``); see "finish" in the module docstring.
+        Outside a generation, or while a vote round is open, it is an ordinary :meth:`leave`."""
+        if mid not in self.live:
+            return
+        if self.finished_step is None and (self.votes or mid not in self.members or self.change_at is not None):
+            self.leave(mid, now)
+            return
+        if self.finished_step is None:
+            self.finished_step = self.step
+            self.change_at = None
+            self.change_reasons = []
+            self.waiting_since = None
+            for m in self.members:  # the others may still be finishing their loop: a notice, not an abort
+                if m != mid and m in self.live:
+                    self.outbox.append((m, {"t": "finished", "step": self.step, "by": mid}))
+            for j in self._joiners():  # processes waiting to join a job that is over
+                self.live.pop(j)
+                self.removed[j] = "the job finished before it joined"
+                self._tell_finished(j, f"member {mid} finished")
+                self.to_close.append(j)
+        self.live.pop(mid)
+        self.removed[mid] = f"finished at step {self.finished_step}"
+        self.history.append({"event": "finish", "member": mid, "step": self.finished_step, "at": now})
+        self.to_close.append(mid)
+
+    def report_failure(self, mid: int, gen: int, reason: str, now: float) -> None:
+        """A member's collective failed in generation ``gen``: regenerate (stale reports are ignored). After the job
+        finished there is nothing to regenerate: the member is told so."""
+        if self.finished_step is not None and mid in self.live:
+            self._tell_finished(mid, "no new generation")
+            return
+        if gen == self.gen and mid in self.members and mid in self.live:
+            self.history.append({"event": "report", "member": mid, "reason": reason, "at": now})
+            self._schedule_change(now, f"member {mid} reported a failed collective: {reason}")
+
+    def vote(self, mid: int, gen: int, step: int, now: float) -> None:
+        """Member ``mid`` completed step ``step``'s collectives in generation ``gen``."""
+        if self.finished_step is not None and mid in self.live:
+            self._tell_finished(mid, "no later step can commit")
+            return
+        if gen != self.gen or mid not in self.members or mid not in self.live:
+            return  # stale: a newer generation message is on its way to this member
+        if step != self.step:
+            self.outbox.append((mid, {
+                "t": "fatal", "code": "step_mismatch",
+                "reason": f"member {mid} voted for step {step} but the committed step count is {self.step}",
+            }))
+            return
+        self.votes.add(mid)
+        if self.votes.issuperset(self.members):
+            self._commit(now)
+
+    def next_deadline(self) -> float | None:
+        """The earliest pending timer (a settling change), for the server's wait; heartbeats are polled anyway."""
+        return self.change_at
+
+    def tick(self, now: float) -> None:
+        """Timers: heartbeat expiry, settled changes, quorum timeout, forced grow."""
+        cfg = self.config
+        for mid, m in list(self.live.items()):
+            silent = now - m.last_seen
+            if silent > cfg.heartbeat_timeout_s:
+                self.failure(mid, now, f"missed heartbeats for {silent:.3f}s (timeout {cfg.heartbeat_timeout_s}s)",
+                             hung=True)
+        if self.finished_step is not None:
+            return  # nothing to decide once the job is over (silent members were handled above)
+        if self.change_at is not None and now >= self.change_at:
+            self._reconfigure(now)
+        if self.waiting_since is not None and now - self.waiting_since > cfg.quorum_timeout_s:
+            self._fail_job("quorum_lost", f"only {len(self.live)} live member(s), fewer than min_size={cfg.min_size}, "
+                           f"and no joiner arrived within quorum_timeout_s={cfg.quorum_timeout_s}")
+        joiners = self._joiners()
+        if (self.gen and joiners and self.change_at is None and self.waiting_since is None
+                and now - max(self.last_commit_at, min(self.live[j].joined_at for j in joiners)) > cfg.grow_timeout_s):
+            self._new_generation(sorted({*self.members, *joiners}), f"grow (idle): joined {joiners}", now, abort=True)
+
+    # ------------------------------------------------------------------------------------------------ internals
+    def _joiners(self) -> list[int]:
+        return sorted(m for m in self.live if m not in self.members)
+
+    def _schedule_change(self, now: float, reason: str) -> None:
+        self.change_reasons.append(reason)
+        if self.change_at is None:
+            self.change_at = now + self.config.settle_s
+
+    def _maybe_form(self, now: float) -> None:
+        if self.gen == 0:
+            need = self.config.initial_size or self.config.min_size
+            if len(self.live) >= need:
+                self._new_generation(sorted(self.live), "initial", now, abort=False)
+        elif self.waiting_since is not None and len(self.live) >= self.config.min_size:
+            self._new_generation(sorted(self.live), "quorum regained: joined " + str(self._joiners()), now, abort=True)
+
+    def _reconfigure(self, now: float) -> None:
+        reason = "; ".join(self.change_reasons)
+        self.change_reasons = []
+        self.change_at = None
+        candidates = sorted(self.live)  # survivors of the generation + pending joiners
+        if len(candidates) >= self.config.min_size:
+            self._new_generation(candidates, reason, now, abort=True)
+            return
+        survivors = tuple(m for m in self.members if m in self.live)
+        self.members = survivors
+        self.dead.clear()
+        self.votes.clear()
+        if self.waiting_since is None:
+            self.waiting_since = now
+        msg = {"t": "wait", "gen": self.gen,
+               "reason": f"{reason}; {len(candidates)} member(s) left, min_size={self.config.min_size}: waiting "
+                         f"up to {self.config.quorum_timeout_s}s for joiners"}
+        self.history.append({"event": "wait", "at": now, "reason": msg["reason"]})
+        for m in candidates:
+            self.outbox.append((m, msg))
+
+    def _new_generation(
+        self, members: list[int], reason: str, now: float, *, abort: bool, notify: bool = True
+    ) -> dict[str, Any] | None:
+        synced = [m for m in members if self.live[m].synced]
+        if synced:
+            donor = min(synced)
+        elif self.gen == 0:  # formation: the member with the most committed steps (lowest id on ties) is the source
+            donor = max(members, key=lambda m: (self.live[m].step, -m))
+            self.live[donor].synced = True
+            self.step = self.live[donor].step
+        else:
+            self._fail_job("state_lost", f"every member holding the committed state failed ({reason})")
+            return None
+        self.gen += 1
+        self.members = tuple(members)
+        self.votes.clear()
+        self.dead.clear()
+        self.change_at = None
+        self.change_reasons = []
+        self.waiting_since = None
+        msg: dict[str, Any] = {
+            "t": "gen", "gen": self.gen, "members": list(members), "step": self.step, "donor": donor,
+            "joiners": [m for m in members if not self.live[m].synced], "abort": abort, "reason": reason,
+        }
+        self.history.append({"event": "generation", "gen": self.gen, "members": list(members), "reason": reason,
+                             "at": now, "abort": abort})
+        if notify:
+            for m in members:
+                self.outbox.append((m, msg))
+        return msg
+
+    def _commit(self, now: float) -> None:
+        old = self.members
+        decided = self.step
+        self.step += 1
+        self.votes.clear()
+        if self.last_commit_gen != self.gen:
+            self.last_commit_gen = self.gen
+            self.history.append({"event": "first_commit", "gen": self.gen, "step": decided, "at": now})
+        self.last_commit_at = now
+        for m in old:
+            self.live[m].synced = True
+        decision: dict[str, Any] = {"t": "decision", "gen": self.gen, "step": decided, "committed": self.step}
+        joiners = self._joiners()
+        if joiners and self.change_at is None:
+            nxt = self._new_generation(sorted({*old, *joiners}), f"grow: joined {joiners}", now, abort=False,
+                                       notify=False)
+            if nxt is not None:
+                decision["next"] = nxt
+                for j in joiners:
+                    self.outbox.append((j, nxt))
+        for m in old:
+            self.outbox.append((m, decision))
+
+    def _tell_finished(self, mid: int, why: str) -> None:
+        """Member ``mid`` learns that the job is over (a ``fatal`` with code ``finished``: ``JobFinished``)."""
+        self.outbox.append((mid, {"t": "fatal", "code": "finished",
+                                  "reason": f"the job finished at step {self.finished_step}: {why}"}))
+
+    def _fail_job(self, code: str, reason: str) -> None:
+        self.fatal = reason
+        self.history.append({"event": "fatal", "code": code, "reason": reason, "at": time.monotonic()})
+        for m in list(self.live):
+            self.outbox.append((m, {"t": "fatal", "code": code, "reason": reason}))
+            self.to_close.append(m)
+        self.live.clear()
+        self.waiting_since = None
+        self.change_at = None
