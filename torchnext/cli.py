@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from torchnext import __version__
+from torchnext._version import __version__
 
 __all__ = ["SUBCOMMANDS", "Subcommand", "build_parser", "main"]
 
