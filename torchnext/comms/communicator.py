@@ -243,7 +243,8 @@ class Communicator(CollectiveOps):
     @property
     def backend_handle(self) -> BackendHandle:
         """The connected backend (``.pg`` is the c10d object). Issuing on it directly bypasses op ids, hooks and
-        abort: use it only for what the Communicator does not offer."""
+        abort: use it only for what the Communicator does not offer. After ``shutdown()`` its ``.pg`` is None (the
+        backend was destroyed)."""
         return self._backend
 
     def __repr__(self) -> str:
@@ -345,8 +346,14 @@ class Communicator(CollectiveOps):
         backend = self._backend
         if self._error is not None:
             _abandon(backend)
-        elif backend.shutdown_fn is not None:
+            return
+        if backend.shutdown_fn is not None:
             backend.shutdown_fn()
+        # Destroy the backend here, on the calling thread: left to the garbage collector, its last reference could
+        # go on one of its own worker threads (a completion callback briefly holds a Work -> this communicator),
+        # whose destructor cannot join itself ("terminate called without an active exception").
+        self._pg = None
+        backend.pg = None
 
     # ------------------------------------------------------------------------------------------------ the engine
     # -------------------------------------------------------------------------------- peer-failure reports

@@ -7,7 +7,9 @@ cuda); torch then calls :func:`create` for every group it makes:
 * the default group: one Communicator per device type over torch's store -- Gloo for CPU tensors, NCCL for CUDA
   tensors when CUDA and NCCL are available (``TORCHNEXT_PG_CUDA_BACKEND``: ``nccl`` (default) or ``none``); a
   Flight Recorder records them (ring size ``TORCHNEXT_FR_BUFFER_SIZE``, else ``TORCH_FR_BUFFER_SIZE``, default
-  2000; 0 disables; automatic dumps to ``TORCHNEXT_FR_DUMP_DIR``, else the folder of ``TORCH_FR_DUMP_TEMP_FILE``);
+  2000; 0 disables; automatic dumps -- on a timeout, a peer failure, an error, ``abort()``, and ``SIGUSR1`` when
+  nothing else handles that signal -- to ``TORCHNEXT_FR_DUMP_DIR``, else the folder of ``TORCH_FR_DUMP_TEMP_FILE``,
+  as JSON and as the pickle torchfrtrace reads);
 * ``dist.new_group(ranks)``: a child of the default group's Communicators (``Communicator.child``, so the same
   recorder records it), over the store namespace torch gives the group; when the default group is not a torchnext
   one, fresh Communicators over that namespace.
@@ -17,6 +19,8 @@ Only torch's own bookkeeping knows the groups by name; we keep nothing global bu
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -42,7 +46,11 @@ def recorder(rank: int, world_size: int) -> FlightRecorder | None:
     capacity = cfg.pg_fr_buffer_size
     if capacity == 0:
         return None
-    rec = FlightRecorder(capacity, rank=rank, world_size=world_size, dump_dir=cfg.pg_fr_dump_dir)
+    rec = FlightRecorder(capacity, rank=rank, world_size=world_size, dump_dir=cfg.pg_fr_dump_dir,
+                         auto_dump_formats=("json", "pickle"))  # pickle: what torchfrtrace reads
+    if (cfg.pg_fr_dump_dir is not None and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL):
+        rec.enable_dump_on_signal(signal.SIGUSR1)  # only where nobody else handles it (its default: terminate)
     _RECORDER.append(rec)
     return rec
 
