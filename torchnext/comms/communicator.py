@@ -469,24 +469,24 @@ class Communicator(CollectiveOps):
                 work._done = _locked()  # (no such op today) several backend works: wait as below
             if len(backend_works) != 1:
                 work._pending = len(backend_works)
-            for bw in backend_works:
-                if has_future:
-                    try:
-                        fut = bw.get_future()
-                    except RuntimeError:
-                        self._wait_in_thread(bw, work, td)
-                    else:
-                        if self._interruptible and len(backend_works) == 1:
-                            # A thread that waits waits on it directly (Work.wait); the callback is attached
-                            # only if nobody waits (the watcher), or a wait outlasts its first slice.
-                            work._bw = bw
-                            work._fut = fut
-                            work._racy = True
-                            self._watcher().put(work)
+            if has_future and self._interruptible and len(backend_works) == 1:
+                # A thread that waits waits on the backend Work directly (Work.wait); its future (costly to create
+                # on Gloo) gets the completion callback only if nobody waits (the watcher) or a wait outlasts its
+                # first slice (Work._watch).
+                work._bw = work._fut = backend_works[0]
+                work._racy = True
+                self._watcher().put(work)
+            else:
+                for bw in backend_works:
+                    if has_future:
+                        try:
+                            fut = bw.get_future()
+                        except RuntimeError:
+                            self._wait_in_thread(bw, work, td)
                         else:
                             fut.add_done_callback(future_callback(work))
-                else:
-                    self._wait_in_thread(bw, work, td)
+                    else:
+                        self._wait_in_thread(bw, work, td)
             if async_op:
                 return work
             work.wait()

@@ -137,7 +137,7 @@ class Work:
         self._finalize: Callable[[], None] | None = None
         self._pending = 1
         self._bw: Any = None  # the backend Work a waiting thread may wait on directly (see wait())
-        self._fut: Any = None  # its future, until a completion callback is attached to it (see _watch)
+        self._fut: Any = None  # the backend Work whose future gets no completion callback yet (see _watch)
         self._racy = False  # completion may be observed twice (the backend's callback and a direct waiter)
         self._callbacks: list[Callable[[Work], object]] | None = None
         self._source: list[Any] | None = None  # recv from any source: [its backend Work]
@@ -304,6 +304,7 @@ class Work:
             self.status = status
             self._exc = exc
             self._t_end = time.perf_counter()
+            self._bw = self._fut = None  # no backend object outlives the op here (their destruction order matters)
             comm._in_flight.pop(self.op_id, None)
             if status is WorkStatus.ERROR or status is WorkStatus.TIMED_OUT:
                 if breaks_comm and comm._error is None and isinstance(exc, CommError):
@@ -334,10 +335,15 @@ class Work:
         away skip it -- the hand-off from the backend's thread to the waiter costs tens of microseconds -- so it is
         attached only when completion must be observed without a waiter: a wait that outlasts its first slice,
         ``add_done_callback``, or the communicator's watcher for ops nobody waited on (see ``Communicator``)."""
-        fut = self._fut
-        if fut is not None:
+        backend_work = self._fut
+        if backend_work is not None:
             self._fut = None
-            fut.add_done_callback(future_callback(self))
+            try:
+                fut = backend_work.get_future()
+            except RuntimeError:  # a Gloo Work without a future (reduce_scatter): the waiter thread watches it
+                self._comm._wait_in_thread(backend_work, self, None)
+            else:
+                fut.add_done_callback(future_callback(self))
 
     def _wait_backend(self, backend_work: Any) -> None:
         """A waiting thread's first look at an async op: wait on the backend Work itself for ``SYNC_WAIT_SLICE``
@@ -502,7 +508,7 @@ class UnwaitedWatcher:
                 return
             issued, work = item
             delay = issued + _GRACE_S - time.perf_counter()
-            if delay > 0 and (work.status is _IP or work.status is _NS):
+            if delay > 0:  # even for a finished op: one wake-up per grace period, never a loop racing the issuer
                 time.sleep(delay)
             if work.status is _IP or work.status is _NS:
                 work._watch()
