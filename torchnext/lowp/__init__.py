@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from torchnext.lowp.errors import DeterminismError, FormatDTypeError, FormatError
 from torchnext.lowp.formats import FORMATS, ElementKind, ElementSpec, Format, FormatSpec, ScaleKind, format_spec
+from torchnext.lowp.hadamard import inverse_rht, rht, rht_signs
 from torchnext.lowp.mm import (
                               ACTIVATIONS,
                               BackendUnavailable,
@@ -28,6 +29,7 @@ from torchnext.lowp.mm import (
 )
 from torchnext.lowp.nn import MXFP8Linear, NVFP4Linear, QuantizeReport, quantize_
 from torchnext.lowp.options import QuantOptions
+from torchnext.lowp.pair import quantize_pair
 from torchnext.lowp.quantize import dequantize, quantization_error, quantize
 from torchnext.lowp.scales import swizzle, unswizzle
 from torchnext.lowp.tensor import BlockScaledTensor
@@ -62,7 +64,11 @@ __all__ = [
     "dequantize",
     "format_spec",
     "quantization_error",
+    "inverse_rht",
     "quantize",
+    "quantize_pair",
+    "rht",
+    "rht_signs",
     "swizzle",
     "unswizzle",
 ]
