@@ -24,7 +24,7 @@ import torch
 
 from torchnext.lowp.errors import FormatError
 from torchnext.lowp.hadamard import RHT_SIZE
-from torchnext.lowp.training.ops import Copy, check_copy_shapes, train_cast, train_mm
+from torchnext.lowp.training.ops import Copy, bias_grad, check_copy_shapes, train_cast, train_mm
 from torchnext.lowp.training.recipe import Recipe
 
 __all__ = ["PrequantizedWeight", "lowp_linear"]
@@ -88,7 +88,7 @@ class _LowpLinearFn(torch.autograd.Function):
                 raise FormatError(f"lowp_linear: wgrad operands differ in length along M ({mdy} vs {mx})")
             dw = train_mm(*dyc, n, xc0, xc1, xc2, k, mx, None, fmt, w_dtype, backend)
         if need_db:
-            db = dy2.sum(0, dtype=torch.float32).to(b_dtype)
+            db = bias_grad(dy2, b_dtype)
         return dx, dw, db, None, None, None, None, None, None, None, None, None, None
 
 

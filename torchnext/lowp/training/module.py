@@ -112,9 +112,13 @@ class LowpTrainingLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise FormatError(f"LowpTrainingLinear({self.fqn}): input has {x.shape[-1]} features, expected {self.in_features}")
-        step = self.lowp_step.clone()
         if self.training and torch.is_grad_enabled():
+            # increment first, then derive this call's step arithmetically: a clone taken before the in-place add
+            # can be aliased to the mutated buffer by torch.compile (the saved step then reads one too many)
             self.lowp_step.add_(1)
+            step = self.lowp_step - 1
+        else:
+            step = self.lowp_step + 0
         return lowp_linear(
             x, self.weight, self.bias, recipe=self.recipe, step=step, rht_signs=self.rht_signs, seed=self.seed,
             layer=self.layer, quantizer=self.quantizer, backend=self.backend,

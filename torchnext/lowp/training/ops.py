@@ -41,7 +41,7 @@ from torchnext.lowp.quantize import quantize
 from torchnext.lowp.tensor import BlockScaledTensor
 from torchnext.lowp.training.recipe import Recipe
 
-__all__ = ["Copy", "check_copy_shapes", "col_length", "copy_operand", "flat_copy", "train_cast", "train_mm"]
+__all__ = ["Copy", "bias_grad", "check_copy_shapes", "col_length", "copy_operand", "flat_copy", "train_cast", "train_mm"]
 
 Copy = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """(codes uint8 (rows, kp / per_byte), scales uint8 (rows, kp / block), global decode scale 0-d fp32 or empty)."""
@@ -174,6 +174,18 @@ def _(a_codes: torch.Tensor, a_scales: torch.Tensor, a_global: torch.Tensor, a_r
       w_codes: torch.Tensor, w_scales: torch.Tensor, w_global: torch.Tensor, w_rows: int,
       k: int, bias: torch.Tensor | None, fmt: str, out_dtype: torch.dtype, backend: str) -> torch.Tensor:
     return a_codes.new_empty(a_rows, w_rows, dtype=out_dtype)
+
+
+@custom_op("torchnext_lowp::bias_grad", mutates_args=())
+def bias_grad(dy: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``dy.sum(0)`` accumulated in fp32, cast to ``out_dtype`` (an op so a compiled backward sums in the eager
+    order: the bias gradient of a compiled layer equals eager bit for bit)."""
+    return dy.sum(0, dtype=torch.float32).to(out_dtype)
+
+
+@bias_grad.register_fake
+def _(dy: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return dy.new_empty(dy.shape[1], dtype=out_dtype)
 
 
 def check_copy_shapes(c: Copy, spec: FormatSpec, rows: int, k: int) -> None:
