@@ -10,6 +10,8 @@ docs/lowp_training.md.
 """
 
 from torchnext.lowp.training.function import lowp_linear as lowp_linear
+from torchnext.lowp.training.grouped import LowpGroupedLinear as LowpGroupedLinear
+from torchnext.lowp.training.grouped import lowp_grouped_mm as lowp_grouped_mm
 from torchnext.lowp.training.module import LowpTrainingLinear as LowpTrainingLinear
 from torchnext.lowp.training.module import bf16_tail_filter as bf16_tail_filter
 from torchnext.lowp.training.module import convert_to_lowp_training as convert_to_lowp_training
@@ -17,10 +19,12 @@ from torchnext.lowp.training.recipe import Operand as Operand
 from torchnext.lowp.training.recipe import Recipe as Recipe
 
 __all__ = [
+    "LowpGroupedLinear",
     "LowpTrainingLinear",
     "Operand",
     "Recipe",
     "bf16_tail_filter",
     "convert_to_lowp_training",
+    "lowp_grouped_mm",
     "lowp_linear",
 ]
