@@ -62,7 +62,9 @@ def global_scales(
     if not isinstance(opts.global_scale, bool):
         dec = torch.tensor(opts.global_scale, dtype=torch.float32, device=x.device)
         return dec, 1.0 / dec
-    if x.numel():
+    if opts.amax is not None:
+        amax = opts.amax.to(x.device)
+    elif x.numel():
         lo, hi = torch.aminmax(x)  # one pass in the input dtype (no fp32 copy); NaN propagates
         amax = torch.maximum(hi, -lo).float()
     else:
