@@ -9,6 +9,7 @@ Hadamard transform and stochastic rounding for NVFP4) and runs fprop, dgrad and 
 docs/lowp_training.md.
 """
 
+from torchnext.lowp.training.fsdp import enable_fsdp_lowp_all_gather as enable_fsdp_lowp_all_gather
 from torchnext.lowp.training.function import lowp_linear as lowp_linear
 from torchnext.lowp.training.grouped import LowpGroupedLinear as LowpGroupedLinear
 from torchnext.lowp.training.grouped import lowp_grouped_mm as lowp_grouped_mm
@@ -25,6 +26,7 @@ __all__ = [
     "Recipe",
     "bf16_tail_filter",
     "convert_to_lowp_training",
+    "enable_fsdp_lowp_all_gather",
     "lowp_grouped_mm",
     "lowp_linear",
 ]
