@@ -16,6 +16,7 @@ from torchnext.lowp.training.grouped import lowp_grouped_mm as lowp_grouped_mm
 from torchnext.lowp.training.module import LowpTrainingLinear as LowpTrainingLinear
 from torchnext.lowp.training.module import bf16_tail_filter as bf16_tail_filter
 from torchnext.lowp.training.module import convert_to_lowp_training as convert_to_lowp_training
+from torchnext.lowp.training.module import set_lowp_step as set_lowp_step
 from torchnext.lowp.training.recipe import Operand as Operand
 from torchnext.lowp.training.recipe import Recipe as Recipe
 
@@ -29,4 +30,5 @@ __all__ = [
     "enable_fsdp_lowp_all_gather",
     "lowp_grouped_mm",
     "lowp_linear",
+    "set_lowp_step",
 ]
