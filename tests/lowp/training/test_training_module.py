@@ -193,6 +193,6 @@ def test_set_lowp_step_realigns_replicas_that_retried_a_step() -> None:
         nn.functional.cross_entropy(mod(ids).reshape(-1, 50), ids.reshape(-1)).backward()
         grads.append([p.grad.clone() for p in mod.parameters() if p.grad is not None])
     assert all(torch.equal(x, y) for x, y in zip(*grads, strict=True))
-    assert int(a.blocks[0].qkv.lowp_step) == int(b.blocks[0].qkv.lowp_step) == 8
+    assert int(a.blocks[0].qkv.lowp_step) == int(b.blocks[0].qkv.lowp_step) == 7 * 2**20 + 1
     with pytest.raises(ValueError, match="step"):
         set_lowp_step(a, -1)

@@ -9,7 +9,8 @@ buffers to the state dict:
 * ``lowp_step`` (0-d int64): counts the layer's training forward calls (grad enabled, ``module.training``); the step
   part of its stochastic-rounding seeds. Replicas that run the same schedule count alike; a loop that retries
   steps (fault tolerance) or heals replicas calls :func:`set_lowp_step` with its step number before each attempt,
-  so every replica draws the same streams whatever happened before (with ``n`` microbatches: ``step * n``).
+  so every replica draws the same streams whatever happened before: it sets the counter to ``step * 2**20``, so
+  the calls within a step (microbatches, an expert called several times) never reuse another step's streams.
 * ``lowp_seed`` (0-d int64): the model seed the layer draws from (a loaded checkpoint continues its streams).
 * ``rht_signs`` (16 fp32 +/-1, recipes with RHT): drawn from ``stream_seed(seed, layer)`` with ``layer =
   crc32(fqn)``: the same on every rank, kept so a loaded checkpoint keeps its transform.
@@ -141,20 +142,24 @@ def _fill_missing_lowp_buffers(
             state_dict[prefix + name] = buf.detach().clone()
 
 
+CALLS_PER_STEP = 1 << 20
+"""Forward calls a layer may make within one training step before it would reach the next step's streams."""
+
+
 def set_lowp_step(model: nn.Module, step: int) -> int:
-    """Set the ``lowp_step`` counter of every low-precision training layer in ``model`` to ``step`` (the step
-    part of their stochastic-rounding seeds); returns how many layers were set.
+    """Start training step ``step``: every low-precision training layer's ``lowp_step`` counter becomes
+    ``step * CALLS_PER_STEP`` (then counts that step's forward calls); returns how many layers were set.
 
     Raises:
-        ValueError: ``step`` is not an int in [0, 2**63).
+        ValueError: ``step`` is not an int in [0, 2**43).
     """
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
-        raise ValueError(f"step must be an int in [0, 2**63), got {step!r}")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63 // CALLS_PER_STEP:
+        raise ValueError(f"step must be an int in [0, 2**43), got {step!r}")
     n = 0
     for mod in model.modules():
         buf = getattr(mod, "lowp_step", None)
         if isinstance(buf, torch.Tensor) and buf.dtype == torch.int64 and buf.dim() == 0:
-            buf.fill_(step)
+            buf.fill_(step * CALLS_PER_STEP)
             n += 1
     return n
 
