@@ -121,7 +121,7 @@ def section_step(reps: int, quick: bool) -> dict[str, Any]:
         x = torch.randn(*shape, generator=g)
         dy = torch.randn(*shape, generator=g)
 
-        def step(m: nn.Module) -> Callable[[], None]:
+        def step(m: nn.Module, x: torch.Tensor = x, dy: torch.Tensor = dy) -> Callable[[], None]:
             def run() -> None:
                 xx = x.detach().requires_grad_()
                 m(xx).backward(dy)
