@@ -6,8 +6,9 @@ Run: ``python benchmarks/lowp/bench_training.py [--reps 7] [--quick] [--only ste
 * ``step``: one forward + backward (+ no optimizer) of (a) an MLP (Linear d -> 4d -> d, GELU) and (b) a transformer
   block (LayerNorm, qkv, SDPA, proj, MLP), M = batch x seq tokens: fp32 ``nn`` modules; torchao 0.18's
   ``MXFP8TrainingOpConfig`` EMULATED RCEIL (``quantize_``); ours converted with ``Recipe.MXFP8`` and
-  ``Recipe.NVFP4`` (scaled_mm backend ``eager``). Same weights and inputs, timed interleaved round by round (so
-  background load hits all alike): medians and ratios.
+  ``Recipe.NVFP4``, each with the scaled_mm backends ``eager`` (fp32 GEMMs on the decoded operands) and
+  ``eager_bf16`` (the operands decoded exactly to bf16, bf16 GEMMs). Same weights and inputs, timed interleaved
+  round by round (so background load hits all alike): medians and ratios.
 * ``casts``: ``quantize_pair`` (both copies of one (M, K) activation, the wgrad copy with RHT under NVFP4) vs
   torchao's two MXFP8 casts (``to_mx`` of X and of X.T), in ms and input GB/s (bytes of X read per call).
 
@@ -102,9 +103,10 @@ def _variants(make: Callable[[], nn.Module]) -> dict[str, nn.Module]:
     except Exception as exc:  # the peer is optional
         print(f"  torchao peer unavailable: {type(exc).__name__}: {exc}")
     for name, recipe in (("ours_mxfp8", Recipe.MXFP8), ("ours_nvfp4", Recipe.NVFP4)):
-        m = make()
-        m.load_state_dict(base.state_dict())
-        out[name] = convert_to_lowp_training(m, recipe, seed=1, backend="eager")
+        for backend in ("eager", "eager_bf16"):
+            m = make()
+            m.load_state_dict(base.state_dict())
+            out[f"{name} ({backend})"] = convert_to_lowp_training(m, recipe, seed=1, backend=backend)
     return out
 
 
@@ -188,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
     ap.add_argument("--only", choices=sorted(SECTIONS), action="append")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     report: dict[str, Any] = {"env": header()}
     for name in args.only or list(SECTIONS):
         report[name] = SECTIONS[name](args.reps, args.quick)
