@@ -12,8 +12,8 @@ So it multiplies the same numbers as ``eager`` but rounds each output element on
 <= 2**-9) before the epilogue — the output precision of the hardware low-precision GEMMs with a bf16 output. The
 bf16 GEMM runs at ~4-5x the fp32 one on this CPU (AVX512-BF16). Only exact for products of at least 2**-133 (E5M2
 subnormals times E8M0 scales below 2**-117 flush; see :mod:`torchnext.lowp.mm.decode`). Dense operands are
-declined (their bf16 cast would not be exact). Whether ``"auto"`` picks it is up to the autotuner's accuracy check:
-it passes for 16-bit outputs, not always for fp32 ones.
+declined (their bf16 cast would not be exact). Opt-in (``backend="eager_bf16"``): the autotuner never picks it,
+since it rounds outputs that ``"auto"`` promises at the other backends' (fp32) accuracy.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ _EXACT = frozenset({"nvfp4", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4"})
 
 class EagerBF16Backend:
     name = KernelBackend.EAGER_BF16.value
-    autotune_candidate = True
+    autotune_candidate = False  # opt-in: it changes results (bf16 outputs), so "auto" never picks it
 
     def capability(self) -> Capability:
         return Capability(
