@@ -6,6 +6,11 @@ semantics)::
     quantize_blocks(x2 (n, B) float, spec, opts, scale_inputs, noise) -> (codes (n, B / per_byte), scales (n,))
     dequantize_blocks(codes, scales (n,), spec, global_decode, dtype) -> (n, B) values
 
+``noise`` is None (RNE), an ``(n, B)`` fp32 tensor of uniform draws, or a :class:`~torchnext.lowp.rng.CounterNoise`
+``(seed, offset)``: the draw of ``x2[r, j]`` is ``rng.uniform(seed, offset + r * B + j)``, which a kernel may
+compute in-kernel. A module may also offer ``quantize_pair_blocks`` (both training copies of a 2-D tensor from one
+read); :func:`torchnext.lowp.quantize_pair` documents that contract and uses it when present.
+
 Built in: ``reference`` (the definitions written plainly: the oracle), ``eager`` (vectorized torch ops on cache-sized
 chunks; what ``"auto"`` picks) and ``triton`` (one fused GPU kernel; imported only when asked for). The public
 entry points that choose a kernel are :func:`torchnext.lowp.quantize` / :func:`torchnext.lowp.dequantize`

@@ -7,6 +7,8 @@ lazily (first registry query), so ``import torchnext.lowp`` imports no compiler:
 ==============  ===========================================================================================
 ``reference``   dequantize → fp64 matmul → fp64 epilogue (rounded to fp32): the oracle, never auto-selected
 ``eager``       fast eager dequantize (byte LUT) → ``F.linear`` (fp32) → eager epilogue; everywhere
+``eager_bf16``  block-scaled operands decoded exactly to bf16 → one bf16 GEMM (output rounded to bf16) → fp32
+                epilogue; everywhere
 ``aten``        ``torch._scaled_mm`` with block scales (CUDA sm_100+), ``F.linear`` for dense operands
 ``inductor``    ``torch.compile``-generated kernels: decode + reduction + epilogue fused (GEMV for tiny M),
                 fused dequantize → mm → fused epilogue + amax otherwise; CPU and GPU
@@ -52,6 +54,7 @@ class KernelBackend(str, enum.Enum):
 
     REFERENCE = "reference"
     EAGER = "eager"
+    EAGER_BF16 = "eager_bf16"
     ATEN = "aten"
     INDUCTOR = "inductor"
     TRITON = "triton"
@@ -142,6 +145,7 @@ BACKENDS: dict[str, Backend] = {}
 _BUILTIN_MODULES = {
     KernelBackend.REFERENCE: "torchnext.lowp.mm.backends.reference",
     KernelBackend.EAGER: "torchnext.lowp.mm.backends.eager",
+    KernelBackend.EAGER_BF16: "torchnext.lowp.mm.backends.eager_bf16",
     KernelBackend.ATEN: "torchnext.lowp.mm.backends.aten",
     KernelBackend.INDUCTOR: "torchnext.lowp.mm.backends.inductor",
     KernelBackend.TRITON: "torchnext.lowp.mm.backends.triton",
