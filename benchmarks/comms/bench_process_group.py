@@ -64,7 +64,7 @@ def _ddp_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> 
     return step
 
 
-def _rank_main(ctx: RankContext, reps: int, step_reps: int) -> dict[str, Any]:
+def _rank_main(ctx: RankContext, reps: int, step_reps: int, only: list[str]) -> dict[str, Any]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -79,13 +79,13 @@ def _rank_main(ctx: RankContext, reps: int, step_reps: int) -> dict[str, Any]:
     gloo = dist.new_group(list(range(ctx.world_size)), backend="gloo")
     out: dict[str, Any] = {}
 
-    for nbytes in (4, 1 << 20, 16 << 20):
+    for nbytes in (4, 1 << 20, 16 << 20) if "collectives" in only else ():
         x = torch.ones(max(1, nbytes // 4))
         n = reps if nbytes <= 4096 else max(9, reps // 20)
         out[f"all_reduce {nbytes}B"] = _abba({"gloo": lambda x=x: dist.all_reduce(x, group=gloo),
                                              "torchnext": lambda x=x: dist.all_reduce(x, group=ours)}, n)
 
-    for label, width, depth in (("4MiB", 512, 4), ("64MiB", 2048, 4)):
+    for label, width, depth in (("4MiB", 512, 4), ("64MiB", 2048, 4)) if "ddp" in only else ():
         steps = {}
         for name, group in (("gloo", gloo), ("torchnext", ours)):
             model = nn.parallel.DistributedDataParallel(_mlp(width, depth), process_group=group)
@@ -94,7 +94,7 @@ def _rank_main(ctx: RankContext, reps: int, step_reps: int) -> dict[str, Any]:
         out[f"DDP step {label}"] = _abba(steps, step_reps)
 
     steps = {}
-    for name, group in (("gloo", gloo), ("torchnext", ours)):
+    for name, group in (("gloo", gloo), ("torchnext", ours)) if "fsdp" in only else ():
         mesh = DeviceMesh.from_group(group, "cpu")
         model = _mlp(1024, 4)
         for layer in model:
@@ -102,7 +102,8 @@ def _rank_main(ctx: RankContext, reps: int, step_reps: int) -> dict[str, Any]:
         fully_shard(model, mesh=mesh)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         steps[name] = _ddp_step(model, opt, torch.randn(8, 1024))
-    out["FSDP2 step 16MiB"] = _abba(steps, step_reps)
+    if steps:
+        out["FSDP2 step 16MiB"] = _abba(steps, step_reps)
     out["recorded"] = len(comm.flight_recorder.entries())
     dist.destroy_process_group()
     return out
@@ -113,11 +114,13 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--reps", type=int, default=400, help="samples per side for small all_reduces")
     parser.add_argument("--step-reps", type=int, default=15, help="samples per side for training steps")
+    parser.add_argument("--only", nargs="+", choices=["collectives", "ddp", "fsdp"],
+                        default=["collectives", "ddp", "fsdp"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, torchnext {torchnext.__version__}, python {platform.python_version()}, "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, world size {args.world_size}", flush=True)
-    results = run_ranks(_rank_main, args.world_size, args=(args.reps, args.step_reps), timeout=3600)
+    results = run_ranks(_rank_main, args.world_size, args=(args.reps, args.step_reps, args.only), timeout=3600)
     rank0 = results[0]
     rows = []
     print(f"{'case':22s} {'gloo':>12s} {'torchnext':>12s} {'ratio':>7s} {'added':>10s}")
