@@ -50,6 +50,9 @@ class EnvConfig:
     ft_token: str | None = None
     """``TORCHNEXT_FT_TOKEN``: the job token members present to the coordinator (a shared secret)."""
 
+    ft_replica_group: int = -1
+    """``TORCHNEXT_FT_REPLICA_GROUP``: this process's replica group id (-1: none given, a group of its own)."""
+
     huge_pages: int = 1
     """``TORCHNEXT_HUGE_PAGES``: ``1`` asks Linux for transparent huge pages on the large CPU outputs torchnext
     allocates itself (``madvise(MADV_HUGEPAGE)``, see :mod:`torchnext.lowp.workspace`); ``0`` never does."""
@@ -78,6 +81,7 @@ ENV_VARS = {
     "autotune_cache": "TORCHNEXT_AUTOTUNE_CACHE",
     "ft_coordinator": "TORCHNEXT_FT_COORDINATOR",
     "ft_token": "TORCHNEXT_FT_TOKEN",
+    "ft_replica_group": "TORCHNEXT_FT_REPLICA_GROUP",
     "huge_pages": "TORCHNEXT_HUGE_PAGES",
     "pg_cuda_backend": "TORCHNEXT_PG_CUDA_BACKEND",
     "pg_fr_buffer_size": "TORCHNEXT_FR_BUFFER_SIZE",

@@ -4,13 +4,16 @@ A layer above :mod:`torchnext.comms`: the :class:`Coordinator` (the job's TCPSto
 :mod:`~torchnext.ft.membership`) decides generations; each member's :class:`FaultTolerant` talks to it
 (:mod:`~torchnext.ft.member`, line-delimited JSON over TCP: :mod:`~torchnext.ft._wire`), builds one Communicator per
 generation, commits steps in two phases (:class:`Step`) and heals joiners from a donor (:mod:`~torchnext.ft.healing`).
-See docs/fault_tolerance.md.
+A member may be one rank of a *replica group* (the failure domain); the replicate dimension is one stable torch
+process group (:class:`FaultTolerantProcessGroup`, ``ft.process_group``) on which torch's DDP
+(:class:`DistributedDataParallel`) and FSDP2's HSDP (:func:`device_mesh`) run. See docs/fault_tolerance.md.
 """
 
 from torchnext.ft.config import FaultTolerantConfig as FaultTolerantConfig
 from torchnext.ft.config import Reconfiguration as Reconfiguration
 from torchnext.ft.coordinator import Coordinator as Coordinator
 from torchnext.ft.coordinator import CoordinatorConfig as CoordinatorConfig
+from torchnext.ft.ddp import DistributedDataParallel as DistributedDataParallel
 from torchnext.ft.fault_tolerant import FaultTolerant as FaultTolerant
 from torchnext.ft.healing import HealingError as HealingError
 from torchnext.ft.healing import HealStats as HealStats
@@ -20,14 +23,18 @@ from torchnext.ft.membership import MembershipConfig as MembershipConfig
 from torchnext.ft.membership import MembershipError as MembershipError
 from torchnext.ft.membership import QuorumLost as QuorumLost
 from torchnext.ft.membership import RemovedFromGroup as RemovedFromGroup
+from torchnext.ft.mesh import device_mesh as device_mesh
+from torchnext.ft.process_group import FaultTolerantProcessGroup as FaultTolerantProcessGroup
 from torchnext.ft.step import Step as Step
 
 __all__ = [
     "Coordinator",
     "CoordinatorConfig",
     "CoordinatorLost",
+    "DistributedDataParallel",
     "FaultTolerant",
     "FaultTolerantConfig",
+    "FaultTolerantProcessGroup",
     "HealStats",
     "HealingError",
     "JobFinished",
@@ -37,4 +44,5 @@ __all__ = [
     "Reconfiguration",
     "RemovedFromGroup",
     "Step",
+    "device_mesh",
 ]

@@ -35,7 +35,16 @@ class FaultTolerantConfig:
     """Silence from the coordinator (it pings every heartbeat interval) after which ``CoordinatorLost`` is raised."""
     heal_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     name: str = "ft"
-    """Communicator name prefix; generation g is named ``<name>.g<g>``."""
+    """Communicator name prefix; generation g is named ``<name>.g<g>`` (``<name>.g<g>.r<rank>`` in replica groups
+    of more than one rank: one replicate Communicator per group rank)."""
+    replica_group: int | None = None
+    """This process's replica group -- the failure domain whose ranks share fate -- or None: a group of its own
+    (``TORCHNEXT_FT_REPLICA_GROUP``). One ``torchrun --nproc-per-node S`` per group: group id per torchrun job."""
+    group_rank: int | None = None
+    """Rank within the replica group (None: torchrun's ``RANK`` when ``replica_group`` is set, else 0)."""
+    group_size: int | None = None
+    """Ranks per replica group, the same for every group (None: torchrun's ``WORLD_SIZE`` when ``replica_group`` is
+    set, else 1)."""
 
     def __post_init__(self) -> None:
         for f in ("timeout_s", "join_timeout_s", "reconfigure_timeout_s", "connect_timeout_s", "coordinator_timeout_s"):
@@ -46,6 +55,43 @@ class FaultTolerantConfig:
             raise ValueError(f"FaultTolerantConfig.min_size must be an int >= 1, got {self.min_size!r}")
         if self.heal_chunk_bytes <= 0:
             raise ValueError(f"FaultTolerantConfig.heal_chunk_bytes must be positive, got {self.heal_chunk_bytes}")
+        for f, low in (("replica_group", 0), ("group_rank", 0), ("group_size", 1)):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+                raise ValueError(f"FaultTolerantConfig.{f} must be None or an int >= {low}, got {v!r}")
+        if self.group_rank is not None and self.group_size is not None and self.group_rank >= self.group_size:
+            raise ValueError(f"FaultTolerantConfig.group_rank={self.group_rank} must be < group_size={self.group_size}")
+
+    def check_timeouts(self, *, heartbeat_interval_s: float, heartbeat_timeout_s: float,
+                       quorum_timeout_s: float | None, grow_timeout_s: float | None) -> None:
+        """The timeout hierarchy, checked against the coordinator's settings when joining (docs/fault_tolerance.md).
+        Each rule names the two values it compares::
+
+            coordinator_timeout_s  >  2 * heartbeat_interval_s   # one late ping never ends membership
+            timeout_s              >  heartbeat_timeout_s         # a hang is removed before an op times out on it
+            reconfigure_timeout_s  >= quorum_timeout_s            # members outwait the coordinator's quorum wait
+            join_timeout_s         >  grow_timeout_s              # a joiner outwaits the coordinator's forced grow
+
+        Raises:
+            ValueError: a rule is broken (healing or reconfiguration would otherwise dead-lock or give up early).
+        """
+        rules = [
+            ("coordinator_timeout_s", self.coordinator_timeout_s, ">", "2 * heartbeat_interval_s",
+             2 * heartbeat_interval_s, "the member would declare the coordinator lost after one late ping"),
+            ("timeout_s", self.timeout_s, ">", "heartbeat_timeout_s", heartbeat_timeout_s,
+             "a hung member must be removed before the survivors' ops time out on it"),
+        ]
+        if quorum_timeout_s is not None:
+            rules.append(("reconfigure_timeout_s", self.reconfigure_timeout_s, ">=", "quorum_timeout_s",
+                          quorum_timeout_s, "members would give up while the coordinator still waits for joiners"))
+        if grow_timeout_s is not None:
+            rules.append(("join_timeout_s", self.join_timeout_s, ">", "grow_timeout_s", grow_timeout_s,
+                          "a joiner would give up before the coordinator grows the group to admit it"))
+        for name, value, rel, other, bound, why in rules:
+            ok = value > bound if rel == ">" else value >= bound
+            if not ok:
+                raise ValueError(f"timeout hierarchy: FaultTolerantConfig.{name}={value} must be {rel} the "
+                                 f"coordinator's {other}={bound} ({why})")
 
 
 @dataclass(frozen=True)
@@ -54,8 +100,11 @@ class Reconfiguration:
 
     generation: int
     members: tuple[int, ...]
+    """Every member of the generation (all ranks of all replica groups), sorted."""
     rank: int
+    """This replica group's rank among the generation's groups (= the rank in the replicate Communicator)."""
     size: int
+    """Number of replica groups in the generation."""
     step: int
     donor: int
     joiners: tuple[int, ...]
@@ -65,3 +114,5 @@ class Reconfiguration:
     timings: dict[str, float] = field(default_factory=dict)
     """``time.monotonic()`` marks: ``interrupt`` (heartbeat thread got the generation; absent for a grow),
     ``start``, ``built``, ``healed``."""
+    groups: tuple[tuple[int, ...], ...] = ()
+    """The generation's replica groups (member ids by group rank), in rank order."""

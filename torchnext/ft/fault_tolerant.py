@@ -124,11 +124,19 @@ class FaultTolerant:
         built and ``"healing"`` on the donor before it streams state."""
         self.commit_times: deque[tuple[int, int, float]] = deque(maxlen=100_000)
         """``(generation, committed step count, time.monotonic())`` of the last 100,000 commits on this member."""
+        self.replica_group, self.group_rank, self.group_size = _replica_group(cfg, env.ft_replica_group)
+        self._local_groups: list[Any] = []  # aborted when this member's group is removed (see register_local_group)
+        self._process_group: Any = None
         self._client = MemberClient(
             address, token, member_id=cfg.member_id, step=step, connect_timeout_s=cfg.connect_timeout_s,
             coordinator_timeout_s=cfg.coordinator_timeout_s, on_interrupt=self._on_interrupt,
+            replica_group=self.replica_group, group_rank=self.group_rank, group_size=self.group_size,
         )
         try:
+            cfg.check_timeouts(heartbeat_interval_s=self._client.heartbeat_interval_s,
+                               heartbeat_timeout_s=self._client.heartbeat_timeout_s,
+                               quorum_timeout_s=self._client.quorum_timeout_s,
+                               grow_timeout_s=self._client.grow_timeout_s)
             self._settle(need_new=True, timeout=cfg.join_timeout_s)
         except BaseException:
             self.close()
@@ -153,16 +161,25 @@ class FaultTolerant:
 
     @property
     def members(self) -> tuple[int, ...]:
-        """Member ids of the current generation, sorted (rank i is ``members[i]``)."""
+        """Member ids of the current generation (every rank of every replica group), sorted."""
         return () if self._gen is None else tuple(self._gen["members"])
 
     @property
+    def replica_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The current generation's replica groups (member ids by group rank), in rank order."""
+        if self._gen is None:
+            return ()
+        return tuple(tuple(int(m) for m in g) for g in _groups(self._gen))
+
+    @property
     def rank(self) -> int:
-        return self.members.index(self.member_id)
+        """This replica group's rank in the current generation (= this member's rank in :attr:`comm`)."""
+        return next(i for i, g in enumerate(self.replica_groups) if self.member_id in g)
 
     @property
     def size(self) -> int:
-        return len(self.members)
+        """Number of replica groups in the current generation (= the size of :attr:`comm`)."""
+        return len(self.replica_groups)
 
     @property
     def step_count(self) -> int:
@@ -189,6 +206,26 @@ class FaultTolerant:
             with self._lock:
                 self._children.append(child)
         return child
+
+    def register_local_group(self, group: Any) -> None:
+        """Abort ``group`` (a Communicator or a torchnext process group: this replica group's own, e.g. its FSDP
+        shard group) when this member's replica group is removed or membership ends, so that an op blocked on a
+        lost sibling raises instead of waiting for its timeout."""
+        if not hasattr(group, "abort"):
+            raise TypeError(f"register_local_group: {group!r} has no abort()")
+        with self._lock:
+            self._local_groups.append(group)
+
+    @property
+    def process_group(self) -> Any:
+        """The replicate dimension as a ``torch.distributed`` process group: one stable object across generations
+        (DDP, FSDP2 and DeviceMesh hold on to it) whose ``size()`` is the live number of replica groups; see
+        :class:`torchnext.ft.FaultTolerantProcessGroup`."""
+        if self._process_group is None:
+            from torchnext.ft.process_group import FaultTolerantProcessGroup
+
+            self._process_group = FaultTolerantProcessGroup(self)
+        return self._process_group
 
     def on_reconfigure(self, callback: Callable[[Reconfiguration], object]) -> RemovableHandle:
         """Call ``callback(Reconfiguration)`` after every generation this member enters (after healing)."""
@@ -307,6 +344,8 @@ class FaultTolerant:
                 self._wait_epoch += 1
                 reason = str(msg.get("reason") or msg["t"])
             targets = [*self._children, *([self._comm] if self._comm is not None else [])]
+            if msg["t"] in ("removed", "fatal"):  # this group is out: its own groups' ops must not wait either
+                targets += self._local_groups
             self._children = []
         for c in targets:
             _quiet_abort(c, reason)
@@ -366,15 +405,19 @@ class FaultTolerant:
         """Build generation ``msg``'s Communicator, heal, run callbacks. False if interrupted or failed."""
         gen = int(msg["gen"])
         members = [int(m) for m in msg["members"]]
+        groups = _groups(msg)
         me = self.member_id
         marks = {"start": time.monotonic()}
         if gen in self._interrupt_at:
             marks["interrupt"] = self._interrupt_at[gen]
         if me not in members:
             raise RemovedFromGroup(f"you were removed: member {me} is not in generation {gen} {members}")
-        if len(members) < self.config.min_size:
-            raise QuorumLost(f"generation {gen} has {len(members)} member(s), fewer than min_size="
+        if len(groups) < self.config.min_size:
+            raise QuorumLost(f"generation {gen} has {len(groups)} replica group(s), fewer than min_size="
                              f"{self.config.min_size}")
+        mine = next(g for g in groups if me in g)
+        gr = mine.index(me)
+        peers = [g[gr] for g in groups]  # rank gr of every replica group: this member's replicate Communicator
         with self._lock:
             old, self._comm = self._comm, None
             children, self._children = self._children, []
@@ -382,7 +425,7 @@ class FaultTolerant:
             _quiet_abort(c, f"superseded by generation {gen}")
         if self.fault_hook is not None:
             self.fault_hook("reconfigure")
-        comm = self._build(gen, tuple(members), members.index(me), epoch, deadline)
+        comm = self._build(gen, tuple(peers), groups.index(mine), epoch, deadline)
         if comm is None:
             return False
         self._gen = msg
@@ -390,10 +433,11 @@ class FaultTolerant:
         marks["built"] = time.monotonic()
         healed: HealStats | None = None
         joiners = [int(j) for j in msg["joiners"]]
-        donor = int(msg["donor"])
+        donor = int(msg["donors"][gr]) if "donors" in msg else int(msg["donor"])  # shard by shard
+        peer_joiners = [j for j in joiners if j in peers]
         try:
-            if joiners and self._state_fn is not None:
-                healed = self._heal(comm, members, donor, joiners, int(msg["step"]))
+            if peer_joiners and self._state_fn is not None:
+                healed = self._heal(comm, peers, donor, peer_joiners, int(msg["step"]))
         except CommError as exc:
             self._report(f"healing failed: {exc}")
             return False
@@ -404,8 +448,9 @@ class FaultTolerant:
             self._step = int(msg["step"])
         marks["healed"] = time.monotonic()
         info = Reconfiguration(
-            generation=gen, members=tuple(members), rank=members.index(me), size=len(members), step=self._step,
+            generation=gen, members=tuple(members), rank=groups.index(mine), size=len(groups), step=self._step,
             donor=donor, joiners=tuple(joiners), reason=str(msg.get("reason", "")), healed=healed, timings=marks,
+            groups=tuple(tuple(g) for g in groups),
         )
         self.reconfigurations.append(info)
         for cb in self._callbacks.snapshot:
@@ -429,7 +474,8 @@ class FaultTolerant:
                 # may sit in a blocking get on its connection until the timeout.
                 store = dist.TCPStore(self._client.store_host, self._client.store_port, None, False,
                                       timeout=timedelta(seconds=cfg.timeout_s))
-                c = Communicator(store, rank, size, backend=cfg.backend, name=f"{cfg.name}.g{gen}",
+                name = f"{cfg.name}.g{gen}" + (f".r{self.group_rank}" if self.group_size > 1 else "")
+                c = Communicator(store, rank, size, backend=cfg.backend, name=name,
                                  timeout=timedelta(seconds=cfg.timeout_s), device=cfg.device,
                                  global_ranks=members)
                 c.register_post_hook(_quarantine_cancelled)
@@ -494,11 +540,46 @@ class FaultTolerant:
         return None
 
 
-def _quiet_abort(comm: Communicator, reason: str) -> None:
+def _quiet_abort(comm: Any, reason: str) -> None:
     try:
-        comm.abort(reason)
+        if isinstance(comm, Communicator):
+            comm.abort(reason)
+        else:
+            comm.abort()  # a process group: torch's abort() takes no reason
     except Exception:  # a raising abort hook must not stop the reconfiguration
         pass
+
+
+def _groups(msg: dict[str, Any]) -> list[list[int]]:
+    """A generation message's replica groups (member ids by group rank), in rank order; one per member before
+    replica groups existed."""
+    if "groups" in msg:
+        return [[int(m) for m in g] for g in msg["groups"]]
+    return [[int(m)] for m in msg["members"]]
+
+
+def _replica_group(cfg: FaultTolerantConfig, env_group: int) -> tuple[int | None, int, int]:
+    """(replica group id or None, group rank, group size) from the config, else ``TORCHNEXT_FT_REPLICA_GROUP`` and
+    torchrun's RANK/WORLD_SIZE (one torchrun job per replica group)."""
+    group = cfg.replica_group if cfg.replica_group is not None else (env_group if env_group >= 0 else None)
+    if group is None:
+        if (cfg.group_rank or 0) != 0 or (cfg.group_size or 1) != 1:
+            raise ValueError("FaultTolerantConfig.group_rank/group_size need a replica_group")
+        return None, 0, 1
+    rank, size = cfg.group_rank, cfg.group_size
+    if rank is None or size is None:
+        from torchnext._config import dist_env
+
+        try:
+            env = dist_env()
+        except ValueError as exc:
+            raise ValueError(f"replica group {group}: set FaultTolerantConfig.group_rank and group_size, or run under "
+                             f"torchrun (one torchrun job per replica group): {exc}") from None
+        rank = env.rank if rank is None else rank
+        size = env.world_size if size is None else size
+    if not 0 <= rank < size:
+        raise ValueError(f"replica group {group}: group_rank={rank} must be in [0, group_size={size})")
+    return group, rank, size
 
 
 _QUARANTINED: list[Any] = []

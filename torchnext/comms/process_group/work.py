@@ -109,6 +109,8 @@ class GroupWork(dist._Work):
         module docstring)."""
         if self._future is None:
             self._future = torch.futures.Future()
+            if not self._works:  # nothing was issued (an op refused inside a fault-tolerant step)
+                self._future.set_result(self._result)
             for work in self._works:
                 work.add_done_callback(self._part_done)
         return self._future

@@ -1,0 +1,136 @@
+"""``FaultTolerantProcessGroup``: the replicate dimension of a fault-tolerant job as one stable torch process group.
+
+``ft.process_group`` is a :class:`~torchnext.comms.TorchnextProcessGroup` whose Communicator is the current
+generation's replicate Communicator of :class:`~torchnext.ft.FaultTolerant` (rank ``r`` of every live replica group),
+swapped at every reconfiguration while the object stays the same -- DDP, FSDP2 and DeviceMesh hold on to it.
+Semantics, per generation::
+
+    pg.size() == ft.size                  # the live number of replica groups
+    pg.rank() == ft.rank                  # this replica group's rank among them
+    all_reduce(t, AVG)  ->  t = mean over the live groups of t          (a joining group takes part once healed)
+
+**Failures never raise out of torch's machinery.** Inside a step an op of a broken generation -- aborted by a new
+generation, failed on a dead peer, or refused because the Communicator is already errored -- is *recorded*, not
+raised: its ``wait()`` returns, its future completes, its outputs are marked invalid (NaN), and the step cannot
+commit (``step.commit()`` is False; the ``with ft.step()`` block retries it after the reconfiguration). That holds
+for DDP's and FSDP2's hooks and for ``dist.*`` calls alike. Bad arguments still raise at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from torchnext.comms.communicator import Communicator
+from torchnext.comms.errors import CommError
+from torchnext.comms.process_group import GroupWork, TorchnextProcessGroup
+from torchnext.comms.process_group.group import BACKEND_NAME
+from torchnext.comms.process_group.work import mark_invalid
+
+if TYPE_CHECKING:
+    from torchnext.ft.config import Reconfiguration
+    from torchnext.ft.fault_tolerant import FaultTolerant
+
+__all__ = ["FaultTolerantProcessGroup"]
+
+_IDS = itertools.count()
+
+
+class _FTWork(GroupWork):
+    """A Work of the fault-tolerant group: ``wait()`` never raises a communication failure (it is recorded: the
+    step cannot commit; outputs are marked invalid). A bounded ``wait(timeout)`` that elapses still raises."""
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        limit = None if not timeout else timeout
+        for work in self._works:
+            try:
+                done = work.wait(limit)
+            except CommError:
+                mark_invalid(self._invalid)
+                self._group._note_swallowed(work)
+                return True
+            if not done:
+                raise RuntimeError(f"{work.op}: wait() timed out after {timeout} (the op is still in flight)")
+        return True
+
+
+class FaultTolerantProcessGroup(TorchnextProcessGroup):
+    """The replicate dimension of ``ft`` as a torch process group (see the module docstring). Build it with
+    ``ft.process_group``."""
+
+    def __init__(self, ft: FaultTolerant) -> None:
+        comm = ft.comm
+        super().__init__({comm.device.type: comm}, description=f"{ft.config.name} (fault tolerant)")
+        self._ft = ft
+        me = dist.get_rank() if dist.is_initialized() else 0
+        self._mapping: dict[int, int] = {me: ft.rank}  # torch's global -> group rank table, kept current
+        self._me = me
+        name = f"torchnext:{ft.config.name}:member{ft.member_id}:{next(_IDS)}"
+        self.setGroupName(name)
+        _register(self, name, comm.store, self._mapping)
+        ft.on_reconfigure(self._reconfigured)
+
+    def _reconfigured(self, info: Reconfiguration) -> None:
+        self._mapping.clear()
+        self._mapping[self._me] = info.rank
+
+    # ------------------------------------------------------------------------------------------- identity
+    def getRank(self) -> int:
+        return self._ft.rank if self._ft.members else 0
+
+    def getSize(self) -> int:
+        return self._ft.size if self._ft.members else 1
+
+    def communicator(self, device_type: str = "cpu") -> Communicator:
+        """The current generation's replicate Communicator."""
+        return self._ft.comm
+
+    @property
+    def communicators(self) -> dict[str, Communicator]:
+        comm = self._ft.comm
+        return {comm.device.type: comm}
+
+    def errored(self) -> BaseException | None:
+        comm = self._ft._comm
+        return None if comm is None else comm.errored()
+
+    def abort(self) -> None:
+        """Abort the current generation's Communicator (its ops raise inside the step, which then cannot commit)."""
+        comm = self._ft._comm
+        if comm is not None:
+            comm.abort("fault-tolerant process group aborted")
+
+    def shutdown(self) -> None:
+        """Nothing: the Communicators belong to ``ft`` (``ft.close()``/``ft.finish()`` release them)."""
+
+    # ----------------------------------------------------------------------------------------------- ops
+    def _run(self, op: str, device_tensor: Any, issue: Callable[[Communicator], Any], result: list[Any]) -> GroupWork:
+        ft = self._ft
+        comm = ft._comm
+        if device_tensor is not None and comm is not None and device_tensor.device.type != comm.device.type:
+            raise ValueError(f"{op}: a tensor on {device_tensor.device}, but the fault-tolerant group communicates "
+                             f"{comm.device} tensors")
+        if comm is None or comm.errored() is not None or ft._newest_gen > ft.generation:
+            return self._failed(op, result, comm)
+        try:
+            works = issue(comm)
+        except CommError:  # refused: the generation broke between the check and the issue
+            return self._failed(op, result, comm)
+        return _FTWork(self, works, result)
+
+    def _failed(self, op: str, result: list[Any], comm: Communicator | None) -> GroupWork:
+        """A completed Work for an op of a broken generation: nothing issued, outputs invalid, step uncommittable."""
+        mark_invalid(result)
+        if comm is not None and comm.errored() is None:
+            comm.abort(f"{op} issued in a superseded generation")  # so that the vote sees it broken
+        return _FTWork(self, (), result)
+
+
+def _register(pg: dist.ProcessGroup, name: str, store: dist.Store, mapping: dict[int, int]) -> None:
+    """Enter ``pg`` in torch's tables under ``name`` (functional collectives and DeviceMesh resolve groups by name)."""
+    c10d: Any = dist.distributed_c10d
+    c10d._register_pg_in_world(pg, BACKEND_NAME, store, name, BACKEND_NAME, rank_mapping=mapping)
