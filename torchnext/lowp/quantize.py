@@ -109,27 +109,33 @@ def quantize(
             "torch.set_flush_denormal(True) is in effect: the E8M0/E2M1 scales and codes need fp32 subnormals; "
             "call torch.set_flush_denormal(False) before quantizing"
         )
-    backend = get_quantizer(ro.backend)
+    backend = get_quantizer(ro.backend, x.device, spec)
     block = spec.block_size
-    xm = x.movedim(dim, -1) if dim != x.dim() - 1 else x
-    k = xm.shape[-1]
+    k = x.shape[dim]
     k_padded = -(-k // block) * block
-    if k_padded != k:
-        xm = torch.nn.functional.pad(xm, (0, k_padded - k))
-    xm = xm.contiguous()
-    rest = xm.shape[:-1]
-    x2 = xm.reshape(-1, block) if xm.numel() else xm.new_empty(math.prod(rest) * (k_padded // block), block)
+    n_blocks = k_padded // block
+    rest = [s for i, s in enumerate(x.shape) if i != dim]
     dec, enc = _global_scales(x, spec, ro)
     noise = None
-    if ro.rounding == "stochastic":
-        noise = torch.rand(x2.shape, generator=ro.generator, device=x2.device, dtype=torch.float32)
-    codes, scales = backend.quantize_blocks(x2, spec, ro, _scales.ScaleInputs(spec, dec, enc), noise)
-    qdata = codes.reshape(*rest, k_padded // spec.element.per_byte)
-    n_blocks = k_padded // block
-    if ro.swizzle:
-        scale_t = _scales.swizzle(scales.reshape(math.prod(rest), n_blocks))
+    if ro.rounding == "stochastic":  # one draw per element of the padded block matrix, row-major
+        shape = (math.prod(rest) * n_blocks, block)
+        noise = torch.rand(shape, generator=ro.generator, device=x.device, dtype=torch.float32)
+    inputs = _scales.ScaleInputs(spec, dec, enc)
+    quantize_tensor = getattr(backend, "quantize_tensor", None)
+    if quantize_tensor is not None:  # the kernel reads x in place along dim and writes the final layout
+        qdata, scale_t = quantize_tensor(x, dim, spec, ro, inputs, noise)
     else:
-        scale_t = scales.reshape(*rest, n_blocks)
+        xm = x.movedim(dim, -1) if dim != x.dim() - 1 else x
+        if k_padded != k:
+            xm = torch.nn.functional.pad(xm, (0, k_padded - k))
+        xm = xm.contiguous()
+        x2 = xm.reshape(-1, block) if xm.numel() else xm.new_empty(math.prod(rest) * n_blocks, block)
+        codes, scales = backend.quantize_blocks(x2, spec, ro, inputs, noise)
+        qdata = codes.reshape(*rest, k_padded // spec.element.per_byte)
+        if ro.swizzle:
+            scale_t = _scales.swizzle(scales.reshape(math.prod(rest), n_blocks))
+        else:
+            scale_t = scales.reshape(*rest, n_blocks)
     return BlockScaledTensor(
         qdata=qdata,
         scales=scale_t,

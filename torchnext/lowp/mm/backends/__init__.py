@@ -1,13 +1,16 @@
 """Kernel backends of :func:`~torchnext.lowp.mm.scaled_mm`: a ``str`` enum, a registry and capability declarations.
 
 Each backend is an object with ``name``, ``capability()``, ``available() -> (bool, reason)``,
-``supports(problem) -> None | reason`` and ``run(problem) -> EpilogueOutput``. The built-in ones are registered
+``supports(problem) -> None | reason`` and ``run(problem) -> EpilogueOutput``; optionally
+``supersedes(problem) -> frozenset of names``: backends the autotuner need not time where this one is eligible. The built-in ones are registered
 lazily (first registry query), so ``import torchnext.lowp`` imports no compiler:
 
 ==============  ===========================================================================================
 ``reference``   dequantize → fp64 matmul → fp64 epilogue (rounded to fp32): the oracle, never auto-selected
 ``eager``       fast eager dequantize (byte LUT) → ``F.linear`` (fp32) → eager epilogue; everywhere
 ``aten``        ``torch._scaled_mm`` with block scales (CUDA sm_100+), ``F.linear`` for dense operands
+``cpu``         torchnext's compiled C++ small-M kernel (M <= 16, block-scaled weight, dense activations): decode
+                in SIMD registers + fused epilogue; CPU, when a C++ compiler is present (built on first use)
 ``inductor``    ``torch.compile``-generated kernels: decode + reduction + epilogue fused (GEMV for tiny M),
                 fused dequantize → mm → fused epilogue + amax otherwise; CPU and GPU
 ``triton``      a Triton kernel (block-scaled operands decoded in-kernel, epilogue in-kernel); CUDA only
@@ -53,6 +56,7 @@ class KernelBackend(str, enum.Enum):
     REFERENCE = "reference"
     EAGER = "eager"
     ATEN = "aten"
+    CPU = "cpu"
     INDUCTOR = "inductor"
     TRITON = "triton"
     CUTLASS = "cutlass"
@@ -143,6 +147,7 @@ _BUILTIN_MODULES = {
     KernelBackend.REFERENCE: "torchnext.lowp.mm.backends.reference",
     KernelBackend.EAGER: "torchnext.lowp.mm.backends.eager",
     KernelBackend.ATEN: "torchnext.lowp.mm.backends.aten",
+    KernelBackend.CPU: "torchnext.lowp.mm.backends.cpu",
     KernelBackend.INDUCTOR: "torchnext.lowp.mm.backends.inductor",
     KernelBackend.TRITON: "torchnext.lowp.mm.backends.triton",
     KernelBackend.CUTLASS: "torchnext.lowp.mm.backends.cutlass",

@@ -1,0 +1,536 @@
+// Block-scaled quantize casts: fp32 / bf16 / fp16 -> NVFP4, MXFP8 (E4M3, E5M2), MXFP4, bit-identical to
+// torchnext.lowp.quantizers.reference (the tests compare bytes on random and edge-case inputs).
+//
+// Input x is viewed as (outer, k, inner), contiguous, blocks along k: output row r = o * inner + i holds
+// x[o, :, i] zero-padded to kp (a multiple of the block). inner == 1 is the row path (blocks are contiguous: one
+// vector per 16 elements, a horizontal max per block); inner > 1 the column path (lanes are 16 neighbouring rows:
+// vertical maxes, and the codes are transposed through a small tile buffer). Both read x once, write codes and
+// scales once (scales straight into the SWIZZLE_32_4_4 layout when asked) and draw stochastic-rounding noise either
+// from a given tensor or from the counter-based generator of torchnext/lowp/rng.py (counter = offset + r * kp + kk,
+// kk the padded position along k: padding consumes counters).
+//
+// The arithmetic mirrors the reference's torch ops one by one in fp32 (IEEE division where torch divides; no
+// contraction: the build uses -ffp-contract=off), so the bytes agree; see torchnext/lowp/scales.py and elements.py.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cfloat>
+#include <cstring>
+
+#include "simd.h"
+
+namespace tnx {
+
+enum Elem : int { kE2m1 = 0, kE4m3 = 1, kE5m2 = 2 };
+enum Recipe : int { kTorchao = 0, kTe = 1, kFloor = 2, kRceil = 3 };
+
+struct ElemGeom {
+  int mbits, bias, emax;
+  float max_value, min_normal;
+};
+inline ElemGeom elem_geom(int e) {
+  switch (e) {
+    case kE2m1: return {1, 1, 2, 6.0f, 1.0f};
+    case kE4m3: return {3, 7, 8, 448.0f, 0.015625f};
+    case kE5m2: return {2, 15, 15, 57344.0f, 6.103515625e-05f};
+    default: TORCH_CHECK(false, "torchnext_cpu.quantize: unknown element code ", e);
+  }
+  return {0, 0, 0, 0.f, 0.f};
+}
+
+// --------------------------------------------------------------------------------------- counter-based RNG
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+inline uint32_t rng_key(uint64_t seed) {
+  return mix32(static_cast<uint32_t>(seed)) ^ mix32(static_cast<uint32_t>(seed >> 32) ^ 0x9E3779B9u);
+}
+
+template <class S>
+inline typename S::I mix32v(typename S::I x) {
+  x = S::ixor(x, S::template srl<16>(x));
+  x = S::imul(x, S::iset(static_cast<int32_t>(0x7FEB352Du)));
+  x = S::ixor(x, S::template srl<15>(x));
+  x = S::imul(x, S::iset(static_cast<int32_t>(0x846CA68Bu)));
+  return S::ixor(x, S::template srl<16>(x));
+}
+
+// uniform(seed, c) for the 16 counters lo[l] (+ hi[l] << 32): (bits >> 8) * 2^-24
+template <class S>
+inline typename S::F uniform16(uint32_t key, typename S::I lo, typename S::I hi) {
+  typename S::I h = mix32v<S>(S::ixor(lo, S::iset(static_cast<int32_t>(key))));
+  h = S::ixor(h, S::ixor(hi, S::iset(static_cast<int32_t>(0x85EBCA6Bu))));
+  h = mix32v<S>(h);
+  return S::mul(S::cvt_f(S::template srl<8>(h)), S::fset(5.9604644775390625e-08f));
+}
+
+// counters c0 + l * stride for the 16 lanes, split into low and high words
+template <class S>
+inline void counters16(uint64_t c0, uint64_t stride, typename S::I& lo, typename S::I& hi) {
+  alignas(64) int32_t l32[16], h32[16];
+  for (int l = 0; l < 16; ++l) {
+    const uint64_t c = c0 + static_cast<uint64_t>(l) * stride;
+    l32[l] = static_cast<int32_t>(static_cast<uint32_t>(c));
+    h32[l] = static_cast<int32_t>(static_cast<uint32_t>(c >> 32));
+  }
+  lo = S::iload(l32);
+  hi = S::iload(h32);
+}
+
+// ------------------------------------------------------------------------------------------- scale recipes
+struct RecipeArgs {
+  int recipe;
+  ElemGeom el;
+  float g_dec;  // torchao: the global decode scale; te: unused (dec is recomputed from enc, as the reference does)
+  float g_enc;  // te: the global encode scale
+  bool has_g;
+};
+
+// RNE of a non-negative (or NaN) fp32 onto E4M3, saturation not needed (callers clamp to <= 448). Returns the
+// E4M3 byte; `val` gets the exact E4M3 value (NaN for NaN).
+template <class S>
+inline typename S::I e4m3_pos(typename S::F a, typename S::F& val) {
+  using F = typename S::F;
+  const typename S::M nan = S::fnan(a);
+  const F a0 = S::fsel(nan, S::fzero(), a);
+  F magic = S::from_bits(S::iand(S::bits(a0), S::iset(0x7F800000)));
+  magic = S::mul(S::max(magic, S::fset(0.015625f)), S::fset(1.5f * 1048576.0f));  // 1.5 * 2^(23 - 3)
+  const F r = S::sub(S::add(a0, magic), magic);
+  const typename S::I code = S::template srl<20>(S::bits(S::mul(r, S::fset(7.52316384526264e-37f))));  // r * 2^-120
+  val = S::fsel(nan, a, r);
+  return S::isel(nan, S::iset(0x7F), code);
+}
+
+// (scale byte, element multiplier) per lane from the block amax, as torchnext/lowp/scales.py computes them.
+template <class S>
+inline void recipe16(const RecipeArgs& ra, typename S::F amax, typename S::I& sbyte, typename S::F& mult) {
+  using F = typename S::F;
+  using I = typename S::I;
+  switch (ra.recipe) {
+    case kTorchao: {
+      F c = S::div(amax, S::fset(6.0f));
+      if (ra.has_g) c = S::div(c, S::fset(ra.g_dec));
+      // torch.clamp(c, 2^-6, 448): NaN stays NaN
+      const F cl = S::fsel(S::fnan(c), c, S::min(S::max(c, S::fset(0.015625f)), S::fset(448.0f)));
+      F sval;
+      sbyte = e4m3_pos<S>(cl, sval);
+      if (ra.has_g) mult = S::div(S::fset(1.0f / ra.g_dec), sval);
+      else mult = S::div(S::fset(1.0f), sval);
+      return;
+    }
+    case kTe: {
+      const float t = ra.g_enc * (1.0f / 6.0f);
+      const F c = S::mul(amax, S::fset(t));
+      const F cl = S::fsel(S::fnan(c), c, S::min(c, S::fset(448.0f)));
+      F sval;
+      sbyte = e4m3_pos<S>(cl, sval);
+      const float dec = 1.0f / ra.g_enc;
+      mult = S::min(S::div(S::fset(1.0f), S::mul(sval, S::fset(dec))), S::fset(FLT_MAX));  // fmin: NaN -> FLT_MAX
+      return;
+    }
+    case kFloor: {
+      const I field = S::iand(S::template srl<23>(S::bits(amax)), S::iset(0xFF));
+      I b = S::imin(S::imax(S::isub(field, S::iset(ra.el.emax)), S::iset(0)), S::iset(255));
+      b = S::isel(S::fnan(amax), S::iset(255), b);
+      const F scale = S::max(S::from_bits(S::template sll<23>(b)), S::fset(1.1754943508222875e-38f));
+      sbyte = b;
+      mult = S::div(S::fset(1.0f), scale);
+      return;
+    }
+    case kRceil: {
+      const F descale = S::div(amax, S::fset(ra.el.max_value));
+      const I bits = S::bits(descale);
+      const I field = S::iand(S::template srl<23>(bits), S::iset(0xFF));
+      const I mant = S::iand(bits, S::iset(0x7FFFFF));
+      const I one = S::iset(1), zero = S::iset(0);
+      const I sub = S::isel(S::igt(mant, S::iset(0x400000)), one, zero);
+      const I nrm = S::iadd(field, S::isel(S::ieq(mant, zero), zero, one));
+      I b = S::isel(S::ieq(field, zero), sub, nrm);
+      b = S::imin(b, S::iset(254));
+      const typename S::M nan = S::fnan(descale);
+      b = S::isel(nan, S::iset(255), b);
+      F m = S::mul(S::from_bits(S::template sll<23>(S::isub(S::iset(255), b))), S::fset(0.5f));
+      m = S::fsel(S::ieq(b, zero), S::fset(1.0f), m);
+      m = S::fsel(nan, descale, m);
+      sbyte = b;
+      mult = m;
+      return;
+    }
+    default: TORCH_CHECK(false, "torchnext_cpu.quantize: unknown recipe ", ra.recipe);
+  }
+}
+
+// ------------------------------------------------------------------------------------------ element codes
+// RNE of y onto the element grid, saturating: codes (magnitude | sign) per lane.
+//   minifloat: a = min(|y|, max) (NaN -> max); r = (a + M) - M with M = max(2^floor(log2 a), min_normal) * 1.5 *
+//   2^(23 - mbits) (fp32's own RNE onto the grid); code = bits(r * 2^(bias - 127)) >> (23 - mbits).
+//   float8: the same on min(|y|, max); a NaN y gives 0x7F | sign (torch's cast).
+template <class S, int E>
+inline typename S::I encode16(typename S::F y) {
+  using F = typename S::F;
+  using I = typename S::I;
+  constexpr int MB = E == kE2m1 ? 1 : E == kE4m3 ? 3 : 2;
+  constexpr float MAXV = E == kE2m1 ? 6.0f : E == kE4m3 ? 448.0f : 57344.0f;
+  constexpr float MINN = E == kE2m1 ? 1.0f : E == kE4m3 ? 0.015625f : 6.103515625e-05f;
+  constexpr float RESCALE = E == kE2m1 ? 1.1754943508222875e-38f /*2^-126*/ : E == kE4m3 ? 7.52316384526264e-37f /*2^-120*/ : 1.925929944387236e-34f /*2^-112*/;
+  constexpr int SIGN_SHIFT = E == kE2m1 ? 28 : 24;
+  const I yb = S::bits(y);
+  const I sign = S::template srl<SIGN_SHIFT>(S::iand(yb, S::iset(static_cast<int32_t>(0x80000000u))));
+  const F a = S::min(S::from_bits(S::iand(yb, S::iset(0x7FFFFFFF))), S::fset(MAXV));  // NaN -> MAXV
+  F magic = S::from_bits(S::iand(S::bits(a), S::iset(0x7F800000)));
+  magic = S::mul(S::max(magic, S::fset(MINN)), S::fset(1.5f * static_cast<float>(1u << (23 - MB))));
+  const F r = S::sub(S::add(a, magic), magic);
+  I code = S::template srl<23 - MB>(S::bits(S::mul(r, S::fset(RESCALE))));
+  if constexpr (E != kE2m1) code = S::isel(S::fnan(y), S::iset(0x7F), code);
+  return S::ior(code, sign);
+}
+
+// Stochastic rounding (torchnext.lowp.elements.stochastic_round) then the exact encode of the grid value.
+template <class S, int E>
+inline typename S::I encode16_sr(typename S::F y, typename S::F u) {
+  using F = typename S::F;
+  constexpr int MB = E == kE2m1 ? 1 : E == kE4m3 ? 3 : 2;
+  constexpr float MAXV = E == kE2m1 ? 6.0f : E == kE4m3 ? 448.0f : 57344.0f;
+  constexpr float MINN = E == kE2m1 ? 1.0f : E == kE4m3 ? 0.015625f : 6.103515625e-05f;
+  const F a = S::from_bits(S::iand(S::bits(y), S::iset(0x7FFFFFFF)));
+  const typename S::M nan = S::fnan(y);
+  const F ac = S::min(a, S::fset(MAXV));
+  F q = S::from_bits(S::iand(S::bits(ac), S::iset(0x7F800000)));  // 2^floor(log2 a) (0 for subnormals)
+  q = S::mul(S::max(q, S::fset(MINN)), S::fset(1.0f / static_cast<float>(1u << MB)));
+  F r = S::mul(S::floor(S::add(S::div(a, q), u)), q);
+  r = S::min(r, S::fset(MAXV));  // a = Inf: Inf / q + u = Inf -> min -> MAXV
+  const F signed_r = S::from_bits(S::ior(S::bits(r), S::iand(S::bits(y), S::iset(static_cast<int32_t>(0x80000000u)))));
+  return encode16<S, E>(S::fsel(nan, y, signed_r));
+}
+
+// --------------------------------------------------------------------------------------------- arguments
+struct QArgs {
+  const void* x;
+  int dtype;  // 0 fp32, 1 bf16, 2 fp16
+  int64_t outer, k, inner, kp, nb;
+  int block;
+  int elem;
+  RecipeArgs ra;
+  uint8_t* codes;   // (rows, kp / per_byte)
+  uint8_t* scales;  // rows * nb, or the swizzled buffer
+  bool swizzle;
+  int64_t swz_cb;  // swizzled: ceil(nb / 4)
+  const float* noise;  // (rows, kp) or null
+  bool seeded;
+  uint32_t key;
+  uint64_t offset;
+};
+
+inline int64_t scale_pos(const QArgs& q, int64_t r, int64_t b) {
+  if (!q.swizzle) return r * q.nb + b;
+  return ((r >> 7) * q.swz_cb + (b >> 2)) * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4 + (b & 3);
+}
+
+// 16 input elements starting at p (n of them valid, the rest read as 0), widened to fp32
+template <class S>
+inline typename S::F load_x(const QArgs& q, int64_t idx, int n) {
+  if (q.dtype == 0) {
+    const float* p = static_cast<const float*>(q.x) + idx;
+    return n == 16 ? S::load(p) : S::load_n(p, n);
+  }
+  const uint16_t* p = static_cast<const uint16_t*>(q.x) + idx;
+  const typename S::I h = n == 16 ? S::load_u16(p) : S::load_u16_n(p, n);
+  if (q.dtype == 1) return S::from_bits(S::template sll<16>(h));
+  return S::half_to_f(h);
+}
+
+// strided gather of 16 elements x[idx + l * stride] (column path, lanes = rows), n valid
+template <class S>
+inline typename S::F gather_x(const QArgs& q, int64_t idx, int64_t stride, int n) {
+  alignas(64) float t[16];
+  for (int l = 0; l < 16; ++l) {
+    if (l >= n) {
+      t[l] = 0.f;
+    } else if (q.dtype == 0) {
+      t[l] = static_cast<const float*>(q.x)[idx + l * stride];
+    } else {
+      const uint32_t h = static_cast<const uint16_t*>(q.x)[idx + l * stride];
+      t[l] = q.dtype == 1 ? bits_to_f(h << 16) : half_bits_to_float(h);
+    }
+  }
+  return S::load(t);
+}
+
+template <class S>
+inline typename S::F noise16(const QArgs& q, int64_t pos, int64_t stride) {
+  if (q.noise) {
+    if (stride == 1) return S::load(q.noise + pos);
+    alignas(64) float t[16];
+    for (int l = 0; l < 16; ++l) t[l] = q.noise[pos + l * stride];
+    return S::load(t);
+  }
+  typename S::I lo, hi;
+  counters16<S>(q.offset + static_cast<uint64_t>(pos), static_cast<uint64_t>(stride), lo, hi);
+  return uniform16<S>(q.key, lo, hi);
+}
+
+template <class S>
+inline typename S::I amax_bits(typename S::F v) {
+  return S::iand(S::bits(v), S::iset(0x7FFFFFFF));
+}
+
+// ------------------------------------------------------------------------------------------------ row path
+template <class S, int E, int B, bool SR>
+void rows_kernel(const QArgs& q, int64_t r0, int64_t r1) {
+  using F = typename S::F;
+  using I = typename S::I;
+  constexpr int V = B / 16;  // vectors per block
+  constexpr int PB = E == kE2m1 ? 2 : 1;
+  alignas(64) float amax_v[16];
+  alignas(64) float mult_v[16];
+  alignas(64) int32_t sbyte_v[16];
+  alignas(64) int32_t code_v[16];
+  const int64_t row_bytes = q.kp / PB;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t xrow = r * q.k;
+    for (int64_t b0 = 0; b0 < q.nb; b0 += 16) {
+      const int nblk = static_cast<int>(std::min<int64_t>(16, q.nb - b0));
+      // block amaxes (integer max of the sign-cleared bits: NaN sorts above Inf)
+      for (int j = 0; j < 16; ++j) {
+        if (j >= nblk) {
+          amax_v[j] = 0.f;
+          continue;
+        }
+        I m = S::iset(0);
+        for (int v = 0; v < V; ++v) {
+          const int64_t kk = (b0 + j) * B + v * 16;
+          const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, q.k - kk)));
+          if (n > 0) m = S::imax(m, amax_bits<S>(load_x<S>(q, xrow + kk, n)));
+        }
+        amax_v[j] = bits_to_f(static_cast<uint32_t>(S::ihmax(m)));
+      }
+      I sb;
+      F mu;
+      recipe16<S>(q.ra, S::load(amax_v), sb, mu);
+      S::store(mult_v, mu);
+      S::istore(sbyte_v, sb);
+      for (int j = 0; j < nblk; ++j) q.scales[scale_pos(q, r, b0 + j)] = static_cast<uint8_t>(sbyte_v[j]);
+      for (int j = 0; j < nblk; ++j) {
+        const F mj = S::fset(mult_v[j]);
+        for (int v = 0; v < V; ++v) {
+          const int64_t kk = (b0 + j) * B + v * 16;
+          const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, q.k - kk)));
+          const F xv = n > 0 ? load_x<S>(q, xrow + kk, n) : S::fzero();
+          const F y = S::mul(xv, mj);
+          I c;
+          if constexpr (SR) c = encode16_sr<S, E>(y, noise16<S>(q, r * q.kp + kk, 1));
+          else c = encode16<S, E>(y);
+          uint8_t* dst = q.codes + r * row_bytes + kk / PB;
+          if constexpr (PB == 2) {
+            S::istore(code_v, c);
+            for (int i = 0; i < 8; ++i) dst[i] = static_cast<uint8_t>(code_v[2 * i] | (code_v[2 * i + 1] << 4));
+          } else {
+            S::store_u8(dst, c);
+          }
+        }
+      }
+    }
+  }
+}
+
+// --------------------------------------------------------------------------------------------- column path
+// lanes = 16 neighbouring i of one o; for each block: vertical amax over its B steps, then encode and transpose.
+template <class S, int E, int B, bool SR>
+void cols_kernel(const QArgs& q, int64_t task0, int64_t task1) {
+  using F = typename S::F;
+  using I = typename S::I;
+  constexpr int PB = E == kE2m1 ? 2 : 1;
+  const int64_t itiles = (q.inner + 15) / 16;
+  const int64_t row_bytes = q.kp / PB;
+  alignas(64) int32_t sbyte_v[16];
+  alignas(64) uint8_t tile[B][16];
+  for (int64_t task = task0; task < task1; ++task) {
+    const int64_t o = task / itiles;
+    const int64_t i0 = (task % itiles) * 16;
+    const int n = static_cast<int>(std::min<int64_t>(16, q.inner - i0));
+    const int64_t r0 = o * q.inner + i0;  // output row of lane 0
+    for (int64_t b = 0; b < q.nb; ++b) {
+      I m = S::iset(0);
+      F xs[B];
+      for (int j = 0; j < B; ++j) {
+        const int64_t kk = b * B + j;
+        if (kk < q.k) {
+          const int64_t idx = (o * q.k + kk) * q.inner + i0;
+          xs[j] = load_x<S>(q, idx, n);
+          m = S::imax(m, amax_bits<S>(xs[j]));
+        } else {
+          xs[j] = S::fzero();
+        }
+      }
+      I sb;
+      F mu;
+      recipe16<S>(q.ra, S::from_bits(m), sb, mu);
+      S::istore(sbyte_v, sb);
+      for (int l = 0; l < n; ++l) q.scales[scale_pos(q, r0 + l, b)] = static_cast<uint8_t>(sbyte_v[l]);
+      for (int j = 0; j < B; ++j) {
+        const F y = S::mul(xs[j], mu);
+        I c;
+        if constexpr (SR) c = encode16_sr<S, E>(y, noise16<S>(q, r0 * q.kp + b * B + j, q.kp));
+        else c = encode16<S, E>(y);
+        S::store_u8(tile[j], c);
+      }
+      for (int l = 0; l < n; ++l) {
+        uint8_t* dst = q.codes + (r0 + l) * row_bytes + b * B / PB;
+        if constexpr (PB == 2) {
+          for (int j = 0; j < B / 2; ++j) dst[j] = static_cast<uint8_t>(tile[2 * j][l] | (tile[2 * j + 1][l] << 4));
+        } else {
+          for (int j = 0; j < B; ++j) dst[j] = tile[j][l];
+        }
+      }
+    }
+  }
+}
+
+template <class S, int E, int B, bool SR>
+void run_q(const QArgs& q) {
+  const int64_t rows = q.outer * q.inner;
+  if (q.inner == 1) {
+    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, q.kp));
+    at::parallel_for(0, rows, grain, [&](int64_t a, int64_t b) { rows_kernel<S, E, B, SR>(q, a, b); });
+  } else {
+    const int64_t tasks = q.outer * ((q.inner + 15) / 16);
+    const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(1, q.kp));
+    at::parallel_for(0, tasks, grain, [&](int64_t a, int64_t b) { cols_kernel<S, E, B, SR>(q, a, b); });
+  }
+}
+
+template <class S>
+void dispatch_q(const QArgs& q, bool sr) {
+  const int key = q.elem * 4 + (q.block == 16 ? 0 : 2) + (sr ? 1 : 0);
+  switch (key) {
+    case kE2m1 * 4 + 0: run_q<S, kE2m1, 16, false>(q); break;
+    case kE2m1 * 4 + 1: run_q<S, kE2m1, 16, true>(q); break;
+    case kE2m1 * 4 + 2: run_q<S, kE2m1, 32, false>(q); break;
+    case kE2m1 * 4 + 3: run_q<S, kE2m1, 32, true>(q); break;
+    case kE4m3 * 4 + 2: run_q<S, kE4m3, 32, false>(q); break;
+    case kE4m3 * 4 + 3: run_q<S, kE4m3, 32, true>(q); break;
+    case kE5m2 * 4 + 2: run_q<S, kE5m2, 32, false>(q); break;
+    case kE5m2 * 4 + 3: run_q<S, kE5m2, 32, true>(q); break;
+    default: TORCH_CHECK(false, "torchnext_cpu.quantize: unsupported element/block combination ", q.elem, "/", q.block);
+  }
+}
+
+int best_isa();
+
+void quantize(const at::Tensor& x, int64_t outer, int64_t k, int64_t inner, const at::Tensor& codes,
+              const at::Tensor& scales, int64_t elem, int64_t block, int64_t recipe, double g_dec, double g_enc,
+              bool has_g, bool swizzle, int64_t swz_cols, const c10::optional<at::Tensor>& noise, bool sr_seeded,
+              int64_t seed, int64_t offset, int64_t isa) {
+  TORCH_CHECK(x.is_contiguous() && x.device().is_cpu(), "torchnext_cpu.quantize: x must be a contiguous CPU tensor");
+  TORCH_CHECK(x.numel() == outer * k * inner, "torchnext_cpu.quantize: x has ", x.numel(), " elements, not ", outer, "*", k, "*", inner);
+  TORCH_CHECK(block == 16 || block == 32, "torchnext_cpu.quantize: block must be 16 or 32");
+  QArgs q;
+  q.x = x.data_ptr();
+  switch (x.scalar_type()) {
+    case at::kFloat: q.dtype = 0; break;
+    case at::kBFloat16: q.dtype = 1; break;
+    case at::kHalf: q.dtype = 2; break;
+    default: TORCH_CHECK(false, "torchnext_cpu.quantize: x must be float32, bfloat16 or float16");
+  }
+  q.outer = outer;
+  q.k = k;
+  q.inner = inner;
+  q.block = static_cast<int>(block);
+  q.kp = (k + block - 1) / block * block;
+  q.nb = q.kp / block;
+  q.elem = static_cast<int>(elem);
+  q.ra = {static_cast<int>(recipe), elem_geom(q.elem), static_cast<float>(g_dec), static_cast<float>(g_enc), has_g};
+  const int pb = elem == kE2m1 ? 2 : 1;
+  const int64_t rows = outer * inner;
+  TORCH_CHECK(codes.is_contiguous() && codes.element_size() == 1 && codes.numel() == rows * q.kp / pb,
+              "torchnext_cpu.quantize: codes buffer has the wrong size");
+  q.codes = static_cast<uint8_t*>(codes.data_ptr());
+  q.swizzle = swizzle;
+  q.swz_cb = (swz_cols + 3) / 4;
+  if (swizzle) {
+    TORCH_CHECK(swz_cols == q.nb, "torchnext_cpu.quantize: swizzled scales have ", swz_cols, " columns, not ", q.nb);
+    TORCH_CHECK(scales.numel() == (rows + 127) / 128 * 128 * q.swz_cb * 4, "torchnext_cpu.quantize: swizzled scale buffer has the wrong size");
+  } else {
+    TORCH_CHECK(scales.numel() == rows * q.nb, "torchnext_cpu.quantize: scale buffer has the wrong size");
+  }
+  TORCH_CHECK(scales.is_contiguous() && scales.element_size() == 1, "torchnext_cpu.quantize: scales must be a contiguous byte buffer");
+  q.scales = static_cast<uint8_t*>(scales.data_ptr());
+  at::Tensor nz;
+  q.noise = nullptr;
+  if (noise.has_value()) {
+    nz = noise->contiguous();
+    TORCH_CHECK(nz.scalar_type() == at::kFloat && nz.numel() == rows * q.kp, "torchnext_cpu.quantize: noise must be fp32 with rows*kp elements");
+    q.noise = nz.data_ptr<float>();
+  }
+  q.seeded = sr_seeded;
+  q.key = rng_key(static_cast<uint64_t>(seed));
+  q.offset = static_cast<uint64_t>(offset);
+  const bool sr = q.noise != nullptr || sr_seeded;
+  if (rows == 0 || q.kp == 0) return;
+  const int use = isa < 0 ? best_isa() : static_cast<int>(isa);
+  switch (static_cast<Isa>(use)) {
+#ifdef TNX_HAVE_AVX512
+    case Isa::kAvx512: dispatch_q<Avx512>(q, sr); break;
+#endif
+#ifdef TNX_HAVE_AVX2
+    case Isa::kAvx2: dispatch_q<Avx2>(q, sr); break;
+#endif
+    case Isa::kPortable: dispatch_q<Portable>(q, sr); break;
+    default: TORCH_CHECK(false, "torchnext_cpu.quantize: instruction set ", use, " is not compiled into this build");
+  }
+}
+
+// max |x| over the whole tensor as fp32 (NaN if any element is NaN), one parallel pass
+at::Tensor absmax(const at::Tensor& x, int64_t isa) {
+  const at::Tensor xc = x.contiguous();
+  TORCH_CHECK(xc.scalar_type() == at::kFloat || xc.scalar_type() == at::kBFloat16 || xc.scalar_type() == at::kHalf,
+              "torchnext_cpu.absmax: float32/bfloat16/float16 expected");
+  const int64_t n = xc.numel();
+  std::atomic<int32_t> best{0};
+  // bit patterns of |x| compare like the values (NaN above Inf) for fp32, bf16 and fp16 alike
+  at::parallel_for(0, n, 1 << 16, [&](int64_t a, int64_t b) {
+    int32_t local = 0;
+    if (xc.scalar_type() == at::kFloat) {
+      const uint32_t* p = reinterpret_cast<const uint32_t*>(xc.data_ptr<float>());
+      uint32_t m = 0;
+      for (int64_t i = a; i < b; ++i) m = std::max(m, p[i] & 0x7FFFFFFFu);
+      local = static_cast<int32_t>(m);
+    } else {
+      const uint16_t* p = static_cast<const uint16_t*>(xc.data_ptr());
+      uint16_t m = 0;
+      for (int64_t i = a; i < b; ++i) m = std::max<uint16_t>(m, p[i] & 0x7FFFu);
+      const float f = xc.scalar_type() == at::kBFloat16 ? bits_to_f(static_cast<uint32_t>(m) << 16) : half_bits_to_float(m);
+      local = static_cast<int32_t>(f_to_bits(f));
+    }
+    int32_t cur = best.load(std::memory_order_relaxed);
+    while (local > cur && !best.compare_exchange_weak(cur, local, std::memory_order_relaxed)) {
+    }
+  });
+  (void)isa;
+  at::Tensor out = at::empty({}, xc.options().dtype(at::kFloat));
+  out.data_ptr<float>()[0] = bits_to_f(static_cast<uint32_t>(best.load()));
+  return out;
+}
+
+// The generator's draws uniform(seed, offset + i), i < numel (tests compare them with torchnext.lowp.rng).
+at::Tensor rng_uniform(int64_t seed, int64_t offset, int64_t numel) {
+  at::Tensor out = at::empty({numel}, at::TensorOptions().dtype(at::kFloat));
+  float* p = out.data_ptr<float>();
+  const uint32_t key = rng_key(static_cast<uint64_t>(seed));
+  for (int64_t i = 0; i < numel; ++i) {
+    const uint64_t c = static_cast<uint64_t>(offset) + static_cast<uint64_t>(i);
+    const uint32_t h = mix32(mix32(static_cast<uint32_t>(c) ^ key) ^ static_cast<uint32_t>(c >> 32) ^ 0x85EBCA6Bu);
+    p[i] = static_cast<float>(h >> 8) * 5.9604644775390625e-08f;
+  }
+  return out;
+}
+
+}  // namespace tnx

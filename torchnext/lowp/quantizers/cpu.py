@@ -1,0 +1,163 @@
+"""``cpu``: the quantize casts as one compiled C++ pass (csrc/quantize.cpp): same bytes as
+:mod:`torchnext.lowp.quantizers.reference`, at memory speed.
+
+What ``"auto"`` picks for CPU tensors of the built-in formats when the kernels are available
+(:mod:`torchnext.lowp.cpu`; otherwise ``eager``). Besides the shared interface (``quantize_blocks`` on the padded
+block matrix, ``dequantize_blocks``) it offers :func:`quantize_tensor`, which :func:`torchnext.lowp.quantize` uses
+when present: it reads ``x`` in place along any ``dim`` (no transposed or padded copy: the kernel gathers blocks
+down the columns and pads on the fly) and writes the scales straight into the swizzled layout when asked.
+
+One read of ``x`` (plus, for two-level NVFP4, the tensor amax pass of ``quantize``), one write of codes and scales:
+rows of blocks are spread over torch's intra-op threads (``at::parallel_for``). Stochastic rounding takes the same
+noise tensor as the other kernels (``torch.rand`` of the padded block matrix's shape); the kernel can also draw it
+itself from the counter-based generator of :mod:`torchnext.lowp.rng` (:func:`quantize_tensor`'s ``seed``).
+Dequantize is the eager kernel's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from torchnext.lowp import scales as _scales
+from torchnext.lowp.cpu import isa_index, ops, status
+from torchnext.lowp.formats import FORMATS, FormatSpec
+from torchnext.lowp.options import ResolvedOptions, block_outputs
+from torchnext.lowp.quantizers import eager as _eager
+from torchnext.lowp.scales import ScaleInputs
+
+__all__ = ["dequantize_blocks", "quantize_blocks", "quantize_tensor", "unavailable_reason"]
+
+_ELEMENT_CODES = {"e2m1": 0, "e4m3": 1, "e5m2": 2}
+_RECIPE_CODES = {"torchao": 0, "te": 1, "floor": 2, "rceil": 3}
+_BUILTIN = {s.name: s for s in FORMATS.values()}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+ISA: str | None = None
+"""Instruction-set variant to run (None: the best compiled one); tests set it to check each variant."""
+
+_U64 = 1 << 64
+
+
+def unavailable_reason(device: torch.device | None, spec: FormatSpec | None) -> str | None:
+    """Why this kernel cannot quantize a tensor on ``device`` to ``spec`` (None: it can)."""
+    if device is not None and device.type != "cpu":
+        return f"CPU tensors only, not {device.type}"
+    if spec is not None and (_BUILTIN.get(spec.name) is not spec or spec.element.name not in _ELEMENT_CODES):
+        return f"format {spec.name!r} is not compiled into the kernel (built-in NVFP4/MXFP8/MXFP4 only)"
+    st = status()
+    return None if st.available else st.reason
+
+
+def _global_args(inp: ScaleInputs, recipe: str) -> tuple[float, float, bool]:
+    if inp.global_decode is None:
+        return 1.0, 1.0, False
+    dec = float(inp.global_decode)
+    enc = float(inp.global_encode) if inp.global_encode is not None else 1.0 / dec
+    return dec, enc, True
+
+
+def _signed64(v: int) -> int:
+    return v - _U64 if v >= 1 << 63 else v
+
+
+def _run(
+    x: torch.Tensor,
+    outer: int,
+    k: int,
+    inner: int,
+    codes: torch.Tensor,
+    scale_buf: torch.Tensor,
+    spec: FormatSpec,
+    opts: ResolvedOptions,
+    inp: ScaleInputs,
+    noise: torch.Tensor | None,
+    *,
+    swizzle_cols: int | None,
+    seed: int | None,
+    offset: int,
+) -> None:
+    dec, enc, has_g = _global_args(inp, opts.scale_recipe)
+    ops().quantize(
+        x,
+        outer,
+        k,
+        inner,
+        codes.view(torch.uint8),
+        scale_buf,
+        _ELEMENT_CODES[spec.element.name],
+        spec.block_size,
+        _RECIPE_CODES[opts.scale_recipe],
+        dec,
+        enc,
+        has_g,
+        swizzle_cols is not None,
+        swizzle_cols or 0,
+        noise,
+        seed is not None,
+        _signed64(seed or 0),
+        _signed64(offset),
+        isa_index(ISA),
+    )
+
+
+def quantize_blocks(
+    x2: torch.Tensor, spec: FormatSpec, opts: ResolvedOptions, inp: ScaleInputs, noise: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the rows of ``x2`` (one block per row); see :mod:`torchnext.lowp.quantizers.reference`."""
+    n, block = x2.shape
+    codes, scale_bytes = block_outputs(x2, spec)
+    if n and block:
+        x = x2 if x2.dtype in _DTYPES else x2.float()
+        _run(x.contiguous(), n, block, 1, codes, scale_bytes, spec, opts, inp, noise, swizzle_cols=None, seed=None, offset=0)
+    return codes, scale_bytes.view(spec.scale_dtype)
+
+
+def quantize_tensor(
+    x: torch.Tensor,
+    dim: int,
+    spec: FormatSpec,
+    opts: ResolvedOptions,
+    inp: ScaleInputs,
+    noise: torch.Tensor | None,
+    *,
+    seed: int | None = None,
+    offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(qdata, scales)`` of ``quantize(x, spec, dim=dim)`` in their final layout (``opts.swizzle`` respected),
+    reading ``x`` where it lies. ``noise``: the stochastic-rounding draws, shaped like the padded block matrix
+    ``(rows * n_blocks, block)``; or ``seed`` (with ``offset``): the kernel draws ``uniform(seed, offset + i)``
+    of :mod:`torchnext.lowp.rng` itself, ``i`` the element's flat index in that matrix."""
+    xc = x.contiguous()
+    shape = list(xc.shape)
+    outer = math.prod(shape[:dim])
+    k = shape[dim]
+    inner = math.prod(shape[dim + 1 :])
+    block = spec.block_size
+    kp = -(-k // block) * block
+    nb = kp // block
+    rows = outer * inner
+    rest = shape[:dim] + shape[dim + 1 :]
+    el = spec.element
+    storage = el.torch_dtype if el.torch_dtype is not None else torch.uint8
+    codes = torch.empty(rows, kp // el.per_byte, dtype=storage, device=x.device)
+    if opts.swizzle:
+        srows, scols = _scales.swizzled_shape(rows, nb)
+        padded = (rows % 128) or (nb % 4)
+        scale_buf = (torch.zeros if padded else torch.empty)(srows * scols, dtype=torch.uint8, device=x.device)
+        scales = scale_buf.view(srows, scols)
+    else:
+        scale_buf = torch.empty(rows * nb, dtype=torch.uint8, device=x.device)
+        scales = scale_buf.view(*rest, nb)
+    if rows and kp:
+        _run(xc, outer, k, inner, codes, scale_buf, spec, opts, inp, noise,
+             swizzle_cols=nb if opts.swizzle else None, seed=seed, offset=offset)
+    return codes.view(*rest, kp // el.per_byte), scales.view(spec.scale_dtype)
+
+
+def dequantize_blocks(
+    codes: torch.Tensor, scales: torch.Tensor, spec: FormatSpec, global_decode: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """``decode(code) * (float(scale) * global_decode)`` in fp32, then cast to ``dtype`` (the eager kernel's)."""
+    return _eager.dequantize_blocks(codes, scales, spec, global_decode, dtype)
