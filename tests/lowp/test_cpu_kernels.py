@@ -165,37 +165,33 @@ def test_quantize_bytes_on_stress_distributions(isa: str, fmt: str, opts: dict[s
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2"])
 def test_stochastic_rounding_equals_reference(isa: str, fmt: str) -> None:
-    x = torch.randn(40, 72) * 3
-    for dim in (-1, 0):
-        ref = quantize(x, fmt, dim=dim, rounding="stochastic", generator=torch.Generator().manual_seed(9), backend="reference")
-        got = quantize(x, fmt, dim=dim, rounding="stochastic", generator=torch.Generator().manual_seed(9), backend="cpu")
-        _assert_same(got, ref, f"{isa} {fmt} dim={dim} stochastic")
+    """In-kernel noise: element i of the padded block matrix draws uniform(seed, offset + i) (padding consumes
+    counters); the bytes equal the reference's, which expands the same counters in torch."""
+    x = torch.randn(21, 45) * 3
+    for seed, offset in [(9, 0), ((1 << 63) + 12345, (1 << 32) - 300)]:  # the second crosses the counter's low word
+        for dim in (-1, 0):
+            for swz in (False, True):
+                kw = {"rounding": "stochastic", "seed": seed, "offset": offset, "dim": dim, "swizzle": swz}
+                ref = quantize(x, fmt, backend="reference", **kw)  # type: ignore[arg-type]
+                got = quantize(x, fmt, backend="cpu", **kw)  # type: ignore[arg-type]
+                _assert_same(got, ref, f"{isa} {fmt} dim={dim} seed={seed} stochastic")
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8_e4m3"])
-def test_in_kernel_noise_is_the_counter_based_generator(isa: str, fmt: str) -> None:
-    """seed/offset: element noise = uniform(seed, offset + i), i its flat index in the padded (n_blocks, block)
-    matrix (padding consumes counters) — the kernel's bytes equal the reference fed those draws."""
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8_e4m3"])
+def test_stochastic_rounding_from_a_noise_tensor(isa: str, fmt: str) -> None:
     from torchnext.lowp.formats import format_spec
-    from torchnext.lowp.quantize import _global_scales
+    from torchnext.lowp.quantize import global_scales
     from torchnext.lowp.quantizers import reference
     from torchnext.lowp.scales import ScaleInputs
 
     spec = format_spec(fmt)
-    x = torch.randn(21, 45)
-    seed, offset = (1 << 63) + 12345, (1 << 32) - 300  # crosses the low-word boundary of the counter
-    for dim in (-1, 0):
-        ro = QuantOptions(rounding="stochastic", generator=torch.Generator()).resolve(spec)
-        dec, enc = _global_scales(x, spec, ro)
-        inp = ScaleInputs(spec, dec, enc)
-        codes, scales = cpu_quantizer.quantize_tensor(x, dim % x.dim(), spec, ro, inp, None, seed=seed, offset=offset)
-        xm = x.movedim(dim, -1)
-        kp = -(-xm.shape[-1] // spec.block_size) * spec.block_size
-        x2 = torch.nn.functional.pad(xm, (0, kp - xm.shape[-1])).contiguous().reshape(-1, spec.block_size)
-        noise = rng.uniform(seed, offset, x2.shape)
-        rc, rs = reference.quantize_blocks(x2, spec, ro, inp, noise)
-        assert torch.equal(codes.reshape(-1).view(torch.uint8), rc.reshape(-1).view(torch.uint8)), (isa, fmt, dim)
-        assert torch.equal(scales.reshape(-1).view(torch.uint8), rs.reshape(-1).view(torch.uint8))
+    x2 = torch.randn(30, spec.block_size)
+    ro = QuantOptions(rounding="stochastic", seed=1).resolve(spec)
+    inp = ScaleInputs(spec, *global_scales(x2, spec, ro))
+    noise = torch.rand(x2.shape, generator=torch.Generator().manual_seed(2))
+    rc, rs = reference.quantize_blocks(x2, spec, ro, inp, noise)
+    cc, cs = cpu_quantizer.quantize_blocks(x2, spec, ro, inp, noise)
+    assert torch.equal(rc.view(torch.uint8), cc.view(torch.uint8)) and torch.equal(rs.view(torch.uint8), cs.view(torch.uint8))
 
 
 @needs_kernels

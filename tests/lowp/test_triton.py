@@ -36,12 +36,12 @@ CHECK = textwrap.dedent(
                 if not (torch.equal(a.qdata.view(torch.uint8), b.qdata.view(torch.uint8))
                         and torch.equal(a.scale_bytes, b.scale_bytes)):
                     bad.append((name, str(dtype), fmt, opts))
-    g = lambda: torch.Generator().manual_seed(3)
     x = torch.randn(64, 64)
-    a = quantize(x, "nvfp4", rounding="stochastic", generator=g(), backend="reference")
-    b = quantize(x.to(device), "nvfp4", rounding="stochastic", generator=g(), backend="triton").to("cpu")
-    if not torch.equal(a.qdata, b.qdata):
-        bad.append("stochastic")
+    for fmt in ("nvfp4", "mxfp8_e4m3"):
+        a = quantize(x, fmt, rounding="stochastic", seed=3, offset=5, backend="reference")
+        b = quantize(x.to(device), fmt, rounding="stochastic", seed=3, offset=5, backend="triton").to("cpu")
+        if not torch.equal(a.qdata.view(torch.uint8), b.qdata.view(torch.uint8)):
+            bad.append(("stochastic", fmt))
     print("MISMATCHES", bad)
     sys.exit(1 if bad else 0)
     """

@@ -6,13 +6,16 @@ to torchao 0.18's reference quantizers (see docs/lowp.md for the exact semantics
 
 Layout: the format core (``formats``, ``elements``, ``scales``, ``options``, ``tensor``, ``quantize``), the quantizer
 kernels (:mod:`torchnext.lowp.quantizers`: reference, eager, triton), the matmuls (:mod:`torchnext.lowp.mm`:
-``scaled_mm``, epilogues, kernel backends, autotuner, grouped GEMM) and the modules on top (:mod:`torchnext.lowp.nn`).
+``scaled_mm``, epilogues, kernel backends, autotuner, grouped GEMM), the inference modules on top
+(:mod:`torchnext.lowp.nn`) and low-precision training (:mod:`torchnext.lowp.training`: ``Recipe.MXFP8`` /
+``Recipe.NVFP4``, ``convert_to_lowp_training``).
 """
 
 from __future__ import annotations
 
 from torchnext.lowp.errors import DeterminismError, FormatDTypeError, FormatError
 from torchnext.lowp.formats import FORMATS, ElementKind, ElementSpec, Format, FormatSpec, ScaleKind, format_spec
+from torchnext.lowp.hadamard import inverse_rht, rht, rht_signs
 from torchnext.lowp.mm import (
                               ACTIVATIONS,
                               BackendUnavailable,
@@ -28,9 +31,17 @@ from torchnext.lowp.mm import (
 )
 from torchnext.lowp.nn import MXFP8Linear, NVFP4Linear, QuantizeReport, quantize_
 from torchnext.lowp.options import QuantOptions
+from torchnext.lowp.pair import quantize_pair
 from torchnext.lowp.quantize import dequantize, quantization_error, quantize
 from torchnext.lowp.scales import swizzle, unswizzle
 from torchnext.lowp.tensor import BlockScaledTensor
+from torchnext.lowp.training import (
+                                    LowpTrainingLinear,
+                                    Recipe,
+                                    bf16_tail_filter,
+                                    convert_to_lowp_training,
+                                    lowp_linear,
+)
 
 __all__ = [
     "ACTIVATIONS",
@@ -38,11 +49,14 @@ __all__ = [
     "Epilogue",
     "EpilogueError",
     "KernelBackend",
+    "LowpTrainingLinear",
     "MXFP8Linear",
     "NVFP4Linear",
     "QuantizeReport",
     "ScaledMMResult",
     "available_backends",
+    "bf16_tail_filter",
+    "convert_to_lowp_training",
     "grouped_scaled_mm",
     "quantize_",
     "register_activation",
@@ -58,11 +72,17 @@ __all__ = [
     "FormatError",
     "FormatSpec",
     "QuantOptions",
+    "Recipe",
     "ScaleKind",
     "dequantize",
     "format_spec",
     "quantization_error",
+    "inverse_rht",
+    "lowp_linear",
     "quantize",
+    "quantize_pair",
+    "rht",
+    "rht_signs",
     "swizzle",
     "unswizzle",
 ]

@@ -19,4 +19,4 @@ class FormatDTypeError(FormatError, TypeError):
 
 
 class DeterminismError(FormatError):
-    """``rounding="stochastic"`` without a ``generator`` while determinism is requested."""
+    """``rounding="stochastic"`` without a ``seed`` while determinism is requested."""

@@ -13,6 +13,7 @@ import torch
 
 from torchnext.lowp.errors import DeterminismError, FormatError
 from torchnext.lowp.formats import FormatSpec, ScaleKind
+from torchnext.lowp.rng import CounterNoise
 
 __all__ = ["BACKENDS", "NVFP4_RECIPES", "QuantOptions", "ROUNDINGS", "SCALE_MODES", "ResolvedOptions"]
 
@@ -47,26 +48,35 @@ class QuantOptions:
     rounding: str = "rne"
     """``"rne"`` or ``"stochastic"``. Scales are always computed with round-to-nearest-even; stochastic rounding
     applies to elements: ``|y|`` becomes the grid neighbour above with probability ``(|y| - lo) / (hi - lo)``."""
-    generator: torch.Generator | None = None
-    """Random source for stochastic rounding (same generator state, same input → same bytes)."""
+    seed: int | None = None
+    """Stochastic rounding: the 64-bit stream seed of the counter-based generator (:mod:`torchnext.lowp.rng`).
+    The noise of element ``i`` of the padded block matrix (see :func:`~torchnext.lowp.quantize`) is
+    ``rng.uniform(seed, offset + i)``: same seed, offset and input → same bytes on every backend and every
+    process. ``None``: a seed is drawn from torch's global RNG (refused when determinism is requested)."""
+    offset: int = 0
+    """Stochastic rounding: the counter of the first element (in [0, 2**64)); quantizing pieces of one stream
+    with disjoint counter ranges keeps their noise independent."""
     deterministic: bool | None = None
     """Whether results must be reproducible; ``None`` follows ``torch.are_deterministic_algorithms_enabled()``.
-    Stochastic rounding without a ``generator`` draws from torch's global RNG, which is refused (DeterminismError)
-    when determinism is requested."""
+    Stochastic rounding without a ``seed`` draws its seed from torch's global RNG, which is refused
+    (DeterminismError) when determinism is requested."""
     swizzle: bool = False
     """Store scales in the cuBLAS/CUTLASS SWIZZLE_32_4_4 layout (padded to 128x4 tiles) instead of row-major."""
     backend: str = "auto"
-    """Implementation: one of :data:`BACKENDS`. Every backend produces the same bytes."""
+    """Implementation: one of :data:`BACKENDS` or a name given to
+    :func:`~torchnext.lowp.quantizers.register_quantizer` (checked when the kernel is looked up). Every backend
+    produces the same bytes."""
 
     def resolve(self, spec: FormatSpec) -> ResolvedOptions:
         """Check the options against ``spec`` and fill in the format's defaults.
 
         Raises:
             FormatError: an option that does not apply to the format, or an unknown value.
-            DeterminismError: stochastic rounding without a generator while determinism is requested.
+            DeterminismError: stochastic rounding without a seed while determinism is requested.
         """
         _check_choice("rounding", self.rounding, ROUNDINGS)
-        _check_choice("backend", self.backend, BACKENDS)
+        if not isinstance(self.backend, str) or not self.backend:
+            raise FormatError(f"backend must be a quantizer name (one of {list(BACKENDS)} or a registered one), got {self.backend!r}")
         if not isinstance(self.swizzle, bool):
             raise FormatError(f"swizzle must be a bool, got {self.swizzle!r}")
         if spec.scale is ScaleKind.E4M3:
@@ -102,19 +112,27 @@ class QuantOptions:
         deterministic = (
             self.deterministic if self.deterministic is not None else torch.are_deterministic_algorithms_enabled()
         )
-        if self.rounding == "stochastic" and self.generator is None and deterministic:
-            raise DeterminismError(
-                "rounding='stochastic' needs a torch.Generator when determinism is requested "
-                "(deterministic=True or torch.use_deterministic_algorithms(True)); pass generator=..."
-            )
-        if self.rounding != "stochastic" and self.generator is not None:
-            raise FormatError("generator is only used with rounding='stochastic'")
+        seed = self.seed
+        for what, counter in (("seed", seed), ("offset", self.offset)):
+            if counter is not None and (
+                isinstance(counter, bool) or not isinstance(counter, int) or not 0 <= counter < 2**64
+            ):
+                raise FormatError(f"{what} must be an int in [0, 2**64), got {counter!r}")
+        if self.rounding != "stochastic" and (seed is not None or self.offset != 0):
+            raise FormatError("seed and offset are only used with rounding='stochastic'")
+        if self.rounding == "stochastic" and seed is None:
+            if deterministic:
+                raise DeterminismError(
+                    "rounding='stochastic' needs a seed when determinism is requested "
+                    "(deterministic=True or torch.use_deterministic_algorithms(True)); pass seed=..."
+                )
+            seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
         return ResolvedOptions(
             recipe=recipe,
             scale_mode=scale_mode,
             global_scale=gs,
             rounding=self.rounding,
-            generator=self.generator,
+            noise=CounterNoise(seed=seed, offset=self.offset) if seed is not None else None,
             swizzle=self.swizzle,
             backend=self.backend,
         )
@@ -124,7 +142,8 @@ class QuantOptions:
         known = set(self.__dataclass_fields__)
         unknown = sorted(set(changes) - known)
         if unknown:
-            raise FormatError(f"unknown quantization option(s) {unknown}; known: {sorted(known)}")
+            hint = " (stochastic rounding takes seed=/offset= since the counter-based generator replaced generator=)" if "generator" in unknown else ""
+            raise FormatError(f"unknown quantization option(s) {unknown}; known: {sorted(known)}{hint}")
         return replace(self, **changes)
 
 
@@ -137,7 +156,8 @@ class ResolvedOptions:
     global_scale: bool | float
     """False: none; True: computed from the tensor; float: given decode scale."""
     rounding: str
-    generator: torch.Generator | None
+    noise: CounterNoise | None
+    """Stochastic rounding: the (seed, offset) of the noise; None for RNE."""
     swizzle: bool
     backend: str
 

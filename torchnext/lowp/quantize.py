@@ -1,4 +1,14 @@
-"""Public entry points: :func:`quantize`, :func:`dequantize`, :func:`quantization_error`."""
+"""Public entry points: :func:`quantize`, :func:`dequantize`, :func:`quantization_error`.
+
+The block matrix and the stochastic-rounding counters (fixed for every quantizer kernel)::
+
+    xm = x.movedim(dim, -1), zero-padded along its last dim to a multiple of B (the block size)
+    x2 = xm.reshape(-1, B)                        # (n_blocks, B), row-major: block b = row b
+    noise[r, j] = rng.uniform(seed, offset + r * B + j)      # i = r * B + j: the flat index in x2
+
+so padding elements consume counters too, and the counters of a tensor depend only on its padded shape. The
+kernels receive ``CounterNoise(seed, offset)`` (see :mod:`torchnext.lowp.quantizers`), never a generator state.
+"""
 
 from __future__ import annotations
 
@@ -19,14 +29,16 @@ __all__ = ["dequantize", "quantization_error", "quantize"]
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _flush_denormal_on(device: torch.device) -> bool:
+def flush_denormal_on(device: torch.device) -> bool:
     """Whether CPU arithmetic flushes subnormals to zero (``torch.set_flush_denormal(True)``)."""
     if device.type != "cpu":
         return False
     return bool(torch.tensor([2.0**-127]).mul(1.0).item() == 0.0)
 
 
-def _check_input(x: Any, dim: int) -> int:
+def check_input(x: Any, dim: int) -> int:
+    """``dim`` made non-negative after checking that ``x`` is a quantizable tensor (FormatError /
+    FormatDTypeError otherwise)."""
     if not isinstance(x, torch.Tensor):
         raise FormatDTypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _INPUT_DTYPES:
@@ -40,10 +52,11 @@ def _check_input(x: Any, dim: int) -> int:
     return dim % x.dim()
 
 
-def _global_scales(
+def global_scales(
     x: torch.Tensor, spec: FormatSpec, opts: ResolvedOptions
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(decode, encode) 0-d fp32 global scales, or (None, None)."""
+    """(decode, encode) 0-d fp32 global scales of ``x`` under ``opts`` (from its amax, or the given scale), or
+    (None, None) for single-level formats."""
     if not spec.two_level or opts.global_scale is False:
         return None, None
     if not isinstance(opts.global_scale, bool):
@@ -76,6 +89,8 @@ def quantize(
 
         scale[b], mult = recipe(amax(|x[b]|))            # see torchnext.lowp.scales
         code[i] = round(clamp(x[i] * mult, -max, max))   # RNE (or stochastic), saturating; see .elements
+        # stochastic: round up with probability frac, using rng.uniform(seed, offset + i), i = the element's flat
+        # index in the padded block matrix (module docstring)
 
     The block dim is padded with zeros to a multiple of the block size (the logical shape is kept). Quantization
     is not differentiable: it runs under ``torch.no_grad()`` (inputs that require grad are fine).
@@ -90,7 +105,7 @@ def quantize(
     Raises:
         FormatError: unknown format/option, option for another format, bad ``dim``.
         FormatDTypeError: ``x`` is not a float32/bfloat16/float16 tensor.
-        DeterminismError: stochastic rounding without a generator while determinism is requested.
+        DeterminismError: stochastic rounding without a ``seed`` while determinism is requested.
 
     Example::
 
@@ -103,48 +118,68 @@ def quantize(
     if kwargs:
         opts = opts.with_(**kwargs)
     ro = opts.resolve(spec)
-    dim = _check_input(x, dim)
-    if _flush_denormal_on(x.device):
+    dim = check_input(x, dim)
+    if flush_denormal_on(x.device):
         raise FormatError(
             "torch.set_flush_denormal(True) is in effect: the E8M0/E2M1 scales and codes need fp32 subnormals; "
             "call torch.set_flush_denormal(False) before quantizing"
         )
     backend = get_quantizer(ro.backend, x.device, spec)
-    block = spec.block_size
-    k = x.shape[dim]
-    k_padded = -(-k // block) * block
-    n_blocks = k_padded // block
-    rest = [s for i, s in enumerate(x.shape) if i != dim]
-    dec, enc = _global_scales(x, spec, ro)
-    noise = None
-    if ro.rounding == "stochastic":  # one draw per element of the padded block matrix, row-major
-        shape = (math.prod(rest) * n_blocks, block)
-        noise = torch.rand(shape, generator=ro.generator, device=x.device, dtype=torch.float32)
+    dec, enc = global_scales(x, spec, ro)
     inputs = _scales.ScaleInputs(spec, dec, enc)
     quantize_tensor = getattr(backend, "quantize_tensor", None)
     if quantize_tensor is not None:  # the kernel reads x in place along dim and writes the final layout
-        qdata, scale_t = quantize_tensor(x, dim, spec, ro, inputs, noise)
+        qdata, scale_t = quantize_tensor(x, dim, spec, ro, inputs, ro.noise)
+        return assemble(qdata, scale_t, dec, spec, ro, shape=x.shape, dim=dim, orig_dtype=x.dtype, final=True)
+    block = spec.block_size
+    xm = x.movedim(dim, -1) if dim != x.dim() - 1 else x
+    k = xm.shape[-1]
+    k_padded = -(-k // block) * block
+    if k_padded != k:
+        xm = torch.nn.functional.pad(xm, (0, k_padded - k))
+    xm = xm.contiguous()
+    rest = xm.shape[:-1]
+    x2 = xm.reshape(-1, block) if xm.numel() else xm.new_empty(math.prod(rest) * (k_padded // block), block)
+    codes, scales = backend.quantize_blocks(x2, spec, ro, inputs, ro.noise)
+    return assemble(codes, scales, dec, spec, ro, shape=x.shape, dim=dim, orig_dtype=x.dtype)
+
+
+def assemble(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    global_decode: torch.Tensor | None,
+    spec: FormatSpec,
+    ro: ResolvedOptions,
+    *,
+    shape: torch.Size,
+    dim: int,
+    orig_dtype: torch.dtype,
+    final: bool = False,
+) -> BlockScaledTensor:
+    """A :class:`BlockScaledTensor` of logical ``shape`` blocked along ``dim`` from a kernel's flat outputs: codes
+    ``(n_blocks, B / per_byte)`` (or already ``(*rest, k_padded / per_byte)``) and scales ``(n_blocks,)``, in the
+    order of the padded block matrix (see the module docstring); swizzles the scales if ``ro.swizzle``.
+    ``final=True``: the scales are already in their stored layout (swizzled if ``ro.swizzle``) and kept as given."""
+    block = spec.block_size
+    rest = [s for i, s in enumerate(shape) if i != dim]
+    k_padded = -(-shape[dim] // block) * block
+    qdata = codes.reshape(*rest, k_padded // spec.element.per_byte)
+    n_blocks = k_padded // block
+    if final:
+        scale_t = scales
+    elif ro.swizzle:
+        scale_t = _scales.swizzle(scales.reshape(math.prod(rest), n_blocks))
     else:
-        xm = x.movedim(dim, -1) if dim != x.dim() - 1 else x
-        if k_padded != k:
-            xm = torch.nn.functional.pad(xm, (0, k_padded - k))
-        xm = xm.contiguous()
-        x2 = xm.reshape(-1, block) if xm.numel() else xm.new_empty(math.prod(rest) * n_blocks, block)
-        codes, scales = backend.quantize_blocks(x2, spec, ro, inputs, noise)
-        qdata = codes.reshape(*rest, k_padded // spec.element.per_byte)
-        if ro.swizzle:
-            scale_t = _scales.swizzle(scales.reshape(math.prod(rest), n_blocks))
-        else:
-            scale_t = scales.reshape(*rest, n_blocks)
+        scale_t = scales.reshape(*rest, n_blocks)
     return BlockScaledTensor(
         qdata=qdata,
         scales=scale_t,
-        global_scale=dec,
+        global_scale=global_decode,
         spec=spec,
-        shape=x.shape,
+        shape=torch.Size(shape),
         block_dim=dim,
         swizzled=ro.swizzle,
-        orig_dtype=x.dtype,
+        orig_dtype=orig_dtype,
         recipe=ro.recipe,
         scale_mode=ro.scale_mode,
         rounding=ro.rounding,

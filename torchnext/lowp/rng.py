@@ -27,9 +27,11 @@ each (layer, step, operand) draws independent noise and replicas that share the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["MASK32", "bits", "mix32", "stream_seed", "uniform", "uniform_like"]
+__all__ = ["MASK32", "CounterNoise", "bits", "mix32", "noise_rows", "stream_seed", "uniform", "uniform_like"]
 
 MASK32 = 0xFFFFFFFF
 _M1, _M2 = 0x7FEB352D, 0x846CA68B
@@ -114,3 +116,37 @@ def uniform(seed: int, offset: int, shape: tuple[int, ...] | torch.Size, *,
 def uniform_like(t: torch.Tensor, seed: int, offset: int = 0) -> torch.Tensor:
     """:func:`uniform` with ``t``'s shape and device."""
     return uniform(seed, offset, t.shape, device=t.device)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CounterNoise:
+    """The stochastic-rounding noise of one quantization, as (seed, offset) instead of a materialized tensor.
+
+    Meaning: the noise of element ``j`` of row ``r`` of the padded block matrix ``x2`` (shape ``(n_blocks, B)``,
+    row-major, padding elements included) is ``uniform(seed, offset + r * B + j)``. A quantizer kernel either
+    computes that in-kernel or asks :meth:`rows` for a chunk of it.
+    """
+
+    seed: int
+    """64-bit stream seed (e.g. :func:`stream_seed` of (model seed, layer, step, operand))."""
+    offset: int = 0
+    """Counter of element 0 of ``x2``."""
+
+    def __post_init__(self) -> None:
+        _check_seed(self.seed)
+        _check_seed(self.offset, "offset")
+
+    def rows(self, start: int, stop: int, block: int, *, device: torch.device | str | None = None) -> torch.Tensor:
+        """fp32 noise of rows ``start .. stop - 1`` of a block matrix with rows of ``block`` elements:
+        ``uniform(seed, offset + start * block, (stop - start, block))``."""
+        return uniform(self.seed, self.offset + start * block, (stop - start, block), device=device)
+
+
+def noise_rows(
+    noise: torch.Tensor | CounterNoise, start: int, stop: int, block: int, *, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Rows ``start .. stop - 1`` of a kernel's noise argument: a slice of a materialized ``(n_blocks, block)``
+    fp32 tensor, or computed from a :class:`CounterNoise`."""
+    if isinstance(noise, CounterNoise):
+        return noise.rows(start, stop, block, device=device)
+    return noise[start:stop]

@@ -13,6 +13,12 @@ The fast path has no Python loop over experts: the stacked weights are dequantiz
 ``torch.bmm``), and the epilogue runs once over all rows (a per-expert bias is gathered by each row's expert id).
 Empty groups and sizes that are not multiples of 16/32 are allowed.
 
+The *reduction-grouped* form (``w`` 2-D, as ``torch._grouped_mm``'s 2-D x 2-D case; a MoE layer's weight
+gradient): the groups run along the reduction dim, ``a`` (N, T) and ``w`` (K, T) (dense, or block-scaled along T),
+and ``out[e] = a[:, start_e:end_e] @ w[:, start_e:end_e].T`` is (E, N, K). Block-scaled operands need every group
+to start at a multiple of their block size (so no block straddles two groups: pad each group, as
+:func:`torchnext.lowp.training.lowp_grouped_mm` does); no epilogue.
+
 ``compute_dtype=torch.bfloat16`` (opt-in, changes results): the weights are decoded straight to bf16 — *exact*
 for FP4/FP8 elements with E4M3/E8M0 scales (:mod:`torchnext.lowp.mm.decode`; an NVFP4 global scale is left out of the
 decode and multiplies the fp32 output instead) — the activations are rounded to bf16, and the GEMM runs on bf16
@@ -155,6 +161,10 @@ def grouped_scaled_mm(
     """
     if compute_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"grouped_scaled_mm: compute_dtype must be torch.float32 or torch.bfloat16, got {compute_dtype}")
+    if len(w_stack.shape) == 2:
+        if epilogue is not None:
+            raise EpilogueError("grouped_scaled_mm: the reduction-grouped form (2-D w) takes no epilogue")
+        return _grouped_reduce(a, w_stack, offsets, compute_dtype)
     ep = epilogue or Epilogue()
     _, t, _, _ = _validate(a, w_stack, offsets, ep)
     # decoded operands go to scratch memory and the epilogue runs in place on the fresh accumulator, unless autograd
@@ -177,6 +187,50 @@ def grouped_scaled_mm(
     if ep.output_amax or ep.out_format is not None:
         return ScaledMMResult(res.output, res.amax, res.quantized)
     return res.output
+
+
+def _grouped_reduce(
+    a: torch.Tensor | BlockScaledTensor, w: torch.Tensor | BlockScaledTensor, offsets: torch.Tensor,
+    compute_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(E, N, K) ``out[e] = a[:, g_e] @ w[:, g_e].T`` (module docstring), fp32 (or bf16-computed) output."""
+    for name, x in (("a", a), ("w", w)):
+        if not isinstance(x, (torch.Tensor, BlockScaledTensor)) or len(x.shape) != 2:
+            raise FormatError(f"grouped_scaled_mm (reduction-grouped): {name} must be 2-D, got {getattr(x, 'shape', x)}")
+        if isinstance(x, BlockScaledTensor) and x.block_dim != 1:
+            raise FormatError(f"grouped_scaled_mm (reduction-grouped): {name} must be blocked along T (its dim 1)")
+    n, t = a.shape
+    k, tw = w.shape
+    if t != tw:
+        raise FormatError(f"grouped_scaled_mm (reduction-grouped): a is ({n}, {t}) and w is ({k}, {tw}): T differs")
+    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64):
+        raise FormatError("grouped_scaled_mm: offsets must be a 1-D int32/int64 tensor of group end columns")
+    ends = [int(v) for v in offsets.tolist()]
+    if any(b < a_ for a_, b in zip([0, *ends[:-1]], ends, strict=True)) or (ends and ends[-1] != t):
+        raise FormatError(f"grouped_scaled_mm: offsets must be non-decreasing and end at T={t}: {ends}")
+    starts = [0, *ends[:-1]]
+    for x in (a, w):
+        if isinstance(x, BlockScaledTensor) and any(s % x.block_size for s in starts):
+            raise FormatError(
+                f"grouped_scaled_mm (reduction-grouped): groups must start at multiples of the block size "
+                f"{x.block_size} (a block may not straddle two groups), got starts {starts}"
+            )
+    dtype = compute_dtype
+    ad = dense_operand(a, dtype) if isinstance(a, BlockScaledTensor) else a.to(dtype)
+    wd = dense_operand(w, dtype) if isinstance(w, BlockScaledTensor) else w.to(dtype)
+    gm = getattr(torch, "_grouped_mm", None)
+    out = None
+    if gm is not None and ends and t > 0:
+        try:
+            out = gm(ad, wd.t(), offs=offsets.to(torch.int32))
+        except (RuntimeError, NotImplementedError):
+            out = None
+    if out is None:  # fallback: one GEMM per group
+        out = ad.new_zeros(len(ends), n, k)
+        for e, (s0, s1) in enumerate(zip(starts, ends, strict=True)):
+            if s1 > s0:
+                out[e] = ad[:, s0:s1] @ wd[:, s0:s1].t()
+    return out.to(torch.float32)
 
 
 def grouped_reference(

@@ -6,10 +6,14 @@ semantics)::
     quantize_blocks(x2 (n, B) float, spec, opts, scale_inputs, noise) -> (codes (n, B / per_byte), scales (n,))
     dequantize_blocks(codes, scales (n,), spec, global_decode, dtype) -> (n, B) values
 
-A kernel module may also offer ``quantize_tensor(x, dim, spec, opts, scale_inputs, noise) -> (qdata, scales)``
-(the final layout, read from ``x`` in place: :func:`torchnext.lowp.quantize` then skips its transposed/padded copy)
-and ``unavailable_reason(device, spec) -> str | None`` (None: it can run there; ``"auto"`` skips a kernel that
-cannot, and naming it explicitly raises with the reason).
+``noise`` is None (RNE), an ``(n, B)`` fp32 tensor of uniform draws, or a :class:`~torchnext.lowp.rng.CounterNoise`
+``(seed, offset)``: the draw of ``x2[r, j]`` is ``rng.uniform(seed, offset + r * B + j)``, which a kernel may
+compute in-kernel. A module may also offer ``quantize_pair_blocks`` (both training copies of a 2-D tensor from one
+read); :func:`torchnext.lowp.quantize_pair` documents that contract and uses it when present. Further optional
+entries: ``quantize_tensor(x, dim, spec, opts, scale_inputs, noise) -> (qdata, scales)`` (the final layout, read
+from ``x`` in place: :func:`torchnext.lowp.quantize` then skips its transposed/padded copy) and
+``unavailable_reason(device, spec) -> str | None`` (None: it can run there; ``"auto"`` skips a kernel that cannot,
+and naming it explicitly raises with the reason).
 
 Built in: ``reference`` (the definitions written plainly: the oracle), ``cpu`` (one compiled C++ pass, built on first
 use: what ``"auto"`` picks for CPU tensors when a compiler is present), ``eager`` (vectorized torch ops on

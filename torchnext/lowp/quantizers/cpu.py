@@ -8,9 +8,10 @@ when present: it reads ``x`` in place along any ``dim`` (no transposed or padded
 down the columns and pads on the fly) and writes the scales straight into the swizzled layout when asked.
 
 One read of ``x`` (plus, for two-level NVFP4, the tensor amax pass of ``quantize``), one write of codes and scales:
-rows of blocks are spread over torch's intra-op threads (``at::parallel_for``). Stochastic rounding takes the same
-noise tensor as the other kernels (``torch.rand`` of the padded block matrix's shape); the kernel can also draw it
-itself from the counter-based generator of :mod:`torchnext.lowp.rng` (:func:`quantize_tensor`'s ``seed``).
+rows of blocks are spread over torch's intra-op threads (``at::parallel_for``). Stochastic rounding: a
+:class:`~torchnext.lowp.rng.CounterNoise` is drawn in the kernel (``uniform(seed, offset + i)``, ``i`` the element's
+flat index in the padded block matrix, as :func:`torchnext.lowp.quantize` defines it); a noise tensor is read.
+Rows longer than one block (the B x B tiles of :func:`torchnext.lowp.quantize_tiles`) go to the eager kernel.
 Dequantize is the eager kernel's.
 """
 
@@ -25,6 +26,7 @@ from torchnext.lowp.cpu import isa_index, ops, status
 from torchnext.lowp.formats import FORMATS, FormatSpec
 from torchnext.lowp.options import ResolvedOptions, block_outputs
 from torchnext.lowp.quantizers import eager as _eager
+from torchnext.lowp.rng import CounterNoise
 from torchnext.lowp.scales import ScaleInputs
 
 __all__ = ["dequantize_blocks", "quantize_blocks", "quantize_tensor", "unavailable_reason"]
@@ -72,13 +74,13 @@ def _run(
     spec: FormatSpec,
     opts: ResolvedOptions,
     inp: ScaleInputs,
-    noise: torch.Tensor | None,
+    noise: torch.Tensor | CounterNoise | None,
     *,
     swizzle_cols: int | None,
-    seed: int | None,
-    offset: int,
 ) -> None:
     dec, enc, has_g = _global_args(inp, opts.scale_recipe)
+    counter = noise if isinstance(noise, CounterNoise) else None
+    tensor = noise if isinstance(noise, torch.Tensor) else None
     ops().quantize(
         x,
         outer,
@@ -94,23 +96,29 @@ def _run(
         has_g,
         swizzle_cols is not None,
         swizzle_cols or 0,
-        noise,
-        seed is not None,
-        _signed64(seed or 0),
-        _signed64(offset),
+        tensor,
+        counter is not None,
+        _signed64(counter.seed if counter is not None else 0),
+        _signed64(counter.offset if counter is not None else 0),
         isa_index(ISA),
     )
 
 
 def quantize_blocks(
-    x2: torch.Tensor, spec: FormatSpec, opts: ResolvedOptions, inp: ScaleInputs, noise: torch.Tensor | None
+    x2: torch.Tensor,
+    spec: FormatSpec,
+    opts: ResolvedOptions,
+    inp: ScaleInputs,
+    noise: torch.Tensor | CounterNoise | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the rows of ``x2`` (one block per row); see :mod:`torchnext.lowp.quantizers.reference`."""
     n, block = x2.shape
+    if block != spec.block_size:  # B x B tiles (one scale per B*B elements): the eager kernel's job
+        return _eager.quantize_blocks(x2, spec, opts, inp, noise)
     codes, scale_bytes = block_outputs(x2, spec)
     if n and block:
         x = x2 if x2.dtype in _DTYPES else x2.float()
-        _run(x.contiguous(), n, block, 1, codes, scale_bytes, spec, opts, inp, noise, swizzle_cols=None, seed=None, offset=0)
+        _run(x.contiguous(), n, block, 1, codes, scale_bytes, spec, opts, inp, noise, swizzle_cols=None)
     return codes, scale_bytes.view(spec.scale_dtype)
 
 
@@ -120,15 +128,12 @@ def quantize_tensor(
     spec: FormatSpec,
     opts: ResolvedOptions,
     inp: ScaleInputs,
-    noise: torch.Tensor | None,
-    *,
-    seed: int | None = None,
-    offset: int = 0,
+    noise: torch.Tensor | CounterNoise | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(qdata, scales)`` of ``quantize(x, spec, dim=dim)`` in their final layout (``opts.swizzle`` respected),
-    reading ``x`` where it lies. ``noise``: the stochastic-rounding draws, shaped like the padded block matrix
-    ``(rows * n_blocks, block)``; or ``seed`` (with ``offset``): the kernel draws ``uniform(seed, offset + i)``
-    of :mod:`torchnext.lowp.rng` itself, ``i`` the element's flat index in that matrix."""
+    reading ``x`` where it lies. ``noise``: a :class:`~torchnext.lowp.rng.CounterNoise` (the kernel draws
+    ``uniform(seed, offset + i)``, ``i`` the element's flat index in the padded block matrix), or those draws as an
+    fp32 tensor shaped like that matrix ``(rows * n_blocks, block)``."""
     xc = x.contiguous()
     shape = list(xc.shape)
     outer = math.prod(shape[:dim])
@@ -151,8 +156,7 @@ def quantize_tensor(
         scale_buf = torch.empty(rows * nb, dtype=torch.uint8, device=x.device)
         scales = scale_buf.view(*rest, nb)
     if rows and kp:
-        _run(xc, outer, k, inner, codes, scale_buf, spec, opts, inp, noise,
-             swizzle_cols=nb if opts.swizzle else None, seed=seed, offset=offset)
+        _run(xc, outer, k, inner, codes, scale_buf, spec, opts, inp, noise, swizzle_cols=nb if opts.swizzle else None)
     return codes.view(*rest, kp // el.per_byte), scales.view(spec.scale_dtype)
 
 

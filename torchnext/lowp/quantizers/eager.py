@@ -19,6 +19,7 @@ import torch
 from torchnext.lowp.elements import decode_reference, encode_fast, stochastic_round
 from torchnext.lowp.formats import FormatSpec
 from torchnext.lowp.options import ResolvedOptions, block_outputs
+from torchnext.lowp.rng import CounterNoise, noise_rows
 from torchnext.lowp.scales import SCALE_RECIPES, ScaleInputs
 
 __all__ = ["CHUNK_ELEMENTS", "dequantize_blocks", "quantize_blocks"]
@@ -105,9 +106,14 @@ def _cast_saturates(dtype: torch.dtype) -> bool:
 
 
 def quantize_blocks(
-    x2: torch.Tensor, spec: FormatSpec, opts: ResolvedOptions, inp: ScaleInputs, noise: torch.Tensor | None
+    x2: torch.Tensor,
+    spec: FormatSpec,
+    opts: ResolvedOptions,
+    inp: ScaleInputs,
+    noise: torch.Tensor | CounterNoise | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize the rows of ``x2`` (one block per row); see :mod:`torchnext.lowp.quantizers.reference`."""
+    """Quantize the rows of ``x2`` (one block per row); see :mod:`torchnext.lowp.quantizers.reference`. A
+    :class:`~torchnext.lowp.rng.CounterNoise` is expanded chunk by chunk (its draws never exist all at once)."""
     el = spec.element
     n, block = x2.shape
     codes, scale_bytes = block_outputs(x2, spec)
@@ -133,7 +139,7 @@ def quantize_blocks(
             scale, mult = scale_fn(block_amax(xc), inp)
             y = xc * mult[:, None]
         if noise is not None:
-            y = stochastic_round(y, el, noise[start:stop])
+            y = stochastic_round(y, el, noise_rows(noise, start, stop, block, device=y.device))
         elif not skip_clamp:
             y.clamp_(-el.max_value, el.max_value)
         encode_fast(y, el, codes[start:stop])

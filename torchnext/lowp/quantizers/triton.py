@@ -22,6 +22,7 @@ from torchnext.lowp.errors import FormatError
 from torchnext.lowp.formats import FormatSpec
 from torchnext.lowp.options import ResolvedOptions, block_outputs
 from torchnext.lowp.quantizers.eager import dequantize_blocks
+from torchnext.lowp.rng import CounterNoise, noise_rows
 from torchnext.lowp.scales import SCALE_RECIPES, ScaleInputs
 
 __all__ = ["dequantize_blocks", "quantize_blocks"]
@@ -145,7 +146,11 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
 
 
 def quantize_blocks(
-    x2: torch.Tensor, spec: FormatSpec, opts: ResolvedOptions, inp: ScaleInputs, noise: torch.Tensor | None
+    x2: torch.Tensor,
+    spec: FormatSpec,
+    opts: ResolvedOptions,
+    inp: ScaleInputs,
+    noise: torch.Tensor | CounterNoise | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`torchnext.lowp.quantizers.reference.quantize_blocks`."""
     el = spec.element
@@ -163,7 +168,8 @@ def quantize_blocks(
         # there), then the kernel encodes the exactly representable rounded values
         amax = x2.float().abs().amax(dim=1)
         _, mult = SCALE_RECIPES[(opts.scale_recipe, True)](amax, inp)
-        rounded = stochastic_round(x2.float() * mult[:, None], el, noise).contiguous()
+        u = noise_rows(noise, 0, n, block, device=x2.device)
+        rounded = stochastic_round(x2.float() * mult[:, None], el, u).contiguous()
     if el.bits not in (4, 8):
         raise FormatError(f"the triton backend handles 4- and 8-bit elements, not {el.bits}-bit {el.name}")
     is_bf16 = x2.dtype == torch.bfloat16

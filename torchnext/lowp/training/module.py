@@ -1,0 +1,226 @@
+"""``LowpTrainingLinear`` and :func:`convert_to_lowp_training`: swap a model's ``nn.Linear`` layers for training
+in MXFP8 or NVFP4, keeping the master weights (and so gradients and optimizer state) in their own dtype.
+
+``convert_to_lowp_training(model, recipe, module_filter_fn)`` replaces, in place, every ``nn.Linear`` (exact type)
+for which ``module_filter_fn(module, fqn)`` is true (None: all) by a :class:`LowpTrainingLinear` that *shares* its
+``weight`` and ``bias`` parameters (an optimizer built before the conversion keeps working). The layer adds its
+buffers to the state dict:
+
+* ``lowp_step`` (0-d int64): counts the layer's training forward calls (grad enabled, ``module.training``); the step
+  part of its stochastic-rounding seeds. Replicas that run the same schedule count alike.
+* ``lowp_seed`` (0-d int64): the model seed the layer draws from (a loaded checkpoint continues its streams).
+* ``rht_signs`` (16 fp32 +/-1, recipes with RHT): drawn from ``stream_seed(seed, layer)`` with ``layer =
+  crc32(fqn)``: the same on every rank, kept so a loaded checkpoint keeps its transform.
+
+A state dict of the unconverted model loads into a converted one (the two buffers keep their values).
+
+:func:`bf16_tail_filter` is the selection of the NVFP4 paper: the last ~15 % of the transformer blocks, the output
+head and the MoE routers stay in high precision (in whatever dtype the model runs them: bf16 in a bf16 model or
+under autocast); everything else (attention projections, MLPs, experts) is converted. Embeddings, norms and
+attention scores are not ``nn.Linear`` and are never touched.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Iterable
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from torchnext.lowp.errors import FormatError
+from torchnext.lowp.hadamard import rht_signs
+from torchnext.lowp.rng import stream_seed
+from torchnext.lowp.training.function import lowp_linear
+from torchnext.lowp.training.recipe import Recipe
+
+__all__ = ["LowpTrainingLinear", "bf16_tail_filter", "convert_to_lowp_training", "layer_id"]
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+
+_RHT_STREAM = 0x524854  # "RHT": the operand slot of the sign vector's stream seed
+
+
+def layer_id(fqn: str) -> int:
+    """The layer part of the seeds: ``crc32(fqn)`` (stable across processes and conversions)."""
+    return zlib.crc32(fqn.encode()) & 0x7FFFFFFF
+
+
+class LowpTrainingLinear(nn.Linear):
+    """``nn.Linear`` whose forward and backward GEMMs run in low precision (:func:`~torchnext.lowp.training
+    .function.lowp_linear`); parameters stay in their dtype. Build it with :meth:`from_linear` or
+    :func:`convert_to_lowp_training`."""
+
+    lowp_step: torch.Tensor
+    rht_signs: torch.Tensor | None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        recipe: Recipe,
+        seed: int = 0,
+        fqn: str = "",
+        quantizer: str = "auto",
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self._setup(recipe, seed=seed, fqn=fqn, quantizer=quantizer, backend=backend)
+
+    def _setup(self, recipe: Recipe, *, seed: int, fqn: str, quantizer: str, backend: str) -> None:
+        if not isinstance(recipe, Recipe):
+            raise FormatError(f"LowpTrainingLinear: recipe must be a torchnext.lowp.Recipe, got {type(recipe).__name__}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise FormatError(f"LowpTrainingLinear: seed must be an int in [0, 2**63), got {seed!r}")
+        self.recipe = recipe
+        self.seed = seed
+        self.fqn = fqn
+        self.layer = layer_id(fqn)
+        self.quantizer = quantizer
+        self.backend = backend
+        device = self.weight.device
+        self.register_buffer("lowp_step", torch.zeros((), dtype=torch.int64, device=device))
+        self.register_buffer("lowp_seed", torch.tensor(seed, dtype=torch.int64, device=device))
+        signs = rht_signs(stream_seed(seed, self.layer, _RHT_STREAM), device=device) if recipe.rht else None
+        self.register_buffer("rht_signs", signs)
+        self._register_load_state_dict_pre_hook(_fill_missing_lowp_buffers, with_module=True)
+        self.register_load_state_dict_post_hook(_adopt_loaded_seed)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, recipe: Recipe, *, seed: int = 0, fqn: str = "", quantizer: str = "auto",
+        backend: str = "auto",
+    ) -> LowpTrainingLinear:
+        """A training layer sharing ``linear``'s parameters (no copy)."""
+        if not isinstance(linear, nn.Linear):
+            raise FormatError(f"from_linear expects an nn.Linear, got {type(linear).__name__}")
+        mod = cls.__new__(cls)
+        nn.Module.__init__(mod)
+        mod.in_features, mod.out_features = linear.in_features, linear.out_features
+        mod.weight = linear.weight
+        mod.bias = linear.bias
+        mod._setup(recipe, seed=seed, fqn=fqn, quantizer=quantizer, backend=backend)
+        mod.train(linear.training)
+        return mod
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise FormatError(f"LowpTrainingLinear({self.fqn}): input has {x.shape[-1]} features, expected {self.in_features}")
+        if self.training and torch.is_grad_enabled():
+            # increment first, then derive this call's step arithmetically: a clone taken before the in-place add
+            # can be aliased to the mutated buffer by torch.compile (the saved step then reads one too many)
+            self.lowp_step.add_(1)
+            step = self.lowp_step - 1
+        else:
+            step = self.lowp_step + 0
+        return lowp_linear(
+            x, self.weight, self.bias, recipe=self.recipe, step=step, rht_signs=self.rht_signs, seed=self.seed,
+            layer=self.layer, quantizer=self.quantizer, backend=self.backend,
+        )
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe}, fqn={self.fqn!r}"
+
+
+def _fill_missing_lowp_buffers(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+    missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
+) -> None:
+    """Loading a checkpoint of the unconverted model: its missing lowp buffers keep their current values."""
+    for name in ("lowp_step", "lowp_seed", "rht_signs"):
+        buf = getattr(module, name, None)
+        if buf is not None and prefix + name not in state_dict:
+            state_dict[prefix + name] = buf.detach().clone()
+
+
+def _adopt_loaded_seed(module: nn.Module, incompatible: Any) -> None:
+    """After a load, the layer draws from the loaded seed (so a resumed run continues the same streams)."""
+    if isinstance(module, LowpTrainingLinear):
+        module.seed = int(cast(torch.Tensor, module.lowp_seed).item())
+
+
+def convert_to_lowp_training(
+    model: nn.Module,
+    recipe: Recipe,
+    module_filter_fn: ModuleFilter | None = None,
+    *,
+    seed: int = 0,
+    quantizer: str = "auto",
+    backend: str = "auto",
+) -> nn.Module:
+    """Swap every ``nn.Linear`` of ``model`` that ``module_filter_fn(module, fqn)`` accepts (None: all) for a
+    :class:`LowpTrainingLinear` with ``recipe``, in place; returns ``model`` (or the new layer when ``model`` is
+    itself an accepted ``nn.Linear``).
+
+    Args:
+        model: any module.
+        recipe: ``Recipe.MXFP8``, ``Recipe.NVFP4`` or a variant.
+        module_filter_fn: ``(module, fully qualified name) -> bool``; e.g. :func:`bf16_tail_filter`.
+        seed: the model seed (RHT signs, stochastic rounding streams): use the same on every rank.
+        quantizer, backend: the quantizer kernel and the ``scaled_mm`` backend (``"auto"``: autotuned).
+
+    Raises:
+        FormatError: a bad recipe or seed.
+    """
+    if not isinstance(recipe, Recipe):
+        raise FormatError(f"convert_to_lowp_training: recipe must be a torchnext.lowp.Recipe, got {type(recipe).__name__}")
+
+    def make(child: nn.Linear, fqn: str) -> LowpTrainingLinear:
+        return LowpTrainingLinear.from_linear(child, recipe, seed=seed, fqn=fqn, quantizer=quantizer, backend=backend)
+
+    if type(model) is nn.Linear:
+        return make(model, "") if module_filter_fn is None or module_filter_fn(model, "") else model
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            fqn = f"{parent_name}.{child_name}" if parent_name else child_name
+            if type(child) is nn.Linear and (module_filter_fn is None or module_filter_fn(child, fqn)):
+                setattr(parent, child_name, make(child, fqn))
+    return model
+
+
+def _block_list(model: nn.Module) -> tuple[str, int] | None:
+    """(fqn, length) of the model's transformer block list: its longest ``nn.ModuleList`` of one module type."""
+    best: tuple[str, int] | None = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) and len({type(c) for c in mod}) == 1:
+            if any(isinstance(m, nn.Linear) for m in mod.modules()) and (best is None or len(mod) > best[1]):
+                best = (name, len(mod))
+    return best
+
+
+def bf16_tail_filter(
+    model: nn.Module,
+    *,
+    tail_fraction: float = 0.15,
+    keep_names: Iterable[str] = ("head", "lm_head", "output", "router", "gate"),
+) -> ModuleFilter:
+    """A ``module_filter_fn`` keeping in high precision what the NVFP4 paper keeps: the last
+    ``ceil(tail_fraction * n_blocks)`` blocks of the model's block list (its longest ``nn.ModuleList`` of
+    identical blocks), and every Linear whose own name (last fqn component) is in ``keep_names`` (output head, MoE
+    routers/gates). Everything else is converted.
+
+    Raises:
+        ValueError: ``tail_fraction`` outside [0, 1].
+    """
+    if not 0.0 <= tail_fraction <= 1.0:
+        raise ValueError(f"tail_fraction must be in [0, 1], got {tail_fraction}")
+    names = frozenset(keep_names)
+    blocks = _block_list(model)
+    kept_prefixes: list[str] = []
+    if blocks is not None:
+        list_name, n = blocks
+        tail = math.ceil(tail_fraction * n - 1e-9)
+        kept_prefixes = [f"{list_name}.{i}." if list_name else f"{i}." for i in range(n - tail, n)]
+
+    def keep_low_precision(module: nn.Module, fqn: str) -> bool:
+        if fqn.rsplit(".", 1)[-1] in names:
+            return False
+        return not any(fqn.startswith(p) for p in kept_prefixes)
+
+    return keep_low_precision
