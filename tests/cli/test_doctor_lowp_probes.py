@@ -9,9 +9,8 @@ import pytest
 def test_doctor_probes_cover_every_backend() -> None:
     pytest.importorskip("torchnext.doctor.probes", reason="torchnext.doctor is not on this branch (merged by the lead)")
     from torchnext.doctor.lowp_probes import doctor_probes
-    from torchnext.lowp.mm.backends import available_backends
-
     from torchnext.lowp.cpu import status
+    from torchnext.lowp.mm.backends import available_backends
 
     probes = {p.name: p for p in doctor_probes()}
     avail = available_backends()
