@@ -217,6 +217,76 @@ def test_quantize_blocks_interface_and_empty() -> None:
     assert torch.equal(q.dequantize(backend="cpu"), q.dequantize(backend="reference"))
 
 
+# ------------------------------------------------------------------------------------------ the two-copy cast
+PAIR_CASES = [
+    ("nvfp4", QuantOptions(recipe="te"), None),
+    ("nvfp4", QuantOptions(), QuantOptions(global_scale=True)),
+    ("mxfp8_e4m3", QuantOptions(scale_mode="rceil"), QuantOptions()),
+    ("mxfp8_e5m2", QuantOptions(), None),
+    ("mxfp4", QuantOptions(scale_mode="rceil"), None),
+]
+
+
+@pytest.mark.parametrize(("fmt", "row_opts", "col_opts"), PAIR_CASES, ids=[c[0] for c in PAIR_CASES])
+def test_pair_kernel_equals_two_reference_quantizations(isa: str, fmt: str, row_opts: QuantOptions,
+                                                        col_opts: QuantOptions | None) -> None:
+    """quantize_pair_blocks: the rowwise and columnwise copies from one read, byte-identical to quantize(dim=1)
+    and quantize(dim=0) (or of rht(x, dim=0)) with the reference kernel; stochastic rounding in both copies."""
+    from torchnext.lowp import quantize_pair
+    from torchnext.lowp.hadamard import rht, rht_signs
+
+    calls: list[int] = []
+    real = cpu_quantizer.quantize_pair_blocks
+
+    def spy(*args: object) -> object:
+        out = real(*args)  # type: ignore[arg-type]
+        calls.append(out is not None)
+        return out
+
+    g = torch.Generator().manual_seed(8)
+    for shape in ((64, 96), (37, 45), (5, 130)):
+        x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-10, 10, shape, generator=g).float())
+        x[1, 2] = float("nan")
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            for stochastic in (False, True):
+                ro = row_opts.with_(backend="cpu")
+                co = (col_opts or row_opts).with_(backend="cpu")
+                if stochastic:
+                    ro, co = ro.with_(rounding="stochastic", seed=11, offset=3), co.with_(rounding="stochastic", seed=12)
+                signs_list = [None, rht_signs(4)] if fmt == "nvfp4" or fmt == "mxfp4" else [None]
+                for signs in signs_list:
+                    calls.clear()
+                    with pytest.MonkeyPatch.context() as mp:
+                        mp.setattr(cpu_quantizer, "quantize_pair_blocks", spy)
+                        row, col = quantize_pair(xd, fmt, options=ro, col_options=co, rht_signs=signs)
+                    assert calls == [True], "the fused kernel did not run"
+                    what = f"{isa} {fmt} {shape} {dtype} sr={stochastic} rht={signs is not None}"
+                    want_row = quantize(xd, fmt, dim=1, options=ro.with_(backend="reference"))
+                    xc = rht(xd, signs, dim=0) if signs is not None else xd
+                    want_col = quantize(xc, fmt, dim=0, options=co.with_(backend="reference"))
+                    _assert_same(row, want_row, what + " row", xd, 1)
+                    _assert_same(col, want_col, what + " col", xc, 0)
+
+
+@needs_kernels
+def test_pair_kernel_declines_noise_tensors_and_other_devices() -> None:
+    from torchnext.lowp.formats import format_spec
+    from torchnext.lowp.scales import ScaleInputs
+
+    spec = format_spec("mxfp8_e4m3")
+    ro = QuantOptions().resolve(spec)
+    inp = ScaleInputs(spec, None)
+    x = torch.randn(32, 32)
+    assert cpu_quantizer.quantize_pair_blocks(x, spec, ro, ro, inp, inp, None) is not None
+    from dataclasses import replace
+
+    tensor_noise = replace(ro, noise=torch.rand(32, 32))  # type: ignore[arg-type]
+    assert cpu_quantizer.quantize_pair_blocks(x, spec, tensor_noise, ro, inp, inp, None) is None
+    assert cpu_quantizer.quantize_pair_blocks(x, spec, ro, ro, inp, inp, None) is not None
+    assert cpu_quantizer.quantize_pair_blocks(x.to("meta"), spec, ro, ro, inp, inp, None) is None
+
+
 # --------------------------------------------------------------------------------------------------- the GEMV
 N_ODD, K_ODD = 50, 80  # N not a multiple of the 16-column tile, K not a multiple of 32 (MX weights are padded)
 

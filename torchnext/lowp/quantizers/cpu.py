@@ -29,7 +29,7 @@ from torchnext.lowp.quantizers import eager as _eager
 from torchnext.lowp.rng import CounterNoise
 from torchnext.lowp.scales import ScaleInputs
 
-__all__ = ["dequantize_blocks", "quantize_blocks", "quantize_tensor", "unavailable_reason"]
+__all__ = ["dequantize_blocks", "quantize_blocks", "quantize_pair_blocks", "quantize_tensor", "unavailable_reason"]
 
 _ELEMENT_CODES = {"e2m1": 0, "e4m3": 1, "e5m2": 2}
 _RECIPE_CODES = {"torchao": 0, "te": 1, "floor": 2, "rceil": 3}
@@ -158,6 +158,76 @@ def quantize_tensor(
     if rows and kp:
         _run(xc, outer, k, inner, codes, scale_buf, spec, opts, inp, noise, swizzle_cols=nb if opts.swizzle else None)
     return codes.view(*rest, kp // el.per_byte), scales.view(spec.scale_dtype)
+
+
+def _noise_args(noise: object) -> tuple[bool, int, int] | None:
+    """(stochastic?, seed, offset) for the pair kernel; None for a noise tensor (not taken: the torch path runs)."""
+    if noise is None:
+        return False, 0, 0
+    if isinstance(noise, CounterNoise):
+        return True, _signed64(noise.seed), _signed64(noise.offset)
+    return None
+
+
+def quantize_pair_blocks(
+    x: torch.Tensor,
+    spec: FormatSpec,
+    row_opts: ResolvedOptions,
+    col_opts: ResolvedOptions,
+    row_inputs: ScaleInputs,
+    col_inputs: ScaleInputs,
+    signs: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Both training copies of the 2-D ``x`` from one read (the contract of :mod:`torchnext.lowp.pair`): each
+    B x B tile is loaded once, quantized along its rows for the rowwise copy and along its columns — after the
+    16-point RHT butterfly of :mod:`torchnext.lowp.hadamard` when ``signs`` is given — for the columnwise copy,
+    with both copies' stochastic-rounding draws computed in the kernel. Declines (None) what it does not cover:
+    non-CPU tensors, custom formats, noise given as a tensor."""
+    if unavailable_reason(x.device, spec) is not None or x.dim() != 2 or x.dtype not in _DTYPES:
+        return None
+    rn, cn = _noise_args(row_opts.noise), _noise_args(col_opts.noise)
+    if rn is None or cn is None:
+        return None
+    m, k = x.shape
+    block = spec.block_size
+    pb = spec.element.per_byte
+    kp = -(-k // block) * block
+    mprime = -(-m // 16) * 16 if signs is not None else m
+    mp = -(-mprime // block) * block
+    el = spec.element
+    storage = el.torch_dtype if el.torch_dtype is not None else torch.uint8
+    row_codes = torch.empty(m, kp // pb, dtype=storage, device=x.device)
+    col_codes = torch.empty(k, mp // pb, dtype=storage, device=x.device)
+    row_scales = torch.empty(m * kp // block, dtype=torch.uint8, device=x.device)
+    col_scales = torch.empty(k * mp // block, dtype=torch.uint8, device=x.device)
+    rdec, renc, rg = _global_args(row_inputs, row_opts.scale_recipe)
+    cdec, cenc, cg = _global_args(col_inputs, col_opts.scale_recipe)
+    ops().quantize_pair(
+        x.contiguous(),
+        row_codes.view(torch.uint8),
+        row_scales,
+        col_codes.view(torch.uint8),
+        col_scales,
+        _ELEMENT_CODES[el.name],
+        block,
+        _RECIPE_CODES[row_opts.scale_recipe],
+        rdec,
+        renc,
+        rg,
+        rn[0],
+        rn[1],
+        rn[2],
+        _RECIPE_CODES[col_opts.scale_recipe],
+        cdec,
+        cenc,
+        cg,
+        cn[0],
+        cn[1],
+        cn[2],
+        None if signs is None else signs.detach().to(device="cpu", dtype=torch.float32),
+        isa_index(ISA),
+    )
+    return row_codes, row_scales, col_codes, col_scales
 
 
 def dequantize_blocks(

@@ -157,6 +157,11 @@ inline typename S::F fp8_codes16(const uint8_t* p) {
   }
 }
 
+#ifndef TNX_PREFETCH
+#define TNX_PREFETCH 2048
+#endif
+constexpr int64_t kPrefetchBytes = TNX_PREFETCH;
+
 // MR rows x NT tiles starting at tile t0: accumulate over all K, then the epilogue.
 // FOLD: per-block partial sums of raw products, scaled once per block (fewer multiplies; for small MR).
 template <class S, int FMT, int MR, int NT, bool FOLD, bool SAFE>
@@ -183,6 +188,9 @@ void tile_kernel(const GemvArgs& a, int64_t t0, typename S::I& amax_bits) {
     for (int m = 0; m < MR; ++m) acc[t][m] = S::fzero();
 
   for (int64_t b = 0; b < a.nb; ++b) {
+    // software prefetch PF_BYTES ahead in every tile stream (hardware prefetchers stop at 4 KiB pages)
+    for (int t = 0; t < NT; ++t)
+      for (int64_t off = 0; off < BB; off += 64) __builtin_prefetch(base[t] + b * BB + kPrefetchBytes + off, 0, 3);
     F s[NT];
     for (int t = 0; t < NT; ++t) s[t] = scales16<S, FMT, SAFE>(base[t] + b * BB);
     const float* xb = a.xt + b * B * MR;

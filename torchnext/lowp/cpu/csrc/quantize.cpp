@@ -236,14 +236,14 @@ inline int64_t scale_pos(const QArgs& q, int64_t r, int64_t b) {
 
 // 16 input elements starting at p (n of them valid, the rest read as 0), widened to fp32
 template <class S>
-inline typename S::F load_x(const QArgs& q, int64_t idx, int n) {
-  if (q.dtype == 0) {
-    const float* p = static_cast<const float*>(q.x) + idx;
+inline typename S::F load_x(const void* x, int dtype, int64_t idx, int n) {
+  if (dtype == 0) {
+    const float* p = static_cast<const float*>(x) + idx;
     return n == 16 ? S::load(p) : S::load_n(p, n);
   }
-  const uint16_t* p = static_cast<const uint16_t*>(q.x) + idx;
+  const uint16_t* p = static_cast<const uint16_t*>(x) + idx;
   const typename S::I h = n == 16 ? S::load_u16(p) : S::load_u16_n(p, n);
-  if (q.dtype == 1) return S::from_bits(S::template sll<16>(h));
+  if (dtype == 1) return S::from_bits(S::template sll<16>(h));
   return S::half_to_f(h);
 }
 
@@ -308,7 +308,7 @@ void rows_kernel(const QArgs& q, int64_t r0, int64_t r1) {
         for (int v = 0; v < V; ++v) {
           const int64_t kk = (b0 + j) * B + v * 16;
           const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, q.k - kk)));
-          if (n > 0) m = S::imax(m, amax_bits<S>(load_x<S>(q, xrow + kk, n)));
+          if (n > 0) m = S::imax(m, amax_bits<S>(load_x<S>(q.x, q.dtype, xrow + kk, n)));
         }
         amax_v[j] = bits_to_f(static_cast<uint32_t>(S::ihmax(m)));
       }
@@ -323,7 +323,7 @@ void rows_kernel(const QArgs& q, int64_t r0, int64_t r1) {
         for (int v = 0; v < V; ++v) {
           const int64_t kk = (b0 + j) * B + v * 16;
           const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, q.k - kk)));
-          const F xv = n > 0 ? load_x<S>(q, xrow + kk, n) : S::fzero();
+          const F xv = n > 0 ? load_x<S>(q.x, q.dtype, xrow + kk, n) : S::fzero();
           const F y = S::mul(xv, mj);
           I c;
           if constexpr (SR) c = encode16_sr<S, E>(y, noise16<S>(q, r * q.kp + kk, 1));
@@ -364,7 +364,7 @@ void cols_kernel(const QArgs& q, int64_t task0, int64_t task1) {
         const int64_t kk = b * B + j;
         if (kk < q.k) {
           const int64_t idx = (o * q.k + kk) * q.inner + i0;
-          xs[j] = load_x<S>(q, idx, n);
+          xs[j] = load_x<S>(q.x, q.dtype, idx, n);
           m = S::imax(m, amax_bits<S>(xs[j]));
         } else {
           xs[j] = S::fzero();
@@ -485,6 +485,227 @@ void quantize(const at::Tensor& x, int64_t outer, int64_t k, int64_t inner, cons
 #endif
     case Isa::kPortable: dispatch_q<Portable>(q, sr); break;
     default: TORCH_CHECK(false, "torchnext_cpu.quantize: instruction set ", use, " is not compiled into this build");
+  }
+}
+
+// ------------------------------------------------------------------------------------- the two training copies
+// quantize_pair_blocks (torchnext/lowp/pair.py documents the contract): from one read of each B x B tile of the
+// (M, K) input, the rowwise copy (blocks along K, from x) and the columnwise copy (blocks along M, from x or from
+// rht(x, signs, dim=0): the 16-point butterfly of torchnext/lowp/hadamard.py, same fp32 operations in the same
+// order). Row copy: rows m < M, Kp = K padded to B; column copy: rows k < K, Mp = M' padded to B (M' = M, or M
+// padded to 16 under the RHT); zero padding everywhere. SR counters: row (m, kk) -> offset_r + m * Kp + kk,
+// column (k, mm) -> offset_c + k * Mp + mm (each copy's padded block matrix).
+struct CopyArgs {
+  RecipeArgs ra;
+  bool sr;
+  uint32_t key;
+  uint64_t offset;
+  uint8_t* codes;
+  uint8_t* scales;
+};
+
+struct PairArgs {
+  const void* x;
+  int dtype;
+  int64_t m, k, kp, mp, mprime;
+  int block;
+  CopyArgs row, col;
+  bool rht;
+  float signs[16];
+};
+
+template <class S>
+inline typename S::F counter_noise(const CopyArgs& c, uint64_t pos, uint64_t stride) {
+  typename S::I lo, hi;
+  counters16<S>(c.offset + pos, stride, lo, hi);
+  return uniform16<S>(c.key, lo, hi);
+}
+
+template <class S, int E, int B, bool RHT>
+void pair_tiles(const PairArgs& p, int64_t t0, int64_t t1) {
+  using F = typename S::F;
+  using I = typename S::I;
+  constexpr int V = B / 16;
+  constexpr int PB = E == kE2m1 ? 2 : 1;
+  const int64_t tcols = p.kp / B;
+  const int64_t nb_r = p.kp / B, nb_c = p.mp / B;
+  alignas(64) float amax_v[B];
+  alignas(64) float mult_v[B];
+  alignas(64) int32_t sb_v[B];
+  alignas(64) int32_t code_v[16];
+  alignas(64) uint8_t tile[B][16];
+  F v[B][V];
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t ti = t / tcols, tj = t % tcols;
+    const int64_t m0 = ti * B, k0 = tj * B;
+    // load the tile (zeros outside the M x K input)
+    for (int r = 0; r < B; ++r) {
+      const int64_t m = m0 + r;
+      for (int j = 0; j < V; ++j) {
+        const int64_t k = k0 + 16 * j;
+        const int n = m < p.m ? static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, p.k - k))) : 0;
+        if (n == 0) {
+          v[r][j] = S::fzero();
+        } else {
+          v[r][j] = load_x<S>(p.x, p.dtype, m * p.k + k, n);
+        }
+      }
+    }
+    // rowwise copy: one block per row (V vectors)
+    const int rows = static_cast<int>(std::min<int64_t>(B, p.m - m0));
+    if (rows > 0) {
+      for (int r = 0; r < B; ++r) {
+        I mx = S::iset(0);
+        for (int j = 0; j < V; ++j) mx = S::imax(mx, amax_bits<S>(v[r][j]));
+        amax_v[r] = bits_to_f(static_cast<uint32_t>(S::ihmax(mx)));
+      }
+      for (int h = 0; h < B; h += 16) {
+        I sb;
+        F mu;
+        recipe16<S>(p.row.ra, S::load(amax_v + h), sb, mu);
+        S::store(mult_v + h, mu);
+        S::istore(sb_v + h, sb);
+      }
+      for (int r = 0; r < rows; ++r) {
+        const int64_t m = m0 + r;
+        p.row.scales[m * nb_r + tj] = static_cast<uint8_t>(sb_v[r]);
+        const F mr = S::fset(mult_v[r]);
+        uint8_t* dst = p.row.codes + m * (p.kp / PB) + k0 / PB;
+        for (int j = 0; j < V; ++j) {
+          const F y = S::mul(v[r][j], mr);
+          I c;
+          if (p.row.sr) c = encode16_sr<S, E>(y, counter_noise<S>(p.row, static_cast<uint64_t>(m * p.kp + k0 + 16 * j), 1));
+          else c = encode16<S, E>(y);
+          if constexpr (PB == 2) {
+            S::istore(code_v, c);
+            for (int i = 0; i < 8; ++i) dst[8 * j + i] = static_cast<uint8_t>(code_v[2 * i] | (code_v[2 * i + 1] << 4));
+          } else {
+            S::store_u8(dst + 16 * j, c);
+          }
+        }
+      }
+    }
+    // columnwise copy: one block per column (lanes), optionally from the RHT of each group of 16 rows
+    if constexpr (RHT) {
+      for (int g0 = 0; g0 < B; g0 += 16) {
+        if (m0 + g0 >= p.mprime) break;  // rows past M' are the block padding: +0, never transformed
+        for (int j = 0; j < V; ++j) {
+          F u[16];
+          for (int i = 0; i < 16; ++i) u[i] = S::mul(v[g0 + i][j], S::fset(p.signs[i]));
+          for (int h = 1; h < 16; h <<= 1) {
+            for (int i = 0; i < 16; ++i) {
+              if (i & h) continue;
+              const F a = u[i], b = u[i + h];
+              u[i] = S::add(a, b);
+              u[i + h] = S::sub(a, b);
+            }
+          }
+          for (int i = 0; i < 16; ++i) v[g0 + i][j] = S::mul(u[i], S::fset(0.25f));
+        }
+      }
+    }
+    for (int j = 0; j < V; ++j) {
+      const int64_t kc = k0 + 16 * j;
+      const int ncol = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, p.k - kc)));
+      if (ncol == 0) continue;
+      I mx = S::iset(0);
+      for (int r = 0; r < B; ++r) mx = S::imax(mx, amax_bits<S>(v[r][j]));
+      I sb;
+      F mu;
+      recipe16<S>(p.col.ra, S::from_bits(mx), sb, mu);
+      S::istore(sb_v, sb);
+      for (int l = 0; l < ncol; ++l) p.col.scales[(kc + l) * nb_c + ti] = static_cast<uint8_t>(sb_v[l]);
+      for (int r = 0; r < B; ++r) {
+        const F y = S::mul(v[r][j], mu);
+        I c;
+        if (p.col.sr) c = encode16_sr<S, E>(y, counter_noise<S>(p.col, static_cast<uint64_t>(kc * p.mp + m0 + r), static_cast<uint64_t>(p.mp)));
+        else c = encode16<S, E>(y);
+        S::store_u8(tile[r], c);
+      }
+      for (int l = 0; l < ncol; ++l) {
+        uint8_t* dst = p.col.codes + (kc + l) * (p.mp / PB) + m0 / PB;
+        if constexpr (PB == 2) {
+          for (int i = 0; i < B / 2; ++i) dst[i] = static_cast<uint8_t>(tile[2 * i][l] | (tile[2 * i + 1][l] << 4));
+        } else {
+          for (int i = 0; i < B; ++i) dst[i] = tile[i][l];
+        }
+      }
+    }
+  }
+}
+
+template <class S, int E, int B>
+void run_pair(const PairArgs& p) {
+  const int64_t tiles = (p.mp / B) * (p.kp / B);
+  auto body = [&](int64_t a, int64_t b) {
+    if (p.rht) pair_tiles<S, E, B, true>(p, a, b);
+    else pair_tiles<S, E, B, false>(p, a, b);
+  };
+  at::parallel_for(0, tiles, std::max<int64_t>(1, 8192 / (B * B)), body);
+}
+
+template <class S>
+void dispatch_pair(const PairArgs& p, int elem) {
+  const int key = elem * 2 + (p.block == 16 ? 0 : 1);
+  switch (key) {
+    case kE2m1 * 2 + 0: run_pair<S, kE2m1, 16>(p); break;
+    case kE2m1 * 2 + 1: run_pair<S, kE2m1, 32>(p); break;
+    case kE4m3 * 2 + 1: run_pair<S, kE4m3, 32>(p); break;
+    case kE5m2 * 2 + 1: run_pair<S, kE5m2, 32>(p); break;
+    default: TORCH_CHECK(false, "torchnext_cpu.quantize_pair: unsupported element/block combination ", elem, "/", p.block);
+  }
+}
+
+void quantize_pair(const at::Tensor& x, const at::Tensor& row_codes, const at::Tensor& row_scales,
+                   const at::Tensor& col_codes, const at::Tensor& col_scales, int64_t elem, int64_t block,
+                   int64_t recipe_r, double gdec_r, double genc_r, bool hasg_r, bool sr_r, int64_t seed_r,
+                   int64_t off_r, int64_t recipe_c, double gdec_c, double genc_c, bool hasg_c, bool sr_c,
+                   int64_t seed_c, int64_t off_c, const c10::optional<at::Tensor>& signs, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "torchnext_cpu.quantize_pair: x must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(block == 16 || block == 32, "torchnext_cpu.quantize_pair: block must be 16 or 32");
+  PairArgs p;
+  p.x = x.data_ptr();
+  switch (x.scalar_type()) {
+    case at::kFloat: p.dtype = 0; break;
+    case at::kBFloat16: p.dtype = 1; break;
+    case at::kHalf: p.dtype = 2; break;
+    default: TORCH_CHECK(false, "torchnext_cpu.quantize_pair: x must be float32, bfloat16 or float16");
+  }
+  p.m = x.size(0);
+  p.k = x.size(1);
+  p.block = static_cast<int>(block);
+  p.kp = (p.k + block - 1) / block * block;
+  p.rht = signs.has_value();
+  p.mprime = p.rht ? (p.m + 15) / 16 * 16 : p.m;
+  p.mp = (p.mprime + block - 1) / block * block;
+  const int pb = elem == kE2m1 ? 2 : 1;
+  TORCH_CHECK(row_codes.is_contiguous() && row_codes.numel() * row_codes.element_size() == p.m * p.kp / pb, "torchnext_cpu.quantize_pair: row codes size");
+  TORCH_CHECK(col_codes.is_contiguous() && col_codes.numel() * col_codes.element_size() == p.k * p.mp / pb, "torchnext_cpu.quantize_pair: column codes size");
+  TORCH_CHECK(row_scales.is_contiguous() && row_scales.numel() == p.m * p.kp / block, "torchnext_cpu.quantize_pair: row scales size");
+  TORCH_CHECK(col_scales.is_contiguous() && col_scales.numel() == p.k * p.mp / block, "torchnext_cpu.quantize_pair: column scales size");
+  const ElemGeom eg = elem_geom(static_cast<int>(elem));
+  p.row = {{static_cast<int>(recipe_r), eg, static_cast<float>(gdec_r), static_cast<float>(genc_r), hasg_r}, sr_r,
+           rng_key(static_cast<uint64_t>(seed_r)), static_cast<uint64_t>(off_r), static_cast<uint8_t*>(row_codes.data_ptr()),
+           static_cast<uint8_t*>(row_scales.data_ptr())};
+  p.col = {{static_cast<int>(recipe_c), eg, static_cast<float>(gdec_c), static_cast<float>(genc_c), hasg_c}, sr_c,
+           rng_key(static_cast<uint64_t>(seed_c)), static_cast<uint64_t>(off_c), static_cast<uint8_t*>(col_codes.data_ptr()),
+           static_cast<uint8_t*>(col_scales.data_ptr())};
+  if (p.rht) {
+    const at::Tensor sg = signs->to(at::kFloat).contiguous();
+    TORCH_CHECK(sg.numel() == 16, "torchnext_cpu.quantize_pair: 16 RHT signs expected");
+    std::memcpy(p.signs, sg.data_ptr<float>(), sizeof(p.signs));
+  }
+  if (p.m == 0 || p.k == 0) return;
+  const int use = isa < 0 ? best_isa() : static_cast<int>(isa);
+  switch (static_cast<Isa>(use)) {
+#ifdef TNX_HAVE_AVX512
+    case Isa::kAvx512: dispatch_pair<Avx512>(p, static_cast<int>(elem)); break;
+#endif
+#ifdef TNX_HAVE_AVX2
+    case Isa::kAvx2: dispatch_pair<Avx2>(p, static_cast<int>(elem)); break;
+#endif
+    case Isa::kPortable: dispatch_pair<Portable>(p, static_cast<int>(elem)); break;
+    default: TORCH_CHECK(false, "torchnext_cpu.quantize_pair: instruction set ", use, " is not compiled into this build");
   }
 }
 

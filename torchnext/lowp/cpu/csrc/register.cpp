@@ -47,6 +47,11 @@ void quantize(const at::Tensor& x, int64_t outer, int64_t k, int64_t inner, cons
               const at::Tensor& scales, int64_t elem, int64_t block, int64_t recipe, double g_dec, double g_enc,
               bool has_g, bool swizzle, int64_t swz_cols, const c10::optional<at::Tensor>& noise, bool sr_seeded,
               int64_t seed, int64_t offset, int64_t isa);
+void quantize_pair(const at::Tensor& x, const at::Tensor& row_codes, const at::Tensor& row_scales,
+                   const at::Tensor& col_codes, const at::Tensor& col_scales, int64_t elem, int64_t block,
+                   int64_t recipe_r, double gdec_r, double genc_r, bool hasg_r, bool sr_r, int64_t seed_r,
+                   int64_t off_r, int64_t recipe_c, double gdec_c, double genc_c, bool hasg_c, bool sr_c,
+                   int64_t seed_c, int64_t off_c, const c10::optional<at::Tensor>& signs, int64_t isa);
 at::Tensor absmax(const at::Tensor& x, int64_t isa);
 at::Tensor rng_uniform(int64_t seed, int64_t offset, int64_t numel);
 
@@ -66,6 +71,12 @@ TORCH_LIBRARY(torchnext_cpu, m) {
       "int recipe, float g_dec, float g_enc, bool has_g, bool swizzle, int swz_cols, Tensor? noise, bool sr_seeded, "
       "int seed, int offset, int isa) -> ()",
       &tnx::quantize);
+  m.def(
+      "quantize_pair(Tensor x, Tensor(a!) row_codes, Tensor(b!) row_scales, Tensor(c!) col_codes, "
+      "Tensor(d!) col_scales, int elem, int block, int recipe_r, float gdec_r, float genc_r, bool hasg_r, bool sr_r, "
+      "int seed_r, int off_r, int recipe_c, float gdec_c, float genc_c, bool hasg_c, bool sr_c, int seed_c, "
+      "int off_c, Tensor? signs, int isa) -> ()",
+      &tnx::quantize_pair);
   m.def("absmax(Tensor x, int isa) -> Tensor", &tnx::absmax);
   m.def("rng_uniform(int seed, int offset, int numel) -> Tensor", &tnx::rng_uniform);
 }
