@@ -205,6 +205,19 @@ def test_rng_matches_python_generator() -> None:
 
 
 @needs_kernels
+def test_tensor_amax() -> None:
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.randn(1000, 77).to(dtype)
+        assert float(cpu_quantizer.tensor_amax(x)) == float(x.float().abs().max())
+        assert float(cpu_quantizer.tensor_amax(x[:, ::2])) == float(x[:, ::2].float().abs().max())
+        x[500, 3] = -float("inf")
+        assert float(cpu_quantizer.tensor_amax(x)) == float("inf")
+        x[7, 7] = float("nan")
+        assert math.isnan(float(cpu_quantizer.tensor_amax(x)))
+    assert float(cpu_quantizer.tensor_amax(torch.full((3,), -0.0))) == 0.0
+
+
+@needs_kernels
 def test_quantize_blocks_interface_and_empty() -> None:
     x2 = torch.randn(50, 32)
     for fmt in ("mxfp8_e4m3", "mxfp4"):

@@ -56,15 +56,20 @@ def global_scales(
     x: torch.Tensor, spec: FormatSpec, opts: ResolvedOptions
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(decode, encode) 0-d fp32 global scales of ``x`` under ``opts`` (from its amax, or the given scale), or
-    (None, None) for single-level formats."""
+    (None, None) for single-level formats. The amax is ``max |x|`` (NaN if ``x`` holds one), computed by the
+    options' quantizer kernel when it offers ``tensor_amax`` (one pass), else by ``torch.aminmax``."""
     if not spec.two_level or opts.global_scale is False:
         return None, None
     if not isinstance(opts.global_scale, bool):
         dec = torch.tensor(opts.global_scale, dtype=torch.float32, device=x.device)
         return dec, 1.0 / dec
     if x.numel():
-        lo, hi = torch.aminmax(x)  # one pass in the input dtype (no fp32 copy); NaN propagates
-        amax = torch.maximum(hi, -lo).float()
+        tensor_amax = getattr(get_quantizer(opts.backend, x.device, spec), "tensor_amax", None)
+        if tensor_amax is not None:
+            amax = tensor_amax(x)
+        else:
+            lo, hi = torch.aminmax(x)  # one pass in the input dtype (no fp32 copy); NaN propagates
+            amax = torch.maximum(hi, -lo).float()
     else:
         amax = torch.zeros((), device=x.device)
     if opts.recipe == "te":

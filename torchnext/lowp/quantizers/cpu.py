@@ -29,7 +29,14 @@ from torchnext.lowp.quantizers import eager as _eager
 from torchnext.lowp.rng import CounterNoise
 from torchnext.lowp.scales import ScaleInputs
 
-__all__ = ["dequantize_blocks", "quantize_blocks", "quantize_pair_blocks", "quantize_tensor", "unavailable_reason"]
+__all__ = [
+    "dequantize_blocks",
+    "quantize_blocks",
+    "quantize_pair_blocks",
+    "quantize_tensor",
+    "tensor_amax",
+    "unavailable_reason",
+]
 
 _ELEMENT_CODES = {"e2m1": 0, "e4m3": 1, "e5m2": 2}
 _RECIPE_CODES = {"torchao": 0, "te": 1, "floor": 2, "rceil": 3}
@@ -50,6 +57,12 @@ def unavailable_reason(device: torch.device | None, spec: FormatSpec | None) -> 
         return f"format {spec.name!r} is not compiled into the kernel (built-in NVFP4/MXFP8/MXFP4 only)"
     st = status()
     return None if st.available else st.reason
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` over the whole tensor as a 0-d fp32 tensor (NaN if ``x`` holds a NaN), one parallel pass over the
+    bit patterns (the global amax of two-level NVFP4)."""
+    return ops().absmax(x.contiguous(), isa_index(ISA))
 
 
 def _global_args(inp: ScaleInputs, recipe: str) -> tuple[float, float, bool]:

@@ -75,6 +75,12 @@ inline typename S::F uniform16(uint32_t key, typename S::I lo, typename S::I hi)
 // counters c0 + l * stride for the 16 lanes, split into low and high words
 template <class S>
 inline void counters16(uint64_t c0, uint64_t stride, typename S::I& lo, typename S::I& hi) {
+  const uint64_t lo0 = c0 & 0xFFFFFFFFu;
+  if (stride < (1u << 27) && lo0 + 15 * stride <= 0xFFFFFFFFu) {  // no carry into the high word: one vector op
+    lo = S::iadd(S::iset(static_cast<int32_t>(static_cast<uint32_t>(lo0))), S::imul(S::iota(), S::iset(static_cast<int32_t>(stride))));
+    hi = S::iset(static_cast<int32_t>(static_cast<uint32_t>(c0 >> 32)));
+    return;
+  }
   alignas(64) int32_t l32[16], h32[16];
   for (int l = 0; l < 16; ++l) {
     const uint64_t c = c0 + static_cast<uint64_t>(l) * stride;
@@ -292,7 +298,6 @@ void rows_kernel(const QArgs& q, int64_t r0, int64_t r1) {
   alignas(64) float amax_v[16];
   alignas(64) float mult_v[16];
   alignas(64) int32_t sbyte_v[16];
-  alignas(64) int32_t code_v[16];
   const int64_t row_bytes = q.kp / PB;
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t xrow = r * q.k;
@@ -329,12 +334,8 @@ void rows_kernel(const QArgs& q, int64_t r0, int64_t r1) {
           if constexpr (SR) c = encode16_sr<S, E>(y, noise16<S>(q, r * q.kp + kk, 1));
           else c = encode16<S, E>(y);
           uint8_t* dst = q.codes + r * row_bytes + kk / PB;
-          if constexpr (PB == 2) {
-            S::istore(code_v, c);
-            for (int i = 0; i < 8; ++i) dst[i] = static_cast<uint8_t>(code_v[2 * i] | (code_v[2 * i + 1] << 4));
-          } else {
-            S::store_u8(dst, c);
-          }
+          if constexpr (PB == 2) S::store_nibbles(dst, c);
+          else S::store_u8(dst, c);
         }
       }
     }
@@ -343,6 +344,8 @@ void rows_kernel(const QArgs& q, int64_t r0, int64_t r1) {
 
 // --------------------------------------------------------------------------------------------- column path
 // lanes = 16 neighbouring i of one o; for each block: vertical amax over its B steps, then encode and transpose.
+constexpr int64_t kColBlocks = 4;
+constexpr int64_t kColTiles = 16;
 template <class S, int E, int B, bool SR>
 void cols_kernel(const QArgs& q, int64_t task0, int64_t task1) {
   using F = typename S::F;
@@ -351,13 +354,19 @@ void cols_kernel(const QArgs& q, int64_t task0, int64_t task1) {
   const int64_t itiles = (q.inner + 15) / 16;
   const int64_t row_bytes = q.kp / PB;
   alignas(64) int32_t sbyte_v[16];
-  alignas(64) uint8_t tile[B][16];
+  // super-tiles of kColBlocks blocks x kColTiles i-tiles: the input rows of a block stream across the i-tiles, and
+  // every output line (64 bytes of one row's codes) is completed while it is in cache
+  const int64_t bgroups = (q.nb + kColBlocks - 1) / kColBlocks;
+  const int64_t igroups = (itiles + kColTiles - 1) / kColTiles;
   for (int64_t task = task0; task < task1; ++task) {
-    const int64_t o = task / itiles;
-    const int64_t i0 = (task % itiles) * 16;
+    const int64_t o = task / (bgroups * igroups);
+    const int64_t bg = (task / igroups) % bgroups;
+    const int64_t ig = task % igroups;
+    for (int64_t b = bg * kColBlocks; b < std::min<int64_t>(q.nb, (bg + 1) * kColBlocks); ++b)
+    for (int64_t it = ig * kColTiles; it < std::min<int64_t>(itiles, (ig + 1) * kColTiles); ++it) {
+    const int64_t i0 = it * 16;
     const int n = static_cast<int>(std::min<int64_t>(16, q.inner - i0));
     const int64_t r0 = o * q.inner + i0;  // output row of lane 0
-    for (int64_t b = 0; b < q.nb; ++b) {
       I m = S::iset(0);
       F xs[B];
       for (int j = 0; j < B; ++j) {
@@ -375,19 +384,18 @@ void cols_kernel(const QArgs& q, int64_t task0, int64_t task1) {
       recipe16<S>(q.ra, S::from_bits(m), sb, mu);
       S::istore(sbyte_v, sb);
       for (int l = 0; l < n; ++l) q.scales[scale_pos(q, r0 + l, b)] = static_cast<uint8_t>(sbyte_v[l]);
-      for (int j = 0; j < B; ++j) {
-        const F y = S::mul(xs[j], mu);
-        I c;
-        if constexpr (SR) c = encode16_sr<S, E>(y, noise16<S>(q, r0 * q.kp + b * B + j, q.kp));
-        else c = encode16<S, E>(y);
-        S::store_u8(tile[j], c);
-      }
-      for (int l = 0; l < n; ++l) {
-        uint8_t* dst = q.codes + (r0 + l) * row_bytes + b * B / PB;
-        if constexpr (PB == 2) {
-          for (int j = 0; j < B / 2; ++j) dst[j] = static_cast<uint8_t>(tile[2 * j][l] | (tile[2 * j + 1][l] << 4));
-        } else {
-          for (int j = 0; j < B; ++j) dst[j] = tile[j][l];
+      for (int h = 0; h < B; h += 16) {
+        I c[16];
+        for (int j = 0; j < 16; ++j) {
+          const F y = S::mul(xs[h + j], mu);
+          if constexpr (SR) c[j] = encode16_sr<S, E>(y, noise16<S>(q, r0 * q.kp + b * B + h + j, q.kp));
+          else c[j] = encode16<S, E>(y);
+        }
+        S::transpose16(c);  // c[l] = the 16 codes of output row r0 + l
+        for (int l = 0; l < n; ++l) {
+          uint8_t* dst = q.codes + (r0 + l) * row_bytes + (b * B + h) / PB;
+          if constexpr (PB == 2) S::store_nibbles(dst, c[l]);
+          else S::store_u8(dst, c[l]);
         }
       }
     }
@@ -401,9 +409,9 @@ void run_q(const QArgs& q) {
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, q.kp));
     at::parallel_for(0, rows, grain, [&](int64_t a, int64_t b) { rows_kernel<S, E, B, SR>(q, a, b); });
   } else {
-    const int64_t tasks = q.outer * ((q.inner + 15) / 16);
-    const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(1, q.kp));
-    at::parallel_for(0, tasks, grain, [&](int64_t a, int64_t b) { cols_kernel<S, E, B, SR>(q, a, b); });
+    const int64_t itiles = (q.inner + 15) / 16;
+    const int64_t tasks = q.outer * ((q.nb + kColBlocks - 1) / kColBlocks) * ((itiles + kColTiles - 1) / kColTiles);
+    at::parallel_for(0, tasks, 1, [&](int64_t a, int64_t b) { cols_kernel<S, E, B, SR>(q, a, b); });
   }
 }
 
@@ -532,11 +540,15 @@ void pair_tiles(const PairArgs& p, int64_t t0, int64_t t1) {
   alignas(64) float amax_v[B];
   alignas(64) float mult_v[B];
   alignas(64) int32_t sb_v[B];
-  alignas(64) int32_t code_v[16];
-  alignas(64) uint8_t tile[B][16];
   F v[B][V];
-  for (int64_t t = t0; t < t1; ++t) {
-    const int64_t ti = t / tcols, tj = t % tcols;
+  // tasks are super-tiles of ST x ST tiles (ST = 64 bytes / the bytes one tile adds to a code row), walked
+  // row-major: input rows stream, and the lines of both copies' codes fill up while they are in cache
+  constexpr int64_t ST = 64 / (B / PB) < 1 ? 1 : 64 / (B / PB);
+  const int64_t trows = p.mp / B;
+  const int64_t scols = (tcols + ST - 1) / ST;
+  for (int64_t task = t0; task < t1; ++task)
+  for (int64_t ti = (task / scols) * ST; ti < std::min<int64_t>(trows, (task / scols + 1) * ST); ++ti)
+  for (int64_t tj = (task % scols) * ST; tj < std::min<int64_t>(tcols, (task % scols + 1) * ST); ++tj) {
     const int64_t m0 = ti * B, k0 = tj * B;
     // load the tile (zeros outside the M x K input)
     for (int r = 0; r < B; ++r) {
@@ -576,12 +588,8 @@ void pair_tiles(const PairArgs& p, int64_t t0, int64_t t1) {
           I c;
           if (p.row.sr) c = encode16_sr<S, E>(y, counter_noise<S>(p.row, static_cast<uint64_t>(m * p.kp + k0 + 16 * j), 1));
           else c = encode16<S, E>(y);
-          if constexpr (PB == 2) {
-            S::istore(code_v, c);
-            for (int i = 0; i < 8; ++i) dst[8 * j + i] = static_cast<uint8_t>(code_v[2 * i] | (code_v[2 * i + 1] << 4));
-          } else {
-            S::store_u8(dst + 16 * j, c);
-          }
+          if constexpr (PB == 2) S::store_nibbles(dst + 8 * j, c);
+          else S::store_u8(dst + 16 * j, c);
         }
       }
     }
@@ -615,19 +623,18 @@ void pair_tiles(const PairArgs& p, int64_t t0, int64_t t1) {
       recipe16<S>(p.col.ra, S::from_bits(mx), sb, mu);
       S::istore(sb_v, sb);
       for (int l = 0; l < ncol; ++l) p.col.scales[(kc + l) * nb_c + ti] = static_cast<uint8_t>(sb_v[l]);
-      for (int r = 0; r < B; ++r) {
-        const F y = S::mul(v[r][j], mu);
-        I c;
-        if (p.col.sr) c = encode16_sr<S, E>(y, counter_noise<S>(p.col, static_cast<uint64_t>(kc * p.mp + m0 + r), static_cast<uint64_t>(p.mp)));
-        else c = encode16<S, E>(y);
-        S::store_u8(tile[r], c);
-      }
-      for (int l = 0; l < ncol; ++l) {
-        uint8_t* dst = p.col.codes + (kc + l) * (p.mp / PB) + m0 / PB;
-        if constexpr (PB == 2) {
-          for (int i = 0; i < B / 2; ++i) dst[i] = static_cast<uint8_t>(tile[2 * i][l] | (tile[2 * i + 1][l] << 4));
-        } else {
-          for (int i = 0; i < B; ++i) dst[i] = tile[i][l];
+      for (int h = 0; h < B; h += 16) {
+        I c[16];
+        for (int r = 0; r < 16; ++r) {
+          const F y = S::mul(v[h + r][j], mu);
+          if (p.col.sr) c[r] = encode16_sr<S, E>(y, counter_noise<S>(p.col, static_cast<uint64_t>(kc * p.mp + m0 + h + r), static_cast<uint64_t>(p.mp)));
+          else c[r] = encode16<S, E>(y);
+        }
+        S::transpose16(c);  // c[l] = codes of column kc + l, rows m0 + h ..
+        for (int l = 0; l < ncol; ++l) {
+          uint8_t* dst = p.col.codes + (kc + l) * (p.mp / PB) + (m0 + h) / PB;
+          if constexpr (PB == 2) S::store_nibbles(dst, c[l]);
+          else S::store_u8(dst, c[l]);
         }
       }
     }
@@ -636,12 +643,14 @@ void pair_tiles(const PairArgs& p, int64_t t0, int64_t t1) {
 
 template <class S, int E, int B>
 void run_pair(const PairArgs& p) {
-  const int64_t tiles = (p.mp / B) * (p.kp / B);
+  constexpr int PB = E == kE2m1 ? 2 : 1;
+  constexpr int64_t ST = 64 / (B / PB) < 1 ? 1 : 64 / (B / PB);
+  const int64_t tasks = ((p.mp / B + ST - 1) / ST) * ((p.kp / B + ST - 1) / ST);
   auto body = [&](int64_t a, int64_t b) {
     if (p.rht) pair_tiles<S, E, B, true>(p, a, b);
     else pair_tiles<S, E, B, false>(p, a, b);
   };
-  at::parallel_for(0, tiles, std::max<int64_t>(1, 8192 / (B * B)), body);
+  at::parallel_for(0, tasks, 1, body);
 }
 
 template <class S>

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
 #include <immintrin.h>
@@ -123,6 +124,14 @@ struct Portable {
   static void store_u8(uint8_t* p, I a) { TNX_LANES p[l] = static_cast<uint8_t>(a.v[l]); }
   static void store_u8_n(uint8_t* p, I a, int n) { for (int l = 0; l < n; ++l) p[l] = static_cast<uint8_t>(a.v[l]); }
   static void store_u16(uint16_t* p, I a) { TNX_LANES p[l] = static_cast<uint16_t>(a.v[l]); }
+  // 16 lanes of 4-bit codes -> 8 bytes, lane 2i in the low nibble of byte i
+  static void store_nibbles(uint8_t* p, I a) { for (int i = 0; i < 8; ++i) p[i] = static_cast<uint8_t>((a.v[2 * i] & 15) | ((a.v[2 * i + 1] & 15) << 4)); }
+  static I iota() { I r; TNX_LANES r.v[l] = l; return r; }
+  // in-place transpose of 16 vectors (row i, lane j) -> (row j, lane i)
+  static void transpose16(I (&v)[16]) {
+    for (int i = 0; i < 16; ++i)
+      for (int j = i + 1; j < 16; ++j) std::swap(v[i].v[j], v[j].v[i]);
+  }
   static void store_u16_n(uint16_t* p, I a, int n) { for (int l = 0; l < n; ++l) p[l] = static_cast<uint16_t>(a.v[l]); }
   // table[idx & 15]
   static F permute16(F table, I idx) { F r; TNX_LANES r.v[l] = table.v[idx.v[l] & 15]; return r; }
@@ -196,6 +205,33 @@ struct Avx512 {
   static void store_u8(uint8_t* p, I a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(a.v)); }
   static void store_u8_n(uint8_t* p, I a, int n) { _mm512_mask_cvtepi32_storeu_epi8(p, static_cast<M>((1u << n) - 1u), a.v); }
   static void store_u16(uint16_t* p, I a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(a.v)); }
+  static void store_nibbles(uint8_t* p, I a) {
+    // as 8 64-bit lanes: (code 2i) | (code 2i+1) << 32 -> low byte = code 2i | code 2i+1 << 4
+    const __m512i v = _mm512_and_si512(a.v, _mm512_set1_epi32(15));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm512_cvtepi64_epi8(_mm512_or_si512(v, _mm512_srli_epi64(v, 28))));
+  }
+  static I iota() { return {_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)}; }
+  static void transpose16(I (&v)[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {  // 32-bit interleave of row pairs
+      t[i] = _mm512_unpacklo_epi32(v[i].v, v[i + 1].v);
+      t[i + 1] = _mm512_unpackhi_epi32(v[i].v, v[i + 1].v);
+    }
+    for (int g = 0; g < 16; g += 4) {  // u[g + c], 128-bit lane L: rows g..g+3 of column 4L + c
+      u[g + 0] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+      u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+      u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+      u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {
+      const __m512i ve = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), vo = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+      const __m512i we = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88), wo = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+      v[c].v = _mm512_shuffle_i32x4(ve, we, 0x88);
+      v[8 + c].v = _mm512_shuffle_i32x4(ve, we, 0xDD);
+      v[4 + c].v = _mm512_shuffle_i32x4(vo, wo, 0x88);
+      v[12 + c].v = _mm512_shuffle_i32x4(vo, wo, 0xDD);
+    }
+  }
   static void store_u16_n(uint16_t* p, I a, int n) { _mm512_mask_cvtepi32_storeu_epi16(p, static_cast<M>((1u << n) - 1u), a.v); }
   static F permute16(F table, I idx) { return {_mm512_permutexvar_ps(idx.v, table.v)}; }
   static F half_to_f(I h) { return {_mm512_cvtph_ps(_mm512_cvtepi32_epi16(h.v))}; }
@@ -335,6 +371,57 @@ struct Avx2 {
     alignas(32) uint16_t buf[16];
     store_u16(buf, x);
     std::memcpy(p, buf, 2 * static_cast<size_t>(n));
+  }
+  static void store_nibbles(uint8_t* p, I x) {
+    const __m256i m = _mm256_set1_epi32(15);
+    const __m256i a = _mm256_and_si256(x.a, m), b = _mm256_and_si256(x.b, m);
+    // per 64-bit lane: low byte = code 2i | code 2i+1 << 4; gather bytes 0, 8, 16, 24 of each half
+    const __m256i pa = _mm256_or_si256(a, _mm256_srli_epi64(a, 28));
+    const __m256i pb = _mm256_or_si256(b, _mm256_srli_epi64(b, 28));
+    const __m256i sel = _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i ga = _mm256_shuffle_epi8(pa, sel), gb = _mm256_shuffle_epi8(pb, sel);
+    const uint32_t lo = static_cast<uint32_t>(_mm256_extract_epi16(ga, 0)) | (static_cast<uint32_t>(_mm256_extract_epi16(ga, 8)) << 16);
+    const uint32_t hi = static_cast<uint32_t>(_mm256_extract_epi16(gb, 0)) | (static_cast<uint32_t>(_mm256_extract_epi16(gb, 8)) << 16);
+    std::memcpy(p, &lo, 4);
+    std::memcpy(p + 4, &hi, 4);
+  }
+  static I iota() { return {_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)}; }
+  static void transpose8(__m256i (&r)[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int g = 0; g < 8; g += 4) {
+      u[g + 0] = _mm256_unpacklo_epi64(t[g], t[g + 2]);
+      u[g + 1] = _mm256_unpackhi_epi64(t[g], t[g + 2]);
+      u[g + 2] = _mm256_unpacklo_epi64(t[g + 1], t[g + 3]);
+      u[g + 3] = _mm256_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {
+      r[c] = _mm256_permute2x128_si256(u[c], u[4 + c], 0x20);
+      r[4 + c] = _mm256_permute2x128_si256(u[c], u[4 + c], 0x31);
+    }
+  }
+  static void transpose16(I (&v)[16]) {  // four 8x8 blocks: [A B; C D] -> [A' C'; B' D']
+    __m256i a[8], b[8], c[8], d[8];
+    for (int i = 0; i < 8; ++i) {
+      a[i] = v[i].a;
+      b[i] = v[i].b;
+      c[i] = v[8 + i].a;
+      d[i] = v[8 + i].b;
+    }
+    transpose8(a);
+    transpose8(b);
+    transpose8(c);
+    transpose8(d);
+    for (int i = 0; i < 8; ++i) {
+      v[i].a = a[i];
+      v[i].b = c[i];
+      v[8 + i].a = b[i];
+      v[8 + i].b = d[i];
+    }
   }
   static F permute16(F table, I idx) {
     auto half = [&](__m256i ix) {
