@@ -217,6 +217,20 @@ def test_tensor_amax() -> None:
     assert float(cpu_quantizer.tensor_amax(torch.full((3,), -0.0))) == 0.0
 
 
+def test_rht_amax_is_the_transform_amax(isa: str) -> None:
+    from torchnext.lowp.hadamard import rht, rht_signs
+
+    for shape in ((37, 45), (64, 16), (3, 100)):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = (torch.randn(shape) * 5).to(dtype)
+            s = rht_signs(shape[0])
+            want = rht(x, s, dim=0).abs().max()
+            assert float(cpu_quantizer.rht_amax(x, s)) == float(want), (isa, shape, dtype)
+    x = torch.randn(20, 20)
+    x[3, 3] = float("nan")
+    assert math.isnan(float(cpu_quantizer.rht_amax(x, rht_signs(1))))
+
+
 @needs_kernels
 def test_quantize_blocks_interface_and_empty() -> None:
     x2 = torch.randn(50, 32)

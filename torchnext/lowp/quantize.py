@@ -53,17 +53,20 @@ def check_input(x: Any, dim: int) -> int:
 
 
 def global_scales(
-    x: torch.Tensor, spec: FormatSpec, opts: ResolvedOptions
+    x: torch.Tensor, spec: FormatSpec, opts: ResolvedOptions, *, amax: torch.Tensor | None = None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(decode, encode) 0-d fp32 global scales of ``x`` under ``opts`` (from its amax, or the given scale), or
     (None, None) for single-level formats. The amax is ``max |x|`` (NaN if ``x`` holds one), computed by the
-    options' quantizer kernel when it offers ``tensor_amax`` (one pass), else by ``torch.aminmax``."""
+    options' quantizer kernel when it offers ``tensor_amax`` (one pass), else by ``torch.aminmax``; or given as
+    ``amax`` (a 0-d fp32 tensor) by a caller that has it."""
     if not spec.two_level or opts.global_scale is False:
         return None, None
     if not isinstance(opts.global_scale, bool):
         dec = torch.tensor(opts.global_scale, dtype=torch.float32, device=x.device)
         return dec, 1.0 / dec
-    if x.numel():
+    if amax is not None:
+        pass
+    elif x.numel():
         tensor_amax = getattr(get_quantizer(opts.backend, x.device, spec), "tensor_amax", None)
         if tensor_amax is not None:
             amax = tensor_amax(x)

@@ -34,6 +34,7 @@ __all__ = [
     "quantize_blocks",
     "quantize_pair_blocks",
     "quantize_tensor",
+    "rht_amax",
     "tensor_amax",
     "unavailable_reason",
 ]
@@ -63,6 +64,12 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """``max |x|`` over the whole tensor as a 0-d fp32 tensor (NaN if ``x`` holds a NaN), one parallel pass over the
     bit patterns (the global amax of two-level NVFP4)."""
     return ops().absmax(x.contiguous(), isa_index(ISA))
+
+
+def rht_amax(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """``max |rht(x, signs, dim=0)|`` of the 2-D ``x`` (:mod:`torchnext.lowp.hadamard`, bit for bit) as a 0-d fp32
+    tensor, without materializing the transform: the column copy's global amax for :func:`quantize_pair`."""
+    return ops().rht_absmax(x.contiguous(), signs.detach().to(device="cpu", dtype=torch.float32), isa_index(ISA))
 
 
 def _global_args(inp: ScaleInputs, recipe: str) -> tuple[float, float, bool]:

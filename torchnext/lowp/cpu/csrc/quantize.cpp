@@ -750,6 +750,68 @@ at::Tensor absmax(const at::Tensor& x, int64_t isa) {
   return out;
 }
 
+// max |rht(x, signs, dim=0)| of a 2-D (M, K) tensor without writing the transform: each group of 16 rows (M padded
+// with zeros to 16) goes through the butterfly of torchnext/lowp/hadamard.py in registers (same fp32 operations).
+template <class S>
+void rht_absmax_impl(const void* x, int dtype, int64_t m, int64_t k, const float* signs, std::atomic<int32_t>& best) {
+  using F = typename S::F;
+  using I = typename S::I;
+  const int64_t groups = (m + 15) / 16, ctiles = (k + 15) / 16;
+  at::parallel_for(0, groups * ctiles, 16, [&](int64_t a, int64_t b) {
+    I mx = S::iset(0);
+    for (int64_t t = a; t < b; ++t) {
+      const int64_t g = t / ctiles, c0 = (t % ctiles) * 16;
+      const int n = static_cast<int>(std::min<int64_t>(16, k - c0));
+      F u[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t row = g * 16 + i;
+        u[i] = row < m ? S::mul(load_x<S>(x, dtype, row * k + c0, n), S::fset(signs[i])) : S::mul(S::fzero(), S::fset(signs[i]));
+      }
+      for (int h = 1; h < 16; h <<= 1) {
+        for (int i = 0; i < 16; ++i) {
+          if (i & h) continue;
+          const F p = u[i], q = u[i + h];
+          u[i] = S::add(p, q);
+          u[i + h] = S::sub(p, q);
+        }
+      }
+      for (int i = 0; i < 16; ++i) mx = S::imax(mx, amax_bits<S>(S::mul(u[i], S::fset(0.25f))));
+    }
+    const int32_t local = S::ihmax(mx);
+    int32_t cur = best.load(std::memory_order_relaxed);
+    while (local > cur && !best.compare_exchange_weak(cur, local, std::memory_order_relaxed)) {
+    }
+  });
+}
+
+at::Tensor rht_absmax(const at::Tensor& x, const at::Tensor& signs, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "torchnext_cpu.rht_absmax: contiguous 2-D CPU tensor expected");
+  const at::Tensor sg = signs.to(at::kFloat).contiguous();
+  TORCH_CHECK(sg.numel() == 16, "torchnext_cpu.rht_absmax: 16 signs expected");
+  int dtype = 0;
+  switch (x.scalar_type()) {
+    case at::kFloat: dtype = 0; break;
+    case at::kBFloat16: dtype = 1; break;
+    case at::kHalf: dtype = 2; break;
+    default: TORCH_CHECK(false, "torchnext_cpu.rht_absmax: float32/bfloat16/float16 expected");
+  }
+  std::atomic<int32_t> best{0};
+  const int use = isa < 0 ? best_isa() : static_cast<int>(isa);
+  switch (static_cast<Isa>(use)) {
+#ifdef TNX_HAVE_AVX512
+    case Isa::kAvx512: rht_absmax_impl<Avx512>(x.data_ptr(), dtype, x.size(0), x.size(1), sg.data_ptr<float>(), best); break;
+#endif
+#ifdef TNX_HAVE_AVX2
+    case Isa::kAvx2: rht_absmax_impl<Avx2>(x.data_ptr(), dtype, x.size(0), x.size(1), sg.data_ptr<float>(), best); break;
+#endif
+    case Isa::kPortable: rht_absmax_impl<Portable>(x.data_ptr(), dtype, x.size(0), x.size(1), sg.data_ptr<float>(), best); break;
+    default: TORCH_CHECK(false, "torchnext_cpu.rht_absmax: instruction set ", use, " is not compiled into this build");
+  }
+  at::Tensor out = at::empty({}, x.options().dtype(at::kFloat));
+  out.data_ptr<float>()[0] = bits_to_f(static_cast<uint32_t>(best.load()));
+  return out;
+}
+
 // The generator's draws uniform(seed, offset + i), i < numel (tests compare them with torchnext.lowp.rng).
 at::Tensor rng_uniform(int64_t seed, int64_t offset, int64_t numel) {
   at::Tensor out = at::empty({numel}, at::TensorOptions().dtype(at::kFloat));

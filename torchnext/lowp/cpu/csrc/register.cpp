@@ -53,6 +53,7 @@ void quantize_pair(const at::Tensor& x, const at::Tensor& row_codes, const at::T
                    int64_t off_r, int64_t recipe_c, double gdec_c, double genc_c, bool hasg_c, bool sr_c,
                    int64_t seed_c, int64_t off_c, const c10::optional<at::Tensor>& signs, int64_t isa);
 at::Tensor absmax(const at::Tensor& x, int64_t isa);
+at::Tensor rht_absmax(const at::Tensor& x, const at::Tensor& signs, int64_t isa);
 at::Tensor rng_uniform(int64_t seed, int64_t offset, int64_t numel);
 
 }  // namespace tnx
@@ -78,5 +79,6 @@ TORCH_LIBRARY(torchnext_cpu, m) {
       "int off_c, Tensor? signs, int isa) -> ()",
       &tnx::quantize_pair);
   m.def("absmax(Tensor x, int isa) -> Tensor", &tnx::absmax);
+  m.def("rht_absmax(Tensor x, Tensor signs, int isa) -> Tensor", &tnx::rht_absmax);
   m.def("rng_uniform(int seed, int offset, int numel) -> Tensor", &tnx::rng_uniform);
 }
