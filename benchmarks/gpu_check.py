@@ -16,7 +16,11 @@ Sections (a failing section is reported and the next one runs; exit status 1 if 
                  dequantize -> bf16 ``F.linear`` -> bias -> gelu -> amax; M in {1, 16, 256, 4096}, N = K = 4096.
 4. ``grouped``   ``grouped_scaled_mm`` on CUDA (``torch._grouped_mm``, bf16 compute) vs a loop of per-expert
                  ``scaled_mm``: 8 experts, 4096 tokens, N = 2048, K = 1024 (the CPU benchmark's shapes).
-5. ``comms``     a one-rank NCCL ``Communicator`` (one GPU: NCCL cannot put two ranks on one device) — every
+5. ``training``  one training step (forward + backward, all three GEMMs quantized) of a converted linear layer per
+                 recipe (``Recipe.MXFP8``, ``Recipe.NVFP4``), M = K = N = 4096: the six casts on the GPU (Triton
+                 quantizer) bit-identical to the CPU reference quantizer's for the same seed, output / dX / dW SQNR vs
+                 the fp32 step, and the step timed against a bf16 ``nn.Linear`` step.
+6. ``comms``     a one-rank NCCL ``Communicator`` (one GPU: NCCL cannot put two ranks on one device) — every
                  collective against torch.distributed's result, then all_reduce latency vs the raw NCCL group.
 
 Timing: CUDA events around each call, warm-up first, median of ``--reps``; the peers are timed interleaved.
@@ -254,6 +258,69 @@ def section_grouped(dev: torch.device, smoke: bool, reps: int) -> Result:
             "x_fp32": t["loop_scaled_mm"] / t["grouped_fp32"], "x_bf16": t["loop_scaled_mm"] / t["grouped_bf16"]}
 
 
+def section_training(dev: torch.device, smoke: bool, reps: int) -> Result:
+    from torch import nn
+
+    from torchnext.lowp import Recipe, convert_to_lowp_training
+    from torchnext.lowp.training.ops import train_cast
+
+    m, k, n = (64, 128, 96) if smoke else (4096, 4096, 4096)
+    quantizer = "eager" if smoke else "triton"
+    backend = "eager" if smoke else "auto"
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(m, k, generator=g).to(dev)
+    dy = torch.randn(m, n, generator=g).to(dev)
+    rows: list[Result] = []
+    ok = True
+    thresholds = {"mxfp8_e4m3": 25.0, "nvfp4": 12.0}
+    for recipe in (Recipe.MXFP8, Recipe.NVFP4):
+        torch.manual_seed(0)
+        ref = nn.Linear(k, n, device=dev)
+        layer = nn.Linear(k, n, device=dev)
+        layer.load_state_dict(ref.state_dict())
+        layer = convert_to_lowp_training(layer, recipe, seed=7, quantizer=quantizer, backend=backend)
+        signs = getattr(layer, "rht_signs", None)
+        # the six casts: the device's quantizer vs the CPU reference quantizer, same seed and step
+        step = torch.tensor(5)
+        mismatched = []
+        for role, t in (("x", x), ("w", layer.weight.detach()), ("dy", dy)):
+            s_dev = signs if role != "w" else None
+            got = train_cast(t, s_dev, step.to(dev), recipe.key, role, 7, layer.layer, quantizer, True, True)
+            want = train_cast(t.cpu(), s_dev.cpu() if s_dev is not None else None, step, recipe.key, role, 7,
+                              layer.layer, "reference", True, True)
+            if not all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True)):
+                mismatched.append(role)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y = layer(xa)
+        y.backward(dy)
+        y_ref = ref(xb)
+        y_ref.backward(dy)
+        q = {"y": sqnr_db(y.detach(), y_ref.detach()), "dx": sqnr_db(xa.grad, xb.grad),
+             "dw": sqnr_db(layer.weight.grad, ref.weight.grad)}
+        ref16 = nn.Linear(k, n, device=dev, dtype=torch.bfloat16)
+        x16, dy16 = x.bfloat16().requires_grad_(), dy.bfloat16()
+
+        def lowp_step(layer: Any = layer) -> None:
+            xx = x.detach().requires_grad_()
+            layer(xx).backward(dy)
+
+        def bf16_step(ref16: Any = ref16, x16: torch.Tensor = x16, dy16: torch.Tensor = dy16) -> None:
+            xx = x16.detach().requires_grad_()
+            ref16(xx).backward(dy16)
+
+        t = timed({"lowp_step": lowp_step, "bf16_step": bf16_step}, dev, max(2, reps // 4), warmup=2)
+        good = not mismatched and min(q.values()) >= thresholds[recipe.format.value]
+        ok &= good
+        row = {"recipe": str(recipe), "casts_bit_identical_to_cpu": not mismatched, "mismatched": mismatched,
+               **{f"sqnr_{kk}_db": v for kk, v in q.items()}, **{f"{kk}_ms": v for kk, v in t.items()},
+               "x_vs_bf16": t["lowp_step"] / t["bf16_step"]}
+        rows.append(row)
+        print(f"  {recipe}: casts {'= CPU reference' if not mismatched else 'DIFFER ' + str(mismatched)}; SQNR y "
+              f"{q['y']:.1f} dx {q['dx']:.1f} dw {q['dw']:.1f} dB; step {t['lowp_step']:.2f} ms vs bf16 "
+              f"{t['bf16_step']:.2f} ms")
+    return {"ok": ok, "rows": rows}
+
+
 def section_comms(dev: torch.device, smoke: bool, reps: int) -> Result:
     import torch.distributed as dist
 
@@ -301,6 +368,7 @@ SECTIONS: dict[str, Callable[[torch.device, bool, int], Result]] = {
     "quantize": section_quantize,
     "scaled_mm": section_scaled_mm,
     "grouped": section_grouped,
+    "training": section_training,
     "comms": section_comms,
 }
 

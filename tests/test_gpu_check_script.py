@@ -22,9 +22,10 @@ def test_gpu_check_cpu_smoke(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
-    for section in ("quantize", "scaled_mm", "grouped", "comms"):
+    for section in ("quantize", "scaled_mm", "grouped", "training", "comms"):
         assert report[section]["ok"] is True, (section, report[section])
     assert report["scaled_mm"]["rows"] and report["comms"]["checks"]["all_reduce"]
+    assert [r["casts_bit_identical_to_cpu"] for r in report["training"]["rows"]] == [True, True]
 
 
 def test_gpu_check_refuses_without_gpu() -> None:

@@ -9,7 +9,8 @@ Subpackages:
 * :mod:`torchnext.control` -- compiler control flow (switch, while_loop, dynamic_spec, complex -> real).
 
 ``import torchnext`` is lean: it imports torch, but it does not initialise CUDA, compile anything or open sockets.
-Subpackages are imported on first attribute access.
+Subpackages are imported on first attribute access. It registers the ``"torchnext"`` backend with torch.distributed
+(the name only: ``dist.init_process_group(backend="torchnext")`` then imports :mod:`torchnext.comms`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from torchnext._version import __version__
 
 _SUBMODULES = ("comms", "ft", "lowp", "control", "testing")
 
@@ -53,6 +54,24 @@ if TYPE_CHECKING:  # pragma: no cover
     from torchnext import ft as ft
     from torchnext import lowp as lowp
     from torchnext import testing as testing
+
+
+def _create_process_group(common: Any, backend_options: Any = None) -> Any:
+    """torch's creator for ``backend="torchnext"`` (imports the process-group package on first use)."""
+    from torchnext.comms.process_group import create
+
+    return create(common, backend_options)
+
+
+def _register_backend() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available() or "torchnext" in dist.Backend.backend_list:
+        return
+    dist.Backend.register_backend("torchnext", _create_process_group, extended_api=True, devices=["cpu", "cuda"])
+
+
+_register_backend()
 
 
 def __getattr__(name: str) -> Any:

@@ -66,6 +66,18 @@ class EnvConfig:
     """``TORCHNEXT_CXX``: the C++ compiler for the CPU kernels (default: ``$CXX``, else ``c++``, as torch's
     ``cpp_extension``)."""
 
+    pg_cuda_backend: str = "nccl"
+    """``TORCHNEXT_PG_CUDA_BACKEND``: the backend of the CUDA Communicator of torchnext process groups,
+    ``nccl`` (used when CUDA and NCCL are available) or ``none`` (the groups communicate CPU tensors only)."""
+
+    pg_fr_buffer_size: int = 2000
+    """Flight Recorder ring size of the process groups torch creates with ``backend="torchnext"``:
+    ``TORCHNEXT_FR_BUFFER_SIZE`` when set, else torch's own ``TORCH_FR_BUFFER_SIZE``, else 2000 (0 disables)."""
+
+    pg_fr_dump_dir: str | None = None
+    """Their automatic-dump folder: ``TORCHNEXT_FR_DUMP_DIR`` when set, else the folder of torch's dump-file
+    prefix ``TORCH_FR_DUMP_TEMP_FILE``, else None (no automatic dumps)."""
+
 
 ENV_VARS = {
     "fr_buffer_size": "TORCHNEXT_FR_BUFFER_SIZE",
@@ -78,7 +90,12 @@ ENV_VARS = {
     "cpu_kernels": "TORCHNEXT_CPU_KERNELS",
     "kernel_cache": "TORCHNEXT_KERNEL_CACHE",
     "cxx": "TORCHNEXT_CXX",
+    "pg_cuda_backend": "TORCHNEXT_PG_CUDA_BACKEND",
+    "pg_fr_buffer_size": "TORCHNEXT_FR_BUFFER_SIZE",
+    "pg_fr_dump_dir": "TORCHNEXT_FR_DUMP_DIR",
 }
+_TORCH_FALLBACKS = {"pg_fr_buffer_size": "TORCH_FR_BUFFER_SIZE"}
+"""Fields that fall back to torch's variable of the same meaning when ours is unset."""
 
 
 def env_config() -> EnvConfig:
@@ -87,6 +104,8 @@ def env_config() -> EnvConfig:
     values: dict[str, object] = {}
     for f in fields(EnvConfig):
         var = ENV_VARS[f.name]
+        if not os.environ.get(var) and os.environ.get(_TORCH_FALLBACKS.get(f.name, "")):
+            var = _TORCH_FALLBACKS[f.name]
         default = getattr(defaults, f.name)
         if isinstance(default, int):
             values[f.name] = _int(var, default)
@@ -101,6 +120,12 @@ def env_config() -> EnvConfig:
         raise ValueError(f"TORCHNEXT_HUGE_PAGES={values['huge_pages']!r}: expected 0 or 1")
     if int(values["fr_buffer_size"]) < 0:  # type: ignore[call-overload]
         raise ValueError(f"TORCHNEXT_FR_BUFFER_SIZE={values['fr_buffer_size']!r} must be >= 0")
+    if int(values["pg_fr_buffer_size"]) < 0:  # type: ignore[call-overload]
+        raise ValueError(f"TORCH_FR_BUFFER_SIZE={values['pg_fr_buffer_size']!r} must be >= 0")
+    if values["pg_cuda_backend"] not in ("nccl", "none"):
+        raise ValueError(f"TORCHNEXT_PG_CUDA_BACKEND={values['pg_cuda_backend']!r}: expected 'nccl' or 'none'")
+    if values["pg_fr_dump_dir"] is None and os.environ.get("TORCH_FR_DUMP_TEMP_FILE"):
+        values["pg_fr_dump_dir"] = str(Path(os.environ["TORCH_FR_DUMP_TEMP_FILE"]).parent)
     return EnvConfig(**values)  # type: ignore[arg-type]
 
 

@@ -1,8 +1,9 @@
 """The ``torchnext`` command line.
 
 Subcommands live in a registry (:data:`SUBCOMMANDS`): each entry names the module that implements it. Such a module
-provides ``add_arguments(parser)`` and ``run(args) -> int``. Modules are imported only when their subcommand runs, so
-``torchnext --help`` stays fast.
+provides ``add_arguments(parser)`` and ``run(args) -> int`` -- or, for a subcommand that passes its arguments on to
+another parser (``raw_args``: ``torchnext run`` hands them to torchrun's), ``run_argv(argv) -> int``. Modules are
+imported only when their subcommand runs, so ``torchnext --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from torchnext import __version__
+from torchnext._version import __version__
 
 __all__ = ["SUBCOMMANDS", "Subcommand", "build_parser", "main"]
 
@@ -28,6 +29,8 @@ class Subcommand:
     """Module providing ``add_arguments(parser)`` and ``run(args) -> int``."""
     help: str
     """One line for ``torchnext --help``."""
+    raw_args: bool = False
+    """Whether the module parses its own arguments (``run_argv(argv)``) instead of ``add_arguments``/``run``."""
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {}
@@ -51,6 +54,9 @@ _BUILTIN: tuple[Subcommand, ...] = (
     Subcommand(name="demo", module="torchnext.demo.cli",
                help="fault-tolerant low-precision MoE training on local ranks that survives a killed rank"),
     Subcommand(name="fr", module="torchnext.comms.flight_recorder.cli", help="Flight Recorder: analyze dumps (fr analyze DIR)"),
+    Subcommand(name="run", module="torchnext.comms.process_group.launch", raw_args=True,
+               help="torchrun whose workers get torchnext process groups (gloo/nccl -> torchnext): run [torchrun options] "
+                    "script.py [args]"),
 )
 for _cmd in _BUILTIN:
     register_subcommand(_cmd)
@@ -77,6 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in SUBCOMMANDS:
         cmd = SUBCOMMANDS[argv[0]]
         module = importlib.import_module(cmd.module)
+        if cmd.raw_args:
+            return int(module.run_argv(argv[1:]) or 0)
         sub_parser = argparse.ArgumentParser(prog=f"torchnext {cmd.name}", description=cmd.help)
         module.add_arguments(sub_parser)
         args = sub_parser.parse_args(argv[1:])

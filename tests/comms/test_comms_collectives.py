@@ -25,7 +25,15 @@ def x(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
     return ((torch.arange(n) + 3 * rank + 5 * salt) % 5 - 2).to(dtype)
 
 
+_BITWISE = {ReduceOp.BAND: torch.bitwise_and, ReduceOp.BOR: torch.bitwise_or, ReduceOp.BXOR: torch.bitwise_xor}
+
+
 def reduce_ref(xs: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
+    if op in _BITWISE:  # integer inputs only: reduce exactly, in the input dtype
+        acc = xs[0].clone()
+        for t in xs[1:]:
+            acc = _BITWISE[op](acc, t)
+        return acc
     s = torch.stack([t.double() for t in xs])
     out = {
         ReduceOp.SUM: lambda: s.sum(0),
@@ -38,7 +46,9 @@ def reduce_ref(xs: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
 
 
 def ops_for(dtype: torch.dtype) -> list[ReduceOp]:
-    return [op for op in ReduceOp if op is not ReduceOp.AVG or dtype.is_floating_point]
+    """The ops defined for ``dtype``: AVG for floating dtypes only, the bitwise ops for integer dtypes only."""
+    floating = dtype.is_floating_point
+    return [op for op in ReduceOp if (op is not ReduceOp.AVG or floating) and (op not in _BITWISE or not floating)]
 
 
 class Checker:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from torchnext.demo.data import VOCAB, batch_for_step, corpus, decode, encode
-from torchnext.demo.model import LowpLinear, ModelConfig, MoETransformerLM, Precision
+from torchnext.demo.model import BF16Linear, ModelConfig, MoETransformerLM, Precision
 
 
 def test_data_is_deterministic_and_sharded() -> None:
@@ -26,27 +26,45 @@ def test_data_is_deterministic_and_sharded() -> None:
 
 
 @pytest.mark.parametrize("precision", ["nvfp4", "mxfp8"])
-def test_lowp_linear_matches_dequantized_reference(precision: str) -> None:
-    from torchnext.lowp import quantize
+def test_low_precision_layers_and_the_bf16_tail(precision: str) -> None:
+    """Block 0's projections and experts train in the format (all three GEMMs); block 1 and the head run in
+    bf16; embeddings, norms, routers stay fp32; master weights are fp32."""
+    from torchnext.lowp import LowpTrainingLinear, Recipe
 
+    model = MoETransformerLM(ModelConfig(vocab_size=len(VOCAB), precision=Precision(precision)))
+    b0, b1 = model.blocks[0], model.blocks[1]
+    lowp = [b0.qkv, b0.proj, *(m for e in b0.moe.experts for m in (e.up, e.down))]
+    assert all(isinstance(m, LowpTrainingLinear) for m in lowp)
+    assert lowp[0].recipe == (Recipe.NVFP4 if precision == "nvfp4" else Recipe.MXFP8)
+    assert sorted(model.lowp_layers) == sorted(n for n, m in model.named_modules() if m in lowp)
+    bf16 = [b1.qkv, b1.proj, model.head, *(m for e in b1.moe.experts for m in (e.up, e.down))]
+    assert all(type(m) is BF16Linear for m in bf16)
+    assert type(b0.moe.router) is torch.nn.Linear and type(b1.moe.router) is torch.nn.Linear
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    x = torch.randint(0, len(VOCAB), (2, 16))
+    loss, _ = model.loss(x, x)
+    loss.backward()
+    assert lowp[0].weight.grad is not None and bf16[0].weight.grad is not None
+    assert lowp[0].weight.grad.dtype == torch.float32
+
+
+def test_bf16_linear_is_f_linear_in_bf16() -> None:
     torch.manual_seed(0)
-    lin = LowpLinear(64, 96, precision=Precision(precision))
-    with torch.no_grad():
-        lin.bias.normal_()
-    x = torch.randn(3, 5, 64, requires_grad=True)
-    y = lin(x)
-    fmt = "nvfp4" if precision == "nvfp4" else "mxfp8_e4m3"
-    w_deq = quantize(lin.weight.detach(), fmt).dequantize(torch.float32)
-    ref = F.linear(x.detach(), w_deq, lin.bias.detach())
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
-    # straight-through estimator: gradients are those of F.linear with the dequantized weight
-    g = torch.randn_like(y)
-    y.backward(g)
-    assert x.grad is not None and lin.weight.grad is not None and lin.bias.grad is not None
-    torch.testing.assert_close(x.grad, g @ w_deq, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lin.weight.grad, g.reshape(-1, 96).t() @ x.detach().reshape(-1, 64), rtol=1e-4,
-                               atol=1e-4)
-    torch.testing.assert_close(lin.bias.grad, g.reshape(-1, 96).sum(0))
+    lin = BF16Linear(32, 16)
+    x = torch.randn(4, 32)
+    ref = F.linear(x.bfloat16(), lin.weight.bfloat16(), lin.bias.bfloat16()).float()
+    assert torch.equal(lin(x), ref)
+
+
+def test_ablations_select_the_recipe_and_the_layers() -> None:
+    from torchnext.lowp import LowpTrainingLinear, Recipe
+
+    no_rht = Recipe.NVFP4.with_(rht=False)
+    model = MoETransformerLM(ModelConfig(vocab_size=len(VOCAB), lowp_recipe=no_rht.key, lowp_all_layers=True))
+    assert isinstance(model.head, LowpTrainingLinear) and model.head.recipe == no_rht
+    assert isinstance(model.blocks[1].moe.router, LowpTrainingLinear)
+    fp32 = MoETransformerLM(ModelConfig(vocab_size=len(VOCAB), precision=Precision.FP32))
+    assert not fp32.lowp_layers and all(type(m) is not BF16Linear for m in fp32.modules())
 
 
 def test_model_trains_and_routes_with_switch() -> None:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchnext.lowp.hadamard import hadamard_matrix, inverse_rht, rht, rht_reference, rht_signs
+from torchnext.lowp.hadamard import hadamard_matrix, inverse_rht, rht, rht_plain, rht_reference, rht_signs
 
 
 def _numpy_rht(x: np.ndarray, signs: np.ndarray) -> np.ndarray:
@@ -81,3 +81,10 @@ def test_bad_signs() -> None:
         rht(torch.randn(16, 2), torch.full((16,), 0.5))
     with pytest.raises(ValueError, match="floating"):
         rht(torch.ones(16, 2, dtype=torch.int64), torch.ones(16))
+
+
+@pytest.mark.parametrize(("shape", "dim"), [((37, 5), 0), ((37, 5), 1), ((4, 48, 3), 1), ((64, 64), -1), ((16,), 0)])
+def test_row_wise_fast_path_equals_the_plain_butterfly(shape: tuple[int, ...], dim: int) -> None:
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    s = rht_signs(9)
+    assert torch.equal(rht(x, s, dim=dim), rht_plain(x, s, dim=dim))

@@ -7,6 +7,7 @@ import sys
 import types
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 
@@ -43,14 +44,16 @@ def test_copies_are_two_quantizations_of_the_input(fmt: str, opts: QuantOptions,
 
 
 def test_rht_column_copy_amax_after_the_transform() -> None:
-    x = torch.randn(40, 32)
+    x = torch.randn(40, 32, generator=torch.Generator().manual_seed(0))
     x[3, 4] = 50.0  # an outlier: the transform spreads it, so the column amax shrinks
     s = rht_signs(2)
     row, col = quantize_pair(x, "nvfp4", options=TE, rht_signs=s)
     xt = rht(x, s, dim=0)
     assert col.shape == (48, 32)  # M padded to 16 before the transform
     assert _same(col, quantize(xt, "nvfp4", dim=0, options=TE))
-    assert float(col.global_scale) == float(1.0 / (2688.0 / xt.abs().max()))
+    # TE's formula in fp32: S = 2688 / amax (a true division; torch's `2688.0 / t` multiplies by a reciprocal)
+    s_enc = np.float32(2688.0) / np.float32(xt.abs().max().item())
+    assert float(col.global_scale) == float(np.float32(1.0) / s_enc)
     assert float(col.global_scale) < float(row.global_scale)
     assert _same(row, quantize(x, "nvfp4", options=TE))
 
@@ -141,3 +144,19 @@ def test_dispatch_to_quantize_pair_blocks(pair_kernel: str, fmt: str, opts: Quan
     got = quantize_pair(small, fmt, options=opts.with_(backend=pair_kernel))
     assert CALLS == ["pair", "pair"]
     assert _same(got[1], quantize(small, fmt, dim=0, options=opts))
+
+
+def test_given_amax_makes_shards_quantize_as_the_whole() -> None:
+    """QuantOptions(amax=...): the all-reduced amax of a sharded tensor gives each shard the whole's bytes."""
+    x = torch.randn(64, 48)
+    amax = x.abs().max()
+    whole = quantize_pair(x, "nvfp4", options=TE, block_2d=True)
+    for rows in (slice(0, 32), slice(32, 64)):
+        part = quantize_pair(x[rows], "nvfp4", options=TE.with_(amax=amax), block_2d=True)
+        assert torch.equal(part[0].qdata, whole[0].qdata[rows])
+        assert torch.equal(part[0].scale_bytes, whole[0].scale_bytes[rows])
+        assert float(part[0].global_scale) == float(whole[0].global_scale)
+    with pytest.raises(FormatError, match="amax applies to NVFP4"):
+        quantize(x, "mxfp8_e4m3", amax=1.0)
+    with pytest.raises(FormatError, match="computed global scale"):
+        quantize(x, "nvfp4", recipe="te", global_scale=0.5, amax=1.0)

@@ -66,3 +66,15 @@ def test_stream_seed_is_order_sensitive_and_checked() -> None:
         stream_seed(1.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="overflow"):
         bits(0, (1 << 64) - 2, 5)
+
+
+@pytest.mark.parametrize(("seed", "offset", "numel"), [
+    (0, 0, 5000), (0xDEADBEEF, (1 << 32) - 300, 1000),  # the low word wraps inside the call: carry
+    ((1 << 64) - 1, (1 << 40) + 5, 777), (3, (1 << 64) - 1000, 1000), (11, (1 << 33) - 1, 2),
+])
+def test_int32_fast_path_equals_the_int64_reference(seed: int, offset: int, numel: int) -> None:
+    from torchnext.lowp.rng import bits_reference
+
+    assert torch.equal(bits(seed, offset, numel), bits_reference(seed, offset, numel))
+    want = (bits_reference(seed, offset, numel) >> 8).to(torch.float32) * 2.0**-24
+    assert torch.equal(uniform(seed, offset, (numel,)), want)

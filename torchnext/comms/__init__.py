@@ -5,10 +5,11 @@ Public names::
     from torchnext.comms import Communicator, Work, WorkStatus, ReduceOp, CommError, CommTimeout, CommAborted, PeerFailure
     from torchnext.comms import FlightRecorder          # collective trace + hang analysis (docs/flight_recorder.md)
     from torchnext.comms import Window                  # one-sided RMA windows (docs/comms_windows.md)
+    from torchnext.comms import TorchnextProcessGroup   # torch.distributed on Communicators (docs/process_group.md)
 
 Layout: the core (``communicator``, ``_ops``, ``work``, ``hooks``, ``errors``, ``reduce_op``, ``backends/``,
 ``extension``) knows none of its extensions; :mod:`torchnext.comms.flight_recorder` and
-:mod:`torchnext.comms.window` build on it and register themselves with :mod:`torchnext.comms.extension` when this
+:mod:`torchnext.comms.window` build on it, :mod:`torchnext.comms.process_group` on them, and they register themselves with :mod:`torchnext.comms.extension` when this
 package is imported. Fault tolerance is a layer above: :mod:`torchnext.ft`.
 
 See ``docs/comms.md`` for the contract (ops, Work, hooks, abort, split, errors, thread-safety).
@@ -30,6 +31,7 @@ from torchnext.comms.hooks import AbortHookArgs as AbortHookArgs
 from torchnext.comms.hooks import OpInfo as OpInfo
 from torchnext.comms.hooks import PostHookArgs as PostHookArgs
 from torchnext.comms.hooks import RemovableHandle as RemovableHandle
+from torchnext.comms.process_group import TorchnextProcessGroup as TorchnextProcessGroup
 from torchnext.comms.reduce_op import ReduceOp as ReduceOp
 from torchnext.comms.window import Window as Window
 from torchnext.comms.window import WindowBoundsError as WindowBoundsError
@@ -56,6 +58,7 @@ __all__ = [
     "PostHookArgs",
     "ReduceOp",
     "RemovableHandle",
+    "TorchnextProcessGroup",
     "Window",
     "WindowBoundsError",
     "WindowClosed",

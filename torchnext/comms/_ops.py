@@ -392,13 +392,28 @@ class CollectiveOps:
                            has_future=False, tag=tag)
 
     def recv(
-        self, tensor: torch.Tensor, src: int, tag: int = 0, *, async_op: bool = False, timeout: Timeout = None
+        self, tensor: torch.Tensor, src: int | None, tag: int = 0, *, async_op: bool = False, timeout: Timeout = None
     ) -> Work | None:
-        """Receive into ``tensor`` from rank ``src``."""
+        """Receive into ``tensor`` from rank ``src``; ``src=None`` takes the first matching send from any rank
+        (then ``async_op=True`` and ``work.source_rank()`` tell which one it was)."""
         t = v.check_tensor(tensor, "tensor", "recv", self._device)
-        src = self._check_peer(src, "src", "recv")
         tag = self._check_tag(tag, "recv")
         pg = self._pg
+        if src is None:
+            issued: list[Any] = []
+
+            def launch_any(td: timedelta | None) -> list[Any]:
+                issued.append(pg.recv_anysource([t], tag))
+                return issued
+
+            work = self._issue("recv", True, timeout, launch_any, (), (t,), has_future=False, tag=tag)
+            assert work is not None
+            work._source = issued  # source_rank() asks the backend Work once complete
+            if async_op:
+                return work
+            work.wait()
+            return None
+        src = self._check_peer(src, "src", "recv")
         return self._issue("recv", async_op, timeout, lambda td: [pg.recv([t], src, tag)], (), (t,), peer=src,
                            has_future=False, tag=tag)
 

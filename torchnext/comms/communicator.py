@@ -24,6 +24,7 @@ from torchnext.comms.work import CompletionWaiter, Work, WorkStatus, _new_tuple,
 
 if TYPE_CHECKING:
     from torchnext.comms.flight_recorder import FlightRecorder
+    from torchnext.comms.process_group import TorchnextProcessGroup
     from torchnext.comms.window import Window
 
 __all__ = ["Communicator", "P2POp"]
@@ -242,7 +243,8 @@ class Communicator(CollectiveOps):
     @property
     def backend_handle(self) -> BackendHandle:
         """The connected backend (``.pg`` is the c10d object). Issuing on it directly bypasses op ids, hooks and
-        abort: use it only for what the Communicator does not offer."""
+        abort: use it only for what the Communicator does not offer. After ``shutdown()`` its ``.pg`` is None (the
+        backend was destroyed)."""
         return self._backend
 
     def __repr__(self) -> str:
@@ -344,8 +346,14 @@ class Communicator(CollectiveOps):
         backend = self._backend
         if self._error is not None:
             _abandon(backend)
-        elif backend.shutdown_fn is not None:
+            return
+        if backend.shutdown_fn is not None:
             backend.shutdown_fn()
+        # Destroy the backend here, on the calling thread: left to the garbage collector, its last reference could
+        # go on one of its own worker threads (a completion callback briefly holds a Work -> this communicator),
+        # whose destructor cannot join itself ("terminate called without an active exception").
+        self._pg = None
+        backend.pg = None
 
     # ------------------------------------------------------------------------------------------------ the engine
     # -------------------------------------------------------------------------------- peer-failure reports
@@ -463,6 +471,9 @@ class Communicator(CollectiveOps):
                     except RuntimeError:
                         self._wait_in_thread(bw, work, td)
                     else:
+                        if self._interruptible and len(backend_works) == 1:
+                            work._bw = bw  # a thread that waits may wait on it directly (Work.wait)
+                            work._racy = True
                         fut.add_done_callback(future_callback(work))
                 else:
                     self._wait_in_thread(bw, work, td)
@@ -501,6 +512,14 @@ class Communicator(CollectiveOps):
         """Collective: register ``tensor`` in a one-sided RMA window (see :mod:`torchnext.comms.window`)."""
         window: Window = factory("new_window")(self, tensor, transport=transport, host=host, timeout=timeout)
         return window
+
+    # ------------------------------------------------------------------------------------------- process group
+    def as_process_group(self, *, name: str | None = None) -> TorchnextProcessGroup:
+        """This communicator as a ``torch.distributed.ProcessGroup``, accepted wherever torch takes a group
+        (``dist.*(group=pg)``, DDP's ``process_group=``, ``DeviceMesh.from_group``, functional collectives); the
+        same object on every call (see :mod:`torchnext.comms.process_group`)."""
+        pg: TorchnextProcessGroup = factory("as_process_group")(self, name=name)
+        return pg
 
     # --------------------------------------------------------------------------------------------------- split
     def split(self, ranks: Sequence[int], name: str | None = None, *, timeout: Timeout = None) -> Communicator | None:
@@ -551,14 +570,34 @@ class Communicator(CollectiveOps):
         if color is None:
             return None
         members = sorted((row[2], r) for r, row in enumerate(rows) if row[0] == 1 and row[1] == color)
-        child_rank = [r for _, r in members].index(self._rank)
-        child_ranks = tuple(self._ranks[r] for _, r in members)
+        return self.child(dist.PrefixStore(f"split{seq}/c{color}", self._store), [r for _, r in members],
+                          name=name or f"{self._name}.{seq}.{color}")
+
+    def child(self, store: dist.Store, ranks: Sequence[int], *, name: str, timeout: Timeout = None) -> Communicator:
+        """A communicator of ``ranks`` (ranks of this communicator; child rank i is ``ranks[i]``) whose membership
+        was agreed on by other means -- ``split`` agrees by a collective; ``torch.distributed.new_group`` by every
+        process calling it with the same ranks. Only the members call this, each with the same namespace of a
+        shared ``store`` (used as is); it connects eagerly. Same backend and device as this communicator; the
+        timeout defaults to this one's. Split hooks run on the child (a Flight Recorder records it); a raising
+        one surfaces as ``HookError`` after the child was shut down.
+
+        Raises:
+            ValueError: ``ranks`` has duplicates or ranks outside this communicator, or this rank is not in it.
+        """
+        if not isinstance(ranks, (list, tuple)) or not ranks:
+            raise ValueError(f"child: ranks must be a non-empty list of ranks, got {ranks!r}")
+        for r in ranks:
+            v.check_rank(r, self._size, "ranks entry", "child")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"child: ranks contains duplicates: {list(ranks)}")
+        if self._rank not in ranks:
+            raise ValueError(f"child: this rank ({self._rank}) is not in ranks {list(ranks)}; only members call it")
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ValueError(f"child: name must be a non-empty string without '/', got {name!r}")
         child = Communicator.__new__(Communicator)
-        child._setup(
-            dist.PrefixStore(f"split{seq}/c{color}", self._store), child_rank, len(members), child_ranks,
-            backend=self._backend_name, timeout=self._timeout,
-            name=name or f"{self._name}.{seq}.{color}", device=self._device,
-        )
+        child._setup(store, list(ranks).index(self._rank), len(ranks), tuple(self._ranks[r] for r in ranks),
+                     backend=self._backend_name, timeout=self._timeout if timeout is None else timeout, name=name,
+                     device=self._device)
         if self._split_hooks.snapshot:
             hook_error = self._split_hooks.run(child, stop_on_error=True)
             if hook_error is not None:

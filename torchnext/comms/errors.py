@@ -2,11 +2,16 @@
 
 Callers tell failures apart by class::
 
-    CommError (RuntimeError)     any failure of an issued communication op
+    CommError                    any failure of an issued communication op
     ├── CommTimeout              the op did not complete within its timeout
     ├── CommAborted              the communicator was aborted (before or while the op ran)
     └── PeerFailure              a peer died or its connection broke (``.peer`` when known)
     HookError (RuntimeError)     a user hook raised (names the hook); not a communication failure
+
+They are torch's exception types too, so ``except`` clauses written for torch.distributed keep working:
+``CommError`` (and so every subclass) is a ``torch.distributed.DistBackendError`` -- hence a
+``torch.distributed.DistError`` and a ``RuntimeError`` -- and ``PeerFailure`` is also a
+``torch.distributed.DistNetworkError``.
 
 Invalid arguments raise ``TypeError`` / ``ValueError`` before anything is issued.
 """
@@ -16,10 +21,12 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+import torch.distributed as dist
+
 __all__ = ["CommAborted", "CommError", "CommTimeout", "HookError", "PeerFailure", "classify_backend_error"]
 
 
-class CommError(RuntimeError):
+class CommError(dist.DistBackendError):
     """A communication op failed. The message names the op, its op_id, the communicator and its ranks.
 
     Attributes mirror the message so handlers need not parse it: ``op``, ``op_id``, ``comm_name``, ``rank``
@@ -62,7 +69,7 @@ class CommAborted(CommError):
     """The communicator was aborted; the op was cancelled on this rank or refused."""
 
 
-class PeerFailure(CommError):
+class PeerFailure(CommError, dist.DistNetworkError):
     """A peer process died or its connection broke. ``peer`` is its rank in the communicator when known."""
 
     def __init__(self, detail: str, *, peer: int | None = None, **kwargs: object) -> None:

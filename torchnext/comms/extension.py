@@ -6,7 +6,8 @@ user-facing doors to extensions dispatch through this registry, which the extens
 
 * ``Communicator(..., flight_recorder=value)`` -> ``option("flight_recorder")``: an :class:`OptionHandler` whose
   ``check(value)`` runs before the communicator connects (bad input fails fast) and ``attach(comm, value)`` after;
-* ``comm.new_window(tensor, ...)`` -> ``factory("new_window")(comm, tensor, ...)``.
+* ``comm.new_window(tensor, ...)`` -> ``factory("new_window")(comm, tensor, ...)``;
+* ``comm.as_process_group()`` -> ``factory("as_process_group")(comm, ...)``.
 
 Extensions keep per-communicator state in ``comm.extensions`` (a dict keyed by the extension's name) and follow
 its life through the core's hooks: ``register_split_hook`` (every child a split creates on this rank) and
@@ -39,7 +40,8 @@ class OptionHandler(Protocol):
 
 _OPTIONS: dict[str, OptionHandler] = {}
 _FACTORIES: dict[str, Callable[..., Any]] = {}
-_PROVIDERS = {"flight_recorder": "torchnext.comms.flight_recorder", "new_window": "torchnext.comms.window"}
+_PROVIDERS = {"flight_recorder": "torchnext.comms.flight_recorder", "new_window": "torchnext.comms.window",
+              "as_process_group": "torchnext.comms.process_group"}
 """Which package provides the built-in entries (for the error message only: nothing is imported from here)."""
 
 

@@ -17,6 +17,7 @@ class ReduceOp(str, enum.Enum):
 
         SUM: xs[0] + xs[1] + ...      PRODUCT: xs[0] * xs[1] * ...
         MIN / MAX: element-wise       AVG: SUM / len(xs)   (floating dtypes only)
+        BAND / BOR / BXOR: xs[0] & xs[1] & ... (| , ^)     (integer and bool dtypes only)
 
     ``AVG`` is passed to the backend when it supports it natively, otherwise emulated as SUM followed by an in-place
     division on completion. Integer ``AVG`` raises ``TypeError`` (the mean of integers is not an integer).
@@ -28,6 +29,9 @@ class ReduceOp(str, enum.Enum):
     PRODUCT = "product"
     MIN = "min"
     MAX = "max"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
 
     @classmethod
     def coerce(cls, op: object) -> ReduceOp:
@@ -50,6 +54,19 @@ class ReduceOp(str, enum.Enum):
         """Raise ``TypeError`` when this op is undefined for ``dtype``."""
         if self is ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
             raise TypeError(f"ReduceOp.AVG needs a floating dtype, got {dtype}; use SUM and divide yourself")
+        if self in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
+            raise TypeError(f"ReduceOp.{self.name} needs an integer or bool dtype, got {dtype}")
+
+    @classmethod
+    def from_c10d(cls, op: object) -> ReduceOp:
+        """The op for a ``torch.distributed.ReduceOp`` (or its ``RedOpType``); ``ValueError`` naming ops torchnext
+        has no meaning for (``PREMUL_SUM``, an NCCL-only pre-multiplied sum)."""
+        kind = getattr(op, "op", op)  # a ReduceOp wraps a RedOpType
+        found = _FROM_C10D.get(kind)
+        if found is None:
+            raise ValueError(f"reduce op {kind} is not supported by torchnext (it supports "
+                             f"{[m.name for m in cls]}; PREMUL_SUM is NCCL's own)")
+        return found
 
 
 _TO_C10D: dict[ReduceOp, dist.ReduceOp.RedOpType] = {
@@ -58,4 +75,9 @@ _TO_C10D: dict[ReduceOp, dist.ReduceOp.RedOpType] = {
     ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
     ReduceOp.MIN: dist.ReduceOp.MIN,
     ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.BAND: dist.ReduceOp.BAND,
+    ReduceOp.BOR: dist.ReduceOp.BOR,
+    ReduceOp.BXOR: dist.ReduceOp.BXOR,
 }
+_FROM_C10D: dict[object, ReduceOp] = {v: k for k, v in _TO_C10D.items()}
+_BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import _thread
 import enum
+import logging
 import queue
 import threading
 import time
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from torchnext.comms.communicator import Communicator
 
 __all__ = ["Work", "WorkStatus"]
+
+_LOG = logging.getLogger("torchnext.comms")
 
 
 class WorkStatus(enum.Enum):
@@ -85,6 +88,8 @@ class Work:
 
     __slots__ = (
         "__weakref__",
+        "_bw",
+        "_callbacks",
         "_comm",
         "_deadline",
         "_done",
@@ -93,6 +98,8 @@ class Work:
         "_hook_error",
         "_outputs",
         "_pending",
+        "_racy",
+        "_source",
         "_t0",
         "_t_end",
         "info",
@@ -124,6 +131,10 @@ class Work:
         self._hook_error: HookError | None = None
         self._finalize: Callable[[], None] | None = None
         self._pending = 1
+        self._bw: Any = None  # the backend Work a waiting thread may wait on directly (see wait())
+        self._racy = False  # completion may be observed twice (the backend's callback and a direct waiter)
+        self._callbacks: list[Callable[[Work], object]] | None = None
+        self._source: list[Any] | None = None  # recv from any source: [its backend Work]
         self._t0 = time.perf_counter()
         self._t_end = 0.0
         self._deadline = self._t0 + timeout_s
@@ -141,6 +152,10 @@ class Work:
         """Block until terminal (see the class docstring). Returns True when COMPLETED."""
         if self.status is _IP or self.status is _NS:
             assert self._done is not None  # only async Works are handed out before they are terminal
+            bw = self._bw
+            if bw is not None and timeout is None:
+                self._bw = None  # one direct waiter; any other waits on the lock
+                self._wait_backend(bw)
             remaining = self._deadline - time.perf_counter()
             limit = remaining if timeout is None else min(_seconds(timeout), remaining)
             if self._done.acquire(timeout=min(max(limit, 0.0), threading.TIMEOUT_MAX)):
@@ -150,6 +165,29 @@ class Work:
             else:
                 return False
         return self._outcome()
+
+    def add_done_callback(self, fn: Callable[[Work], object]) -> None:
+        """Call ``fn(self)`` once the op is terminal (any terminal state), after its post hooks ran: on the thread
+        that finished it, or at once on this thread when it already is terminal. Callbacks run in the order they
+        were added; one that raises is logged (``torchnext.comms``) and does not stop the others."""
+        if not callable(fn):
+            raise TypeError(f"add_done_callback: fn must be callable, got {fn!r}")
+        with self._comm._lock:
+            if self.status is _IP or self.status is _NS:
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(fn)
+                return
+        _run_callback(fn, self)
+
+    def source_rank(self) -> int | None:
+        """The rank a completed ``recv`` from any source (``src=None``) received from (None while in flight); for
+        other ops, the op's peer (None for collectives)."""
+        if self._source is None:
+            return self.peer
+        if self.status is not _COMPLETED:
+            return None
+        return int(self._source[0]._source_rank())
 
     def is_completed(self) -> bool:
         """True once the op is terminal (COMPLETED, ERROR, TIMED_OUT or ABORTED)."""
@@ -215,7 +253,7 @@ class Work:
             wrapped = self._wrap_backend_error(exc)
             self._finish(_STATUS_OF.get(type(wrapped), WorkStatus.ERROR), wrapped)
             return
-        if self._pending != 1:  # composite work (batch_p2p): complete when the last part does
+        if self._pending != 1 or self._racy:  # composite (batch_p2p), or two observers: the last part / first wins
             with self._comm._lock:
                 self._pending -= 1
                 if self._pending:
@@ -266,7 +304,33 @@ class Work:
                 self._done.release()
             except RuntimeError:  # a sync op's lock, already released by its backend's callback
                 pass
+        if self._callbacks is not None:
+            with comm._lock:
+                callbacks, self._callbacks = self._callbacks, None
+            for fn in callbacks or ():
+                _run_callback(fn, self)
         return True
+
+    def _wait_backend(self, backend_work: Any) -> None:
+        """A waiting thread's first look at an async op: wait on the backend Work itself for ``SYNC_WAIT_SLICE``
+        (the lowest-latency wait: no hand-off from the backend's thread) and complete the op here when it finished.
+        Only for interruptible backends (a timed wait that elapses leaves the op running); the backend's own
+        callback races with us, and the first to complete wins (``_racy``). A longer op is left to the lock."""
+        try:
+            backend_work.wait(SYNC_WAIT_SLICE)
+        except RuntimeError as exc:
+            if backend_work.is_completed():  # a real failure (or completion racing the slice): ask again
+                try:
+                    backend_work.wait()
+                except Exception as real:
+                    self._part_done(real)
+                    return
+            elif str(exc) == _SLICE_TIMEOUT_TEXT:
+                return
+            else:
+                self._part_done(exc)
+                return
+        self._part_done(None)
 
     def _wait_sync(self, backend_work: Any) -> bool:
         """Synchronous op on an interruptible backend, waited for in the issuing thread (which then completes it and
@@ -333,6 +397,13 @@ class Work:
         if info is not None and comm._post_hooks.snapshot:
             args = _new_tuple(PostHookArgs, (info, self, _COMPLETED, t_end - self._t0, None))
             self._hook_error = comm._post_hooks.run(args, stop_on_error=False)
+
+
+def _run_callback(fn: Callable[[Work], object], work: Work) -> None:
+    try:
+        fn(work)
+    except Exception:
+        _LOG.exception("done callback %r of %r raised", fn, work)
 
 
 def _releaser(lock: _thread.LockType) -> Callable[[Any], None]:

@@ -4,11 +4,21 @@
   sequence (mean of its token states) and :func:`torchnext.switch` runs the chosen expert on it (sequence-level
   top-1 routing, scaled by the router probability so the router learns; a switch-transformer load-balancing loss
   keeps experts in use).
-* Expert and projection layers are :class:`LowpLinear`: fp32 master weights, and in the forward pass the weight is
-  quantized to the chosen block-scaled format (NVFP4 or MXFP8) and multiplied with
-  :func:`torchnext.lowp.mm.scaled_mm` with the bias fused into the epilogue. The backward pass uses the straight-through
-  estimator (gradients computed with the dequantized weight, applied to the master weight), as in
-  quantization-aware training. ``bf16`` and ``fp32`` precisions use plain ``F.linear`` (bf16: weight and input cast).
+* Precision (``ModelConfig.precision``), with fp32 master weights, gradients and optimizer state throughout:
+
+  ==========  ==========================================================================================
+  ``nvfp4``   :func:`torchnext.lowp.convert_to_lowp_training` with ``Recipe.NVFP4`` (2-D weight tiles, RHT,
+  ``mxfp8``   stochastic rounding) or ``Recipe.MXFP8``: fprop, dgrad and wgrad of the converted layers run in
+              the format. Converted: block 0's attention projections (qkv, proj) and experts (up, down).
+              Kept in bf16 (:class:`BF16Linear`), as :func:`torchnext.lowp.bf16_tail_filter` chooses for 2
+              blocks (the last ceil(15 %) of the blocks, the head): block 1's projections and experts, the head.
+              Kept in fp32: embeddings, layer norms, attention scores (SDPA), the routers, the loss.
+  ``bf16``    every projection, expert and the head in bf16 (:class:`BF16Linear`); the rest fp32
+  ``fp32``    everything fp32
+  ==========  ==========================================================================================
+
+  ``ModelConfig.lowp_recipe`` (a :attr:`Recipe.key`) and ``lowp_all_layers`` select ablations (e.g. NVFP4 without
+  RHT, or every linear layer including the head and routers in NVFP4) for ``benchmarks/lowp/train_parity.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -24,11 +34,11 @@ from torch import nn
 
 import torchnext
 
-__all__ = ["Precision", "ModelConfig", "LowpLinear", "MoETransformerLM"]
+__all__ = ["BF16Linear", "ModelConfig", "MoETransformerLM", "Precision", "apply_precision"]
 
 
 class Precision(str, enum.Enum):
-    """Weight precision of the demo's linear layers."""
+    """Precision of the demo's linear layers (see the module docstring)."""
 
     NVFP4 = "nvfp4"
     MXFP8 = "mxfp8"
@@ -36,18 +46,9 @@ class Precision(str, enum.Enum):
     FP32 = "fp32"
 
 
-# Precision -> block-scaled format name understood by torchnext.lowp (None: dense).
-_FORMATS: dict[Precision, str | None] = {
-    Precision.NVFP4: "nvfp4",
-    Precision.MXFP8: "mxfp8_e4m3",
-    Precision.BF16: None,
-    Precision.FP32: None,
-}
-
-
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig:
-    """Size of the demo model."""
+    """Size and precision of the demo model."""
 
     vocab_size: int
     """Number of token ids."""
@@ -64,63 +65,67 @@ class ModelConfig:
     max_seq_len: int = 128
     """Longest sequence (positional embedding size)."""
     precision: Precision = Precision.NVFP4
-    """Weight precision of projections and experts."""
+    """Precision of projections, experts and head (module docstring)."""
     lowp_backend: str = "eager"
-    """``torchnext.lowp.mm.scaled_mm`` backend for the block-scaled layers."""
+    """``torchnext.lowp.scaled_mm`` backend of the converted layers."""
+    lowp_recipe: str | None = None
+    """A :attr:`torchnext.lowp.Recipe.key` replacing the precision's recipe (ablations); None: the published one."""
+    lowp_all_layers: bool = False
+    """Convert every linear layer (head and routers included) instead of keeping the bf16 tail."""
+    lowp_seed: int = 0
+    """Model seed of the converted layers (RHT signs, stochastic-rounding streams): the same on every rank."""
 
 
-class _QuantLinearFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, fmt: str, backend: str) -> Any:
-        from torchnext.lowp import Epilogue, quantize, scaled_mm
-
-        wq = quantize(weight.detach(), fmt)
-        x2 = x.reshape(-1, x.shape[-1])
-        y = cast(torch.Tensor, scaled_mm(x2, wq, epilogue=Epilogue(bias=bias.detach()), backend=backend))
-        w_deq = wq.dequantize(torch.float32)
-        ctx.save_for_backward(x2, w_deq)
-        ctx.in_shape = x.shape
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
-        x2, w_deq = ctx.saved_tensors
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_x = (g2 @ w_deq).reshape(ctx.in_shape)
-        grad_w = g2.t() @ x2  # straight-through estimator: d(quantize)/dw := identity
-        grad_b = g2.sum(0)
-        return grad_x, grad_w, grad_b, None, None
-
-
-class LowpLinear(nn.Module):
-    """``y = x @ q(W).T + b`` where ``q`` quantizes to ``precision`` (straight-through gradients)."""
-
-    def __init__(self, in_features: int, out_features: int, *, precision: Precision, backend: str = "eager") -> None:
-        super().__init__()
-        self.precision = Precision(precision)
-        self.backend = backend
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.bias = nn.Parameter(torch.zeros(out_features))
-        nn.init.normal_(self.weight, std=1.0 / math.sqrt(in_features))
+class BF16Linear(nn.Linear):
+    """``nn.Linear`` computed in bf16 (input, weight and bias cast; fp32 master weights), output in the input's
+    dtype."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fmt = _FORMATS[self.precision]
-        if fmt is not None:
-            out: torch.Tensor = _QuantLinearFn.apply(x, self.weight, self.bias, fmt, self.backend)
-            return out
-        if self.precision is Precision.BF16:
-            return F.linear(x.to(torch.bfloat16), self.weight.to(torch.bfloat16), self.bias.to(torch.bfloat16)).float()
-        return F.linear(x, self.weight, self.bias)
+        bias = self.bias.to(torch.bfloat16) if self.bias is not None else None
+        return F.linear(x.to(torch.bfloat16), self.weight.to(torch.bfloat16), bias).to(x.dtype)
 
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[1]}, {self.weight.shape[0]}, precision={self.precision.value}"
+
+def _linear(in_features: int, out_features: int) -> nn.Linear:
+    """A plain linear layer with the demo's initialization (normal, std 1/sqrt(in); zero bias)."""
+    lin = nn.Linear(in_features, out_features)
+    with torch.no_grad():
+        nn.init.normal_(lin.weight, std=1.0 / math.sqrt(in_features))
+        lin.bias.zero_()
+    return lin
+
+
+def _to_bf16(lin: nn.Linear) -> BF16Linear:
+    mod = BF16Linear.__new__(BF16Linear)
+    nn.Module.__init__(mod)
+    mod.in_features, mod.out_features = lin.in_features, lin.out_features
+    mod.weight, mod.bias = lin.weight, lin.bias
+    return mod
+
+
+def apply_precision(model: nn.Module, cfg: ModelConfig) -> list[str]:
+    """Swap ``model``'s linear layers for ``cfg.precision`` in place (module docstring); returns the names of the
+    layers converted to low precision."""
+    from torchnext.lowp import LowpTrainingLinear, Recipe, bf16_tail_filter, convert_to_lowp_training
+
+    precision = Precision(cfg.precision)
+    if precision in (Precision.NVFP4, Precision.MXFP8):
+        recipe = Recipe.from_key(cfg.lowp_recipe) if cfg.lowp_recipe else (
+            Recipe.NVFP4 if precision is Precision.NVFP4 else Recipe.MXFP8)
+        keep = None if cfg.lowp_all_layers else bf16_tail_filter(model)
+        convert_to_lowp_training(model, recipe, keep, seed=cfg.lowp_seed, backend=cfg.lowp_backend)
+    if precision is not Precision.FP32:
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear and name != "router":
+                    setattr(parent, name, _to_bf16(child))
+    return [n for n, m in model.named_modules() if isinstance(m, LowpTrainingLinear)]
 
 
 class _Expert(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.up = LowpLinear(cfg.d_model, cfg.d_hidden, precision=cfg.precision, backend=cfg.lowp_backend)
-        self.down = LowpLinear(cfg.d_hidden, cfg.d_model, precision=cfg.precision, backend=cfg.lowp_backend)
+        self.up = _linear(cfg.d_model, cfg.d_hidden)
+        self.down = _linear(cfg.d_hidden, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.gelu(self.up(x)))
@@ -151,8 +156,8 @@ class _Block(nn.Module):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.qkv = LowpLinear(cfg.d_model, 3 * cfg.d_model, precision=cfg.precision, backend=cfg.lowp_backend)
-        self.proj = LowpLinear(cfg.d_model, cfg.d_model, precision=cfg.precision, backend=cfg.lowp_backend)
+        self.qkv = _linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = _linear(cfg.d_model, cfg.d_model)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.moe = MoELayer(cfg)
 
@@ -178,6 +183,8 @@ class MoETransformerLM(nn.Module):
         self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size)
+        self.lowp_layers = apply_precision(self, cfg)
+        """Qualified names of the layers trained in low precision."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         t = ids.shape[1]
@@ -189,8 +196,15 @@ class MoETransformerLM(nn.Module):
         logits: torch.Tensor = self.head(self.ln_f(x))
         return logits
 
-    def loss(self, ids: torch.Tensor, targets: torch.Tensor, aux_weight: float = 0.01) -> tuple[torch.Tensor, float]:
-        """(total loss for backward, language-model loss in nats/char for reporting)."""
+    def loss(self, ids: torch.Tensor, targets: torch.Tensor, aux_weight: float = 0.01,
+             step: int | None = None) -> tuple[torch.Tensor, float]:
+        """(total loss for backward, language-model loss in nats/char for reporting). ``step``: the training step
+        number, which the low-precision layers' stochastic rounding draws from (so replicas that retried a step,
+        or joined and healed, draw the same noise: :func:`torchnext.lowp.set_lowp_step`)."""
+        if step is not None and self.lowp_layers:
+            from torchnext.lowp.training import set_lowp_step
+
+            set_lowp_step(self, step)
         logits = self(ids)
         lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         aux = torch.zeros(())

@@ -73,7 +73,7 @@ def param_digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
         h.update(name.encode())
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())  # 0-d buffers too
     return h.hexdigest()
 
 
@@ -155,7 +155,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         with ft.step() as step:
             x, y = batch_for_step(step_no, seed=cfg.seed, shard=ft.rank, num_shards=ft.size,
                                   batch_size=cfg.batch_size, seq_len=cfg.seq_len)
-            loss, lm = model.loss(x, y)
+            loss, lm = model.loss(x, y, step=step_no)
             opt.zero_grad(set_to_none=False)
             loss.backward()
             _flatten_grads(params, flat)

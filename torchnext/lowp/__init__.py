@@ -41,6 +41,7 @@ from torchnext.lowp.training import (
                                     bf16_tail_filter,
                                     convert_to_lowp_training,
                                     lowp_linear,
+                                    set_lowp_step,
 )
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "register_activation",
     "register_backend",
     "scaled_mm",
+    "set_lowp_step",
     "FORMATS",
     "BlockScaledTensor",
     "DeterminismError",

@@ -25,7 +25,7 @@ import torch
 
 from torchnext.lowp.rng import bits
 
-__all__ = ["RHT_SIZE", "hadamard_matrix", "inverse_rht", "rht", "rht_reference", "rht_signs"]
+__all__ = ["RHT_SIZE", "check_signs", "hadamard_matrix", "inverse_rht", "rht", "rht_plain", "rht_reference", "rht_signs"]
 
 RHT_SIZE = 16
 """Points of the transform (the NVFP4 block size)."""
@@ -70,24 +70,65 @@ def _butterfly(u: torch.Tensor) -> torch.Tensor:
     return u
 
 
+def _rht_rows(x: torch.Tensor, signs: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """The transform along dim 0 of ``x`` (L, ...), L a multiple of 16, on fp32 ping-pong buffers: every
+    add/sub works on whole contiguous rows (no transpose), in the butterfly's order."""
+    g = x.shape[0] // RHT_SIZE
+    rest = x.shape[1:]
+    r = 1
+    for d in rest:
+        r *= int(d)
+    s = signs.to(device=x.device, dtype=torch.float32).reshape(1, RHT_SIZE, 1)
+    u = x.reshape(g, RHT_SIZE, r).to(torch.float32)
+    u = u * s if not inverse else u.clone()
+    w = torch.empty_like(u)
+    for h in (1, 2, 4, 8):
+        v = u.view(g, RHT_SIZE // (2 * h), 2, h, r)
+        o = w.view(g, RHT_SIZE // (2 * h), 2, h, r)
+        torch.add(v[:, :, 0], v[:, :, 1], out=o[:, :, 0])
+        torch.sub(v[:, :, 0], v[:, :, 1], out=o[:, :, 1])
+        u, w = w, u
+    u.mul_(0.25)
+    if inverse:
+        u.mul_(s)
+    return u.reshape(x.shape[0], *rest)
+
+
+def _transform(x: torch.Tensor, signs: torch.Tensor, dim: int, inverse: bool) -> torch.Tensor:
+    check_signs(signs)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError(f"rht expects a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() == 0:
+        raise ValueError("rht needs at least one dimension")
+    d = dim % x.dim()
+    xm = x.movedim(d, 0) if d else x
+    pad = -xm.shape[0] % RHT_SIZE
+    if pad:
+        xm = torch.cat([xm.to(torch.float32), xm.new_zeros((pad, *xm.shape[1:]), dtype=torch.float32)])
+    out = _rht_rows(xm.contiguous(), signs, inverse=inverse)
+    return out.movedim(0, d) if d else out
+
+
 def rht(x: torch.Tensor, signs: torch.Tensor, *, dim: int = 0) -> torch.Tensor:
     """The transform of the module docstring along ``dim``: fp32, ``dim`` padded to a multiple of 16.
 
     Raises:
         ValueError: ``signs`` is not 16 values of +1/-1, or ``x`` is not a floating tensor.
     """
-    check_signs(signs)
-    g, d = _grouped(x, dim)
-    u = _butterfly(g * signs.to(device=g.device, dtype=torch.float32)) * 0.25
-    return u.reshape(*u.shape[:-2], -1).movedim(-1, d)
+    return _transform(x, signs, dim, inverse=False)
 
 
 def inverse_rht(y: torch.Tensor, signs: torch.Tensor, *, dim: int = 0) -> torch.Tensor:
     """``signs * (H @ y)`` per group of 16 along ``dim``: the inverse of :func:`rht` (``H`` is symmetric and
     ``H @ H = I``); the padding stays (slice it off)."""
+    return _transform(y, signs, dim, inverse=True)
+
+
+def rht_plain(x: torch.Tensor, signs: torch.Tensor, *, dim: int = 0) -> torch.Tensor:
+    """The same butterfly written plainly on the moved dim (the reference of the row-wise fast path)."""
     check_signs(signs)
-    g, d = _grouped(y, dim)
-    u = _butterfly(g) * 0.25 * signs.to(device=g.device, dtype=torch.float32)
+    g, d = _grouped(x, dim)
+    u = _butterfly(g * signs.to(device=g.device, dtype=torch.float32)) * 0.25
     return u.reshape(*u.shape[:-2], -1).movedim(-1, d)
 
 

@@ -43,6 +43,9 @@ class QuantOptions:
     global scale; te: computed). ``True``: computed from the tensor's amax (torchao: ``amax / (448 * 6)``; te:
     ``1 / (2688 / amax)``). ``False``: none (torchao recipe only). A positive finite float or 0-d tensor: use it
     (a calibrated scale)."""
+    amax: float | torch.Tensor | None = None
+    """NVFP4 with a computed global scale only: use this tensor amax instead of the input's own (e.g. the
+    all-reduced amax of a tensor sharded over ranks, so each shard quantizes exactly as the whole tensor would)."""
     scale_mode: str | None = None
     """MX only: ``"floor"`` (default) or ``"rceil"``."""
     rounding: str = "rne"
@@ -100,7 +103,12 @@ class QuantOptions:
                         f"got {gs!r}"
                     )
                 gs = float(value)
+            if self.amax is not None and gs is not True:
+                raise FormatError("amax= replaces the input's amax in a computed global scale: it needs a two-level "
+                                  "NVFP4 recipe without a given global_scale")
         else:
+            if self.amax is not None:
+                raise FormatError(f"amax applies to NVFP4's global scale only, not {spec.name}")
             if self.recipe is not None:
                 raise FormatError(f"recipe={self.recipe!r} applies to NVFP4 only, not {spec.name}")
             if self.global_scale not in (None, False):
@@ -131,6 +139,7 @@ class QuantOptions:
             recipe=recipe,
             scale_mode=scale_mode,
             global_scale=gs,
+            amax=_amax_tensor(self.amax),
             rounding=self.rounding,
             noise=CounterNoise(seed=seed, offset=self.offset) if seed is not None else None,
             swizzle=self.swizzle,
@@ -155,6 +164,8 @@ class ResolvedOptions:
     scale_mode: str | None
     global_scale: bool | float
     """False: none; True: computed from the tensor; float: given decode scale."""
+    amax: torch.Tensor | None
+    """A given tensor amax for the computed global scale (0-d fp32), or None: the input's."""
     rounding: str
     noise: CounterNoise | None
     """Stochastic rounding: the (seed, offset) of the noise; None for RNE."""
@@ -180,6 +191,18 @@ def block_outputs(x2: torch.Tensor, spec: FormatSpec) -> tuple[torch.Tensor, tor
     storage = el.torch_dtype if el.torch_dtype is not None else torch.uint8
     codes = torch.empty(n, block // el.per_byte, dtype=storage, device=x2.device)
     return codes, torch.empty(n, dtype=torch.uint8, device=x2.device)
+
+
+def _amax_tensor(amax: float | torch.Tensor | None) -> torch.Tensor | None:
+    if amax is None:
+        return None
+    if isinstance(amax, torch.Tensor):
+        if amax.numel() != 1:
+            raise FormatError(f"amax must hold one value, got shape {tuple(amax.shape)}")
+        return amax.detach().float().reshape(())
+    if isinstance(amax, bool) or not isinstance(amax, (int, float)):
+        raise FormatError(f"amax must be a float or a 0-d tensor, got {amax!r}")
+    return torch.tensor(float(amax), dtype=torch.float32)
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

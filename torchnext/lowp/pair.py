@@ -128,7 +128,8 @@ def quantize_pair(
     kernel = get_quantizer(row_ro.backend, x.device, spec) if row_ro.backend == col_ro.backend else None
     pair_kernel = getattr(kernel, "quantize_pair_blocks", None)
     # the column copy's global amax is rht(x)'s: a kernel offering rht_amax computes it without the transform
-    rht_amax = getattr(kernel, "rht_amax", None) if pair_kernel is not None and spec.two_level else None
+    use_rht_amax = pair_kernel is not None and spec.two_level and col_ro.amax is None
+    rht_amax = getattr(kernel, "rht_amax", None) if use_rht_amax else None
     xc = rht(x, rht_signs, dim=0) if rht_signs is not None and rht_amax is None else x
     if pair_kernel is not None and x.numel():
         xin = x.contiguous()

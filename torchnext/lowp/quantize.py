@@ -66,6 +66,8 @@ def global_scales(
         return dec, 1.0 / dec
     if amax is not None:
         pass
+    elif opts.amax is not None:
+        amax = opts.amax.to(x.device)
     elif x.numel():
         tensor_amax = getattr(get_quantizer(opts.backend, x.device, spec), "tensor_amax", None)
         if tensor_amax is not None:

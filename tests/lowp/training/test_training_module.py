@@ -69,6 +69,10 @@ def test_bf16_tail_filter_keeps_head_routers_and_last_blocks() -> None:
     assert isinstance(two.blocks[0].qkv, LowpTrainingLinear) and type(two.blocks[1].qkv) is nn.Linear
     with pytest.raises(ValueError, match="tail_fraction"):
         bf16_tail_filter(two, tail_fraction=1.5)
+    with pytest.raises(ValueError, match=r"not an nn\.ModuleList"):
+        bf16_tail_filter(two, block_list="head")
+    explicit = bf16_tail_filter(Tiny(n_blocks=4), block_list="blocks", tail_fraction=0.5)
+    assert explicit(nn.Linear(1, 1), "blocks.1.qkv") and not explicit(nn.Linear(1, 1), "blocks.2.qkv")
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -170,3 +174,25 @@ def test_errors() -> None:
         lowp_linear(torch.randn(4, 32), torch.randn(16, 32), recipe=Recipe.NVFP4)
     with pytest.raises(FormatError, match="bias"):
         lowp_linear(torch.randn(4, 32), torch.randn(16, 32), torch.randn(3), recipe=Recipe.MXFP8)
+
+
+def test_set_lowp_step_realigns_replicas_that_retried_a_step() -> None:
+    """A replica that ran an extra (failed) attempt draws other noise until the loop sets the step again."""
+    from torchnext.lowp.training import set_lowp_step
+
+    torch.manual_seed(0)
+    a = convert_to_lowp_training(Tiny(n_blocks=2), Recipe.NVFP4, seed=3, backend="eager")
+    b = convert_to_lowp_training(Tiny(n_blocks=2), Recipe.NVFP4, seed=3, backend="eager")
+    b.load_state_dict(a.state_dict())
+    ids = torch.randint(0, 50, (2, 16))
+    b(ids).sum().backward()  # b's failed attempt: its counters ran ahead
+    b.zero_grad()
+    grads = []
+    for mod in (a, b):
+        assert set_lowp_step(mod, 7) == 7  # every Linear: 2 x (qkv, proj, router) + head
+        nn.functional.cross_entropy(mod(ids).reshape(-1, 50), ids.reshape(-1)).backward()
+        grads.append([p.grad.clone() for p in mod.parameters() if p.grad is not None])
+    assert all(torch.equal(x, y) for x, y in zip(*grads, strict=True))
+    assert int(a.blocks[0].qkv.lowp_step) == int(b.blocks[0].qkv.lowp_step) == 7 * 2**20 + 1
+    with pytest.raises(ValueError, match="step"):
+        set_lowp_step(a, -1)

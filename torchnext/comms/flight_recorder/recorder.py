@@ -569,7 +569,7 @@ class FlightRecorder:
 
 
 def _torchnext_version() -> str:
-    from torchnext import __version__
+    from torchnext._version import __version__
 
     return __version__
 

@@ -9,12 +9,14 @@ Hadamard transform and stochastic rounding for NVFP4) and runs fprop, dgrad and 
 docs/lowp_training.md.
 """
 
+from torchnext.lowp.training.fsdp import enable_fsdp_lowp_all_gather as enable_fsdp_lowp_all_gather
 from torchnext.lowp.training.function import lowp_linear as lowp_linear
 from torchnext.lowp.training.grouped import LowpGroupedLinear as LowpGroupedLinear
 from torchnext.lowp.training.grouped import lowp_grouped_mm as lowp_grouped_mm
 from torchnext.lowp.training.module import LowpTrainingLinear as LowpTrainingLinear
 from torchnext.lowp.training.module import bf16_tail_filter as bf16_tail_filter
 from torchnext.lowp.training.module import convert_to_lowp_training as convert_to_lowp_training
+from torchnext.lowp.training.module import set_lowp_step as set_lowp_step
 from torchnext.lowp.training.recipe import Operand as Operand
 from torchnext.lowp.training.recipe import Recipe as Recipe
 
@@ -25,6 +27,8 @@ __all__ = [
     "Recipe",
     "bf16_tail_filter",
     "convert_to_lowp_training",
+    "enable_fsdp_lowp_all_gather",
     "lowp_grouped_mm",
     "lowp_linear",
+    "set_lowp_step",
 ]

@@ -7,7 +7,10 @@ for which ``module_filter_fn(module, fqn)`` is true (None: all) by a :class:`Low
 buffers to the state dict:
 
 * ``lowp_step`` (0-d int64): counts the layer's training forward calls (grad enabled, ``module.training``); the step
-  part of its stochastic-rounding seeds. Replicas that run the same schedule count alike.
+  part of its stochastic-rounding seeds. Replicas that run the same schedule count alike; a loop that retries
+  steps (fault tolerance) or heals replicas calls :func:`set_lowp_step` with its step number before each attempt,
+  so every replica draws the same streams whatever happened before: it sets the counter to ``step * 2**20``, so
+  the calls within a step (microbatches, an expert called several times) never reuse another step's streams.
 * ``lowp_seed`` (0-d int64): the model seed the layer draws from (a loaded checkpoint continues its streams).
 * ``rht_signs`` (16 fp32 +/-1, recipes with RHT): drawn from ``stream_seed(seed, layer)`` with ``layer =
   crc32(fqn)``: the same on every rank, kept so a loaded checkpoint keeps its transform.
@@ -36,7 +39,7 @@ from torchnext.lowp.rng import stream_seed
 from torchnext.lowp.training.function import lowp_linear
 from torchnext.lowp.training.recipe import Recipe
 
-__all__ = ["LowpTrainingLinear", "bf16_tail_filter", "convert_to_lowp_training", "layer_id"]
+__all__ = ["LowpTrainingLinear", "bf16_tail_filter", "convert_to_lowp_training", "layer_id", "set_lowp_step"]
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
@@ -139,6 +142,28 @@ def _fill_missing_lowp_buffers(
             state_dict[prefix + name] = buf.detach().clone()
 
 
+CALLS_PER_STEP = 1 << 20
+"""Forward calls a layer may make within one training step before it would reach the next step's streams."""
+
+
+def set_lowp_step(model: nn.Module, step: int) -> int:
+    """Start training step ``step``: every low-precision training layer's ``lowp_step`` counter becomes
+    ``step * CALLS_PER_STEP`` (then counts that step's forward calls); returns how many layers were set.
+
+    Raises:
+        ValueError: ``step`` is not an int in [0, 2**43).
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63 // CALLS_PER_STEP:
+        raise ValueError(f"step must be an int in [0, 2**43), got {step!r}")
+    n = 0
+    for mod in model.modules():
+        buf = getattr(mod, "lowp_step", None)
+        if isinstance(buf, torch.Tensor) and buf.dtype == torch.int64 and buf.dim() == 0:
+            buf.fill_(step * CALLS_PER_STEP)
+            n += 1
+    return n
+
+
 def _adopt_loaded_seed(module: nn.Module, incompatible: Any) -> None:
     """After a load, the layer draws from the loaded seed (so a resumed run continues the same streams)."""
     if isinstance(module, LowpTrainingLinear):
@@ -185,13 +210,16 @@ def convert_to_lowp_training(
 
 
 def _block_list(model: nn.Module) -> tuple[str, int] | None:
-    """(fqn, length) of the model's transformer block list: its longest ``nn.ModuleList`` of one module type."""
-    best: tuple[str, int] | None = None
+    """(fqn, length) of the model's transformer block list: the outermost ``nn.ModuleList`` of one module type
+    that holds Linear layers (the longest such list at that depth; a MoE's expert list sits deeper)."""
+    best: tuple[int, int, str] | None = None
     for name, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) and len({type(c) for c in mod}) == 1:
-            if any(isinstance(m, nn.Linear) for m in mod.modules()) and (best is None or len(mod) > best[1]):
-                best = (name, len(mod))
-    return best
+            if any(isinstance(m, nn.Linear) for m in mod.modules()):
+                key = (name.count(".") if name else -1, -len(mod), name)
+                if best is None or key < best:
+                    best = key
+    return None if best is None else (best[2], -best[1])
 
 
 def bf16_tail_filter(
@@ -199,19 +227,28 @@ def bf16_tail_filter(
     *,
     tail_fraction: float = 0.15,
     keep_names: Iterable[str] = ("head", "lm_head", "output", "router", "gate"),
+    block_list: str | None = None,
 ) -> ModuleFilter:
     """A ``module_filter_fn`` keeping in high precision what the NVFP4 paper keeps: the last
-    ``ceil(tail_fraction * n_blocks)`` blocks of the model's block list (its longest ``nn.ModuleList`` of
-    identical blocks), and every Linear whose own name (last fqn component) is in ``keep_names`` (output head, MoE
-    routers/gates). Everything else is converted.
+    ``ceil(tail_fraction * n_blocks)`` blocks of the model's block list, and every Linear whose own name (last fqn
+    component) is in ``keep_names`` (output head, MoE routers/gates). Everything else is converted.
+
+    ``block_list``: the fqn of the ``nn.ModuleList`` of blocks; None finds it: the outermost ModuleList of one
+    module type holding Linear layers (``model.layers``, ``model.blocks``, ``transformer.h``, ...).
 
     Raises:
-        ValueError: ``tail_fraction`` outside [0, 1].
+        ValueError: ``tail_fraction`` outside [0, 1], or ``block_list`` names no ModuleList.
     """
     if not 0.0 <= tail_fraction <= 1.0:
         raise ValueError(f"tail_fraction must be in [0, 1], got {tail_fraction}")
     names = frozenset(keep_names)
-    blocks = _block_list(model)
+    if block_list is not None:
+        found = dict(model.named_modules()).get(block_list)
+        if not isinstance(found, nn.ModuleList):
+            raise ValueError(f"block_list={block_list!r} is not an nn.ModuleList of {type(model).__name__}")
+        blocks: tuple[str, int] | None = (block_list, len(found))
+    else:
+        blocks = _block_list(model)
     kept_prefixes: list[str] = []
     if blocks is not None:
         list_name, n = blocks

@@ -93,16 +93,23 @@ def train_cast(
     op_row, op_col = r.copies(role)
     row_opts = r.quant_options(op_row, seed=seed, layer=layer, step=step_i, quantizer=quantizer)
     col_opts = r.quant_options(op_col, seed=seed, layer=layer, step=step_i, quantizer=quantizer)
+    finite = True
+    if r.format is Format.NVFP4 and x.numel():
+        # one amax pass, shared by the copies that use x's own amax (the RHT copy takes the transformed one)
+        lo, hi = torch.aminmax(x)
+        amax = torch.maximum(hi, -lo).float()
+        finite = bool(torch.isfinite(amax))
+        row_opts = row_opts.with_(amax=amax)
+        if not r.uses_rht(role):
+            col_opts = col_opts.with_(amax=amax)
     row, col = _copies(x, r, role, row_opts, col_opts, signs, need_row, need_col)
     empty = _empty_copy(x.device)
     out_row = flat_copy(row) if row is not None else empty
     out_col = flat_copy(col.t()) if col is not None else empty
-    if r.format is Format.NVFP4 and x.numel():
-        lo, hi = torch.aminmax(x)
-        if not bool(torch.isfinite(torch.maximum(hi, -lo))):
-            nan = torch.full((), float("nan"), device=x.device)
-            out_row = (out_row[0], out_row[1], nan if out_row[2].numel() else out_row[2])
-            out_col = (out_col[0], out_col[1], nan.clone() if out_col[2].numel() else out_col[2])
+    if not finite:
+        nan = torch.full((), float("nan"), device=x.device)
+        out_row = (out_row[0], out_row[1], nan if out_row[2].numel() else out_row[2])
+        out_col = (out_col[0], out_col[1], nan.clone() if out_col[2].numel() else out_col[2])
     outs: list[torch.Tensor] = []
     seen: set[int] = set()
     for t in (*out_row, *out_col):  # a custom op's outputs may not share memory (2-D copies share a global scale)

@@ -8,6 +8,8 @@ lazily (first registry query), so ``import torchnext.lowp`` imports no compiler:
 ==============  ===========================================================================================
 ``reference``   dequantize → fp64 matmul → fp64 epilogue (rounded to fp32): the oracle, never auto-selected
 ``eager``       fast eager dequantize (byte LUT) → ``F.linear`` (fp32) → eager epilogue; everywhere
+``eager_bf16``  block-scaled operands decoded exactly to bf16 → one bf16 GEMM (output rounded to bf16) → fp32
+                epilogue; everywhere
 ``aten``        ``torch._scaled_mm`` with block scales (CUDA sm_100+), ``F.linear`` for dense operands
 ``cpu``         torchnext's compiled C++ small-M kernel (M <= 16, block-scaled weight, dense activations): decode
                 in SIMD registers + fused epilogue; CPU, when a C++ compiler is present (built on first use)
@@ -55,6 +57,7 @@ class KernelBackend(str, enum.Enum):
 
     REFERENCE = "reference"
     EAGER = "eager"
+    EAGER_BF16 = "eager_bf16"
     ATEN = "aten"
     CPU = "cpu"
     INDUCTOR = "inductor"
@@ -146,6 +149,7 @@ BACKENDS: dict[str, Backend] = {}
 _BUILTIN_MODULES = {
     KernelBackend.REFERENCE: "torchnext.lowp.mm.backends.reference",
     KernelBackend.EAGER: "torchnext.lowp.mm.backends.eager",
+    KernelBackend.EAGER_BF16: "torchnext.lowp.mm.backends.eager_bf16",
     KernelBackend.ATEN: "torchnext.lowp.mm.backends.aten",
     KernelBackend.CPU: "torchnext.lowp.mm.backends.cpu",
     KernelBackend.INDUCTOR: "torchnext.lowp.mm.backends.inductor",

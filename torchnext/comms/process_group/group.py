@@ -1,0 +1,349 @@
+"""``TorchnextProcessGroup``: a ``torch.distributed.ProcessGroup`` whose every op runs on torchnext Communicators.
+
+Everything torch reaches through a process group -- ``dist.*`` with ``group=``, ``DistributedDataParallel``, FSDP2
+over a ``DeviceMesh``, DTensor, functional collectives (eager and compiled) -- then gets what hangs on a
+Communicator: pre/post/abort hooks, the Flight Recorder, per-op timeouts, peer-failure detection and an ``abort()``
+that unblocks every op in flight. One Communicator per device type (``cpu``: Gloo; ``cuda``: NCCL where available);
+a tensor on a device the group has no Communicator for raises ``ValueError`` naming the device and the group.
+
+Op mapping (torch's method -> the Communicator op; every one is issued ``async_op=True`` and returned as a
+:class:`~torchnext.comms.process_group.work.GroupWork`)::
+
+    allreduce([t])                -> all_reduce(t, op)          allreduce_coalesced(ts)   -> all_reduce per tensor
+    broadcast([t])                -> broadcast(t, root)         reduce([t])               -> reduce(t, root, op)
+    allgather([outs], [t])        -> all_gather(outs, t)        _allgather_base(o, t)     -> all_gather_single(o, t)
+    allgather_coalesced, allgather_into_tensor_coalesced        -> one all_gather[_single] per tensor
+    reduce_scatter([o], [ins])    -> reduce_scatter(o, ins)     _reduce_scatter_base(o,i) -> reduce_scatter_single(o, i)
+    reduce_scatter_tensor_coalesced                              -> one reduce_scatter_single per tensor
+    alltoall(outs, ins)           -> all_to_all(outs, ins)      alltoall_base(o, i, os, is) -> all_to_all_single
+    gather, scatter, barrier, send, recv, recv_anysource        -> the ops of the same name
+
+Failures (see :mod:`torchnext.comms.process_group.work`): a failed op raises from ``wait()``; its future never
+raises; and once the communicator is errored or aborted, every later call into the group raises the original
+failure's class (``PeerFailure``, ``CommTimeout``, ``CommAborted``) naming the op it refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchnext.comms.communicator import Communicator
+from torchnext.comms.errors import CommError, PeerFailure
+from torchnext.comms.process_group.work import GroupWork
+from torchnext.comms.reduce_op import ReduceOp
+from torchnext.comms.work import Work
+
+__all__ = ["BACKEND_NAME", "TorchnextProcessGroup"]
+
+BACKEND_NAME = "torchnext"
+"""The name torch knows the backend by: ``dist.init_process_group(backend="torchnext")``."""
+
+_LOG = logging.getLogger("torchnext.comms")
+_UNSET_MS = -1  # c10d's "no timeout given" in an options object
+
+
+def _timeout(opts: Any) -> timedelta | None:
+    td = getattr(opts, "timeout", None)
+    if td is None or td.total_seconds() * 1000 <= _UNSET_MS or td.total_seconds() == 0:
+        return None
+    return td
+
+
+def _only(tensors: Sequence[Any], op: str, what: str = "tensors") -> Any:
+    if len(tensors) != 1:
+        raise ValueError(f"{op}: torchnext process groups take one tensor per call (one device per process), "
+                         f"got {len(tensors)} {what}")
+    return tensors[0]
+
+
+def _again(err: BaseException, op: str, comm: Communicator) -> CommError:
+    """A fresh exception of ``err``'s class for a later call ``op`` (``err`` as its cause)."""
+    cls = type(err) if isinstance(err, CommError) else CommError
+    detail = err.detail if isinstance(err, CommError) else str(err)
+    ctx = {"op": op, "comm_name": comm.name, "rank": comm.rank, "ranks": comm.ranks}
+    text = f"refused: an earlier op of this group failed ({detail})"
+    exc: CommError
+    try:
+        exc = cls(text, **ctx)  # type: ignore[arg-type]
+    except TypeError:  # a subclass with another signature
+        exc = CommError(text, **ctx)  # type: ignore[arg-type]
+    if isinstance(err, PeerFailure) and isinstance(exc, PeerFailure):
+        exc.peer = err.peer
+    exc.__cause__ = err
+    return exc
+
+
+class TorchnextProcessGroup(dist.ProcessGroup):
+    """A ``torch.distributed.ProcessGroup`` over torchnext Communicators (one per device type).
+
+    Build it with ``dist.init_process_group(backend="torchnext")`` / ``dist.new_group(...)`` (see
+    :mod:`torchnext.comms.process_group.backend`) or ``comm.as_process_group()``; it stays the same object for the
+    communicators' whole life, so DDP, FSDP2 and DeviceMesh may hold on to it. ``rank()``/``size()`` (and C++'s
+    ``getRank``/``getSize``) are the Communicator's. ``communicator(device_type)`` gives the Communicator behind a
+    device; ``abort()`` aborts them all (every op in flight raises ``CommAborted`` at once); ``shutdown()`` (what
+    ``dist.destroy_process_group`` calls) shuts them down.
+    """
+
+    def __init__(self, comms: Mapping[str, Communicator], *, description: str = "") -> None:
+        if not comms:
+            raise ValueError("TorchnextProcessGroup needs at least one Communicator")
+        main = comms["cpu"] if "cpu" in comms else next(iter(comms.values()))
+        for device, comm in comms.items():
+            if not isinstance(comm, Communicator):
+                raise TypeError(f"communicator for {device!r} must be a torchnext Communicator, got {comm!r}")
+            if (comm.rank, comm.size) != (main.rank, main.size):
+                raise ValueError(f"the {device} communicator is rank {comm.rank} of {comm.size}; the group's "
+                                 f"main one rank {main.rank} of {main.size}")
+        super().__init__(main.rank, main.size)  # type: ignore[call-arg]
+        self._comms: dict[str, Communicator] = dict(comms)
+        self._main = main
+        self._group_name = ""
+        self._group_desc = description or main.name
+        self._lock = threading.Lock()
+        self._warned = False
+
+    # ------------------------------------------------------------------------------------------- identity
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def getRank(self) -> int:
+        return self._main.rank
+
+    def getSize(self) -> int:
+        return self._main.size
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def __repr__(self) -> str:
+        devices = ", ".join(f"{d}: {c.backend}" for d, c in self._comms.items())
+        return f"TorchnextProcessGroup(name={self._group_name!r}, rank={self.getRank()}, size={self.getSize()}, {devices})"
+
+    def communicator(self, device_type: str = "cpu") -> Communicator:
+        """The Communicator serving tensors of ``device_type``."""
+        comm = self._comms.get(device_type)
+        if comm is None:
+            raise ValueError(f"torchnext group {self._group_name!r} has no backend for {device_type} tensors "
+                             f"(it has {sorted(self._comms)})")
+        return comm
+
+    @property
+    def communicators(self) -> dict[str, Communicator]:
+        """device type -> Communicator."""
+        return dict(self._comms)
+
+    def errored(self) -> BaseException | None:
+        """The first failure of any of the group's communicators (or its abort), else None."""
+        return next((e for e in (c.errored() for c in self._comms.values()) if e is not None), None)
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+    def abort(self) -> None:
+        """Abort every communicator of the group: ops in flight raise ``CommAborted`` at once (also from C++:
+        torch's ``_abort_process_group``)."""
+        for comm in self._comms.values():
+            comm.abort("process group aborted")
+
+    def shutdown(self) -> None:
+        """Shut the communicators down (``dist.destroy_process_group`` calls it)."""
+        for comm in self._comms.values():
+            comm.shutdown()
+
+    def _get_sequence_number_for_group(self) -> int:
+        return int(self._main._op_counter)
+
+    def _set_sequence_number_for_group(self) -> None:
+        """Nothing to agree on: torchnext numbers ops per communicator, from the first op on."""
+
+    # ------------------------------------------------------------------------------------------ internals
+    def _comm_for(self, t: Any, op: str) -> Communicator:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: expected a torch.Tensor, got {type(t).__name__}")
+        comm = self._comms.get(t.device.type)
+        if comm is None:
+            raise ValueError(f"{op}: a tensor on {t.device}, but torchnext group {self._group_name!r} has backends "
+                             f"only for {sorted(self._comms)} tensors")
+        err = comm.errored()
+        if err is not None:
+            raise _again(err, op, comm)
+        return comm
+
+    def _note_swallowed(self, work: Work) -> None:
+        """A failed op completed a future that must not raise: say it once; the next call raises."""
+        if not self._warned:
+            self._warned = True
+            _LOG.warning("torchnext group %r: %s failed while torch waited on its future (%s); its outputs were "
+                         "marked invalid (NaN) and the next call into the group raises", self._group_name, work.op,
+                         work.exception())
+
+    # ------------------------------------------------------------------------------------------ reductions
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupWork:  # type: ignore[override]
+        t = _only(tensors, "allreduce")
+        comm = self._comm_for(t, "all_reduce")
+        op = ReduceOp.SUM if opts is None else ReduceOp.from_c10d(opts.reduceOp)
+        work = comm.all_reduce(t, op, async_op=True, timeout=_timeout(opts))
+        return GroupWork(self, work, tensors)  # type: ignore[arg-type]
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupWork:
+        if not tensors:
+            raise ValueError("allreduce_coalesced: no tensors")
+        comm = self._comm_for(tensors[0], "all_reduce")
+        op = ReduceOp.SUM if opts is None else ReduceOp.from_c10d(opts.reduceOp)
+        td = _timeout(opts)
+        works = [comm.all_reduce(t, op, async_op=True, timeout=td) for t in tensors]
+        return GroupWork(self, works, tensors)  # type: ignore[arg-type]
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> GroupWork:  # type: ignore[override]
+        t = _only(tensors, "reduce")
+        comm = self._comm_for(t, "reduce")
+        work = comm.reduce(t, int(opts.rootRank), ReduceOp.from_c10d(opts.reduceOp), async_op=True,
+                           timeout=_timeout(opts))
+        return GroupWork(self, work, tensors)  # type: ignore[arg-type]
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]
+                       opts: Any = None) -> GroupWork:
+        out = _only(output_tensors, "reduce_scatter", "outputs")
+        ins = _only(input_tensors, "reduce_scatter", "input lists")
+        comm = self._comm_for(out, "reduce_scatter")
+        op = ReduceOp.SUM if opts is None else ReduceOp.from_c10d(opts.reduceOp)
+        work = comm.reduce_scatter(out, ins, op, async_op=True, timeout=_timeout(opts))
+        return GroupWork(self, work, output_tensors)  # type: ignore[arg-type]
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> GroupWork:
+        comm = self._comm_for(output, "reduce_scatter_single")
+        op = ReduceOp.SUM if opts is None else ReduceOp.from_c10d(opts.reduceOp)
+        work = comm.reduce_scatter_single(output, input, op, async_op=True, timeout=_timeout(opts))
+        return GroupWork(self, work, [output])  # type: ignore[arg-type]
+
+    reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> GroupWork:
+        if len(outputs) != len(inputs) or not outputs:
+            raise ValueError(f"reduce_scatter_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs")
+        comm = self._comm_for(outputs[0], "reduce_scatter_single")
+        op = ReduceOp.SUM if opts is None else ReduceOp.from_c10d(opts.reduceOp)
+        td = _timeout(opts)
+        works = [comm.reduce_scatter_single(o, i, op, async_op=True, timeout=td) for o, i in zip(outputs, inputs, strict=True)]
+        return GroupWork(self, works, outputs)  # type: ignore[arg-type]
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]
+
+    # --------------------------------------------------------------------------------------- data movement
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupWork:  # type: ignore[override]
+        t = _only(tensors, "broadcast")
+        comm = self._comm_for(t, "broadcast")
+        root = 0 if opts is None else int(opts.rootRank)
+        work = comm.broadcast(t, root, async_op=True, timeout=_timeout(opts))
+        return GroupWork(self, work, tensors)  # type: ignore[arg-type]
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
+                  opts: Any = None) -> GroupWork:
+        t = _only(input_tensors, "allgather", "inputs")
+        outs = _only(output_tensors, "allgather", "output lists")
+        comm = self._comm_for(t, "all_gather")
+        work = comm.all_gather(outs, t, async_op=True, timeout=_timeout(opts))
+        return GroupWork(self, work, output_tensors)  # type: ignore[arg-type]
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> GroupWork:
+        comm = self._comm_for(input, "all_gather_single")
+        work = comm.all_gather_single(output, input, async_op=True, timeout=_timeout(opts))
+        return GroupWork(self, work, [output])  # type: ignore[arg-type]
+
+    all_gather_single = _allgather_base
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
+                            opts: Any = None) -> GroupWork:
+        if len(output_lists) != len(input_list) or not input_list:
+            raise ValueError(f"allgather_coalesced: {len(output_lists)} output lists for {len(input_list)} inputs")
+        comm = self._comm_for(input_list[0], "all_gather")
+        td = _timeout(opts)
+        works = [comm.all_gather(outs, t, async_op=True, timeout=td) for outs, t in zip(output_lists, input_list, strict=True)]
+        return GroupWork(self, works, output_lists)  # type: ignore[arg-type]
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> GroupWork:
+        if len(outputs) != len(inputs) or not inputs:
+            raise ValueError(f"allgather_into_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs")
+        comm = self._comm_for(inputs[0], "all_gather_single")
+        td = _timeout(opts)
+        works = [comm.all_gather_single(o, i, async_op=True, timeout=td) for o, i in zip(outputs, inputs, strict=True)]
+        return GroupWork(self, works, outputs)  # type: ignore[arg-type]
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts: Any = None) -> GroupWork:
+        if not input_tensors:
+            raise ValueError("alltoall: no input tensors")
+        comm = self._comm_for(input_tensors[0], "all_to_all")
+        work = comm.all_to_all(output_tensors, input_tensors, async_op=True, timeout=_timeout(opts))
+        return GroupWork(self, work, output_tensors)  # type: ignore[arg-type]
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                      input_split_sizes: list[int], opts: Any = None) -> GroupWork:
+        comm = self._comm_for(input, "all_to_all_single")
+        work = comm.all_to_all_single(output, input, list(output_split_sizes) or None,
+                                      list(input_split_sizes) or None, async_op=True, timeout=_timeout(opts))
+        return GroupWork(self, work, [output])  # type: ignore[arg-type]
+
+    all_to_all_single = alltoall_base  # type: ignore[assignment]
+
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
+               opts: Any) -> GroupWork:
+        t = _only(input_tensors, "gather", "inputs")
+        comm = self._comm_for(t, "gather")
+        root = int(opts.rootRank)
+        outs = _only(output_tensors, "gather", "output lists") if comm.rank == root else None
+        work = comm.gather(t, outs, root, async_op=True, timeout=_timeout(opts))
+        return GroupWork(self, work, output_tensors)  # type: ignore[arg-type]
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]
+                opts: Any) -> GroupWork:
+        t = _only(output_tensors, "scatter", "outputs")
+        comm = self._comm_for(t, "scatter")
+        root = int(opts.rootRank)
+        ins = _only(input_tensors, "scatter", "input lists") if comm.rank == root else None
+        work = comm.scatter(t, ins, root, async_op=True, timeout=_timeout(opts))
+        return GroupWork(self, work, output_tensors)  # type: ignore[arg-type]
+
+    def barrier(self, opts: Any = None) -> GroupWork:
+        comm = self._main
+        err = comm.errored()
+        if err is not None:
+            raise _again(err, "barrier", comm)
+        work = comm.barrier(async_op=True, timeout=_timeout(opts))
+        return GroupWork(self, work, [])  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------------------------------ point to point
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> GroupWork:
+        t = _only(tensors, "send")
+        work = self._comm_for(t, "send").send(t, dst, tag, async_op=True)
+        return GroupWork(self, work, tensors)  # type: ignore[arg-type]
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> GroupWork:
+        t = _only(tensors, "recv")
+        work = self._comm_for(t, "recv").recv(t, src, tag, async_op=True)
+        return GroupWork(self, work, tensors)  # type: ignore[arg-type]
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> GroupWork:
+        t = _only(tensors, "recv")
+        work = self._comm_for(t, "recv").recv(t, None, tag, async_op=True)
+        return GroupWork(self, work, tensors)  # type: ignore[arg-type]
+
+    recvAnysource = recv_anysource

@@ -1,0 +1,127 @@
+"""The torch.distributed Work of a torchnext process group: one torchnext :class:`~torchnext.comms.Work` seen
+through torch's ``dist.Work`` interface (``wait``, ``is_completed``, ``get_future``, ``exception``, ...).
+
+The rule for failures (docs/process_group.md): ``wait()`` raises the op's error (``CommTimeout``, ``PeerFailure``,
+``CommAborted``, ``CommError``) -- that is how ``dist.all_reduce(..., group=pg)`` reports it. The **future never
+completes with an exception**: torch's DDP reducer crashes the process (segfault, torch 2.13) on such a future. A
+failed op completes its future with its outputs *marked invalid* (floating-point outputs filled with NaN), and the
+failure raises at the next call into the group (the communicator is errored). Semantics::
+
+    work.wait()               # True; or raises the op's exception
+    work.get_future().wait()  # == outputs (torch's layout for the op); NaN-filled if the op failed
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from torchnext.comms.work import Work, WorkStatus
+
+if TYPE_CHECKING:
+    from torchnext.comms.process_group.group import TorchnextProcessGroup
+
+__all__ = ["GroupWork", "mark_invalid"]
+
+_COMPLETED = WorkStatus.COMPLETED
+
+
+def mark_invalid(tensors: Sequence[Any]) -> None:
+    """Fill the floating-point (and complex) tensors of ``tensors`` (nested lists allowed) with NaN: the mark of
+    an op that failed while its caller could not be told (a future that must not raise)."""
+    for t in tensors:
+        if isinstance(t, (list, tuple)):
+            mark_invalid(t)
+        elif isinstance(t, torch.Tensor) and (t.dtype.is_floating_point or t.dtype.is_complex):
+            with torch.no_grad():
+                t.fill_(float("nan"))
+
+
+class GroupWork(dist._Work):
+    """One or more torchnext :class:`~torchnext.comms.Work` (a coalesced op issues several) as one
+    ``torch.distributed.Work``: complete when all of them are.
+
+    ``result``: what the op's future holds and ``result()`` returns, in torch's layout for the op (the in-place
+    tensor list for ``all_reduce``; the list of output lists for ``all_gather``; ...). ``invalid``: the tensors to
+    mark invalid when the op fails under a future (default: ``result``).
+    """
+
+    def __init__(self, group: TorchnextProcessGroup, works: Work | Sequence[Work], result: list[Any],
+                 invalid: Sequence[Any] | None = None) -> None:
+        super().__init__()
+        self._group = group
+        self._works: tuple[Work, ...] = (works,) if isinstance(works, Work) else tuple(works)
+        self._work = self._works[-1]
+        self._result = result
+        self._invalid = result if invalid is None else invalid
+        self._future: torch.futures.Future[Any] | None = None
+        self._left = len(self._works)
+
+    def __repr__(self) -> str:
+        return f"GroupWork({', '.join(map(repr, self._works))})"
+
+    @property
+    def works(self) -> tuple[Work, ...]:
+        """The torchnext Works behind this one (their status, duration, op ids)."""
+        return self._works
+
+    # -------------------------------------------------------------------------------------------- torch's API
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        """Block until the op finished; raise its exception if it failed. ``timeout`` (0: none, as in torch)
+        bounds only this wait: when it elapses first, ``RuntimeError`` is raised and the op keeps running."""
+        limit = None if not timeout else timeout
+        for work in self._works:
+            if not work.wait(limit):
+                raise RuntimeError(f"{work.op}: wait() timed out after {timeout} (the op is still in flight; "
+                                   "wait again, or abort the group)")
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def is_success(self) -> bool:
+        return all(w.status is _COMPLETED for w in self._works)
+
+    def exception(self) -> BaseException | None:
+        return next((e for e in (w.exception() for w in self._works) if e is not None), None)
+
+    def source_rank(self) -> int:
+        rank = self._work.source_rank()
+        if rank is None:
+            raise RuntimeError(f"{self._work.op}: no source rank (not a completed recv)")
+        return rank
+
+    _source_rank = source_rank
+
+    def result(self) -> list[Any]:
+        self.wait()
+        return self._result
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        """A future completed with the op's result once the op is terminal -- never with an exception (see the
+        module docstring)."""
+        if self._future is None:
+            self._future = torch.futures.Future()
+            for work in self._works:
+                work.add_done_callback(self._part_done)
+        return self._future
+
+    def _part_done(self, work: Work) -> None:
+        with self._group._lock:
+            self._left -= 1
+            last = self._left == 0
+        if not last:
+            return
+        assert self._future is not None
+        failed = [w for w in self._works if w.status is not _COMPLETED]
+        if failed:
+            mark_invalid(self._invalid)
+            self._group._note_swallowed(failed[0])
+        self._future.set_result(self._result)
