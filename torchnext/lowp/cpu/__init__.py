@@ -29,7 +29,7 @@ import torch
 
 from torchnext._config import env_config
 
-__all__ = ["ISAS", "KernelStatus", "KernelsUnavailable", "isa_index", "ops", "status"]
+__all__ = ["ISAS", "KernelStatus", "KernelsUnavailable", "isa_index", "ops", "simd", "status"]
 
 log = logging.getLogger("torchnext.lowp.cpu")
 
@@ -111,6 +111,14 @@ def status() -> KernelStatus:
         if _STATUS is None:
             _STATUS = _load()
         return _STATUS
+
+
+def simd() -> bool:
+    """Whether a SIMD variant (AVX-512 or AVX2) is compiled in: only then do the ``auto`` choices assume the
+    compiled kernels beat the pure-torch paths (the portable variant is correct everywhere, but its speed depends on
+    what the compiler makes of plain loops)."""
+    st = status()
+    return st.available and st.isas[:1] != ("portable",)
 
 
 def ops() -> Any:

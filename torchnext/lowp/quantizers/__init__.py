@@ -13,10 +13,11 @@ read); :func:`torchnext.lowp.quantize_pair` documents that contract and uses it 
 entries: ``quantize_tensor(x, dim, spec, opts, scale_inputs, noise) -> (qdata, scales)`` (the final layout, read
 from ``x`` in place: :func:`torchnext.lowp.quantize` then skips its transposed/padded copy) and
 ``unavailable_reason(device, spec) -> str | None`` (None: it can run there; ``"auto"`` skips a kernel that cannot,
-and naming it explicitly raises with the reason).
+and naming it explicitly raises with the reason), and ``auto_reason`` (the same question for ``"auto"`` alone: a
+kernel that runs but should not be the default there, e.g. the compiled one without a SIMD variant).
 
 Built in: ``reference`` (the definitions written plainly: the oracle), ``cpu`` (one compiled C++ pass, built on first
-use: what ``"auto"`` picks for CPU tensors when a compiler is present), ``eager`` (vectorized torch ops on
+use: what ``"auto"`` picks for CPU tensors when a compiler and AVX2/AVX-512 are present), ``eager`` (vectorized torch ops on
 cache-sized chunks; ``"auto"`` elsewhere) and ``triton`` (one fused GPU kernel; imported only when asked for). The
 public entry points that choose a kernel are :func:`torchnext.lowp.quantize` / :func:`torchnext.lowp.dequantize`
 (``backend=...``). These are not the matmul backends of :mod:`torchnext.lowp.mm.backends`.
@@ -46,7 +47,8 @@ QUANTIZERS: dict[str, str] = {
 """Kernel name -> module path (imported on first use)."""
 
 AUTO_ORDER: tuple[str, ...] = ("cpu", "eager")
-"""What ``"auto"`` means: the first of these that can run the request (``unavailable_reason`` is None)."""
+"""What ``"auto"`` means: the first of these that can run the request (``auto_reason``, else ``unavailable_reason``,
+is None)."""
 
 _ALIASES = {"auto": "eager"}
 
@@ -70,8 +72,9 @@ def _module(name: str) -> ModuleType:
         raise FormatError(f"backend={name!r} needs a package that is missing here: {exc}") from None
 
 
-def _reason(mod: ModuleType, device: torch.device | None, spec: FormatSpec | None) -> str | None:
-    check = getattr(mod, "unavailable_reason", None)
+def _reason(mod: ModuleType, device: torch.device | None, spec: FormatSpec | None, *, auto: bool = False) -> str | None:
+    check = getattr(mod, "auto_reason", None) if auto else None
+    check = check or getattr(mod, "unavailable_reason", None)
     return None if check is None else check(device, spec)
 
 
@@ -89,7 +92,7 @@ def get_quantizer(name: str, device: torch.device | None = None, spec: FormatSpe
                 mod = _module(cand)
             except FormatError:
                 continue
-            if _reason(mod, device, spec) is None:
+            if _reason(mod, device, spec, auto=True) is None:
                 return mod
         return _module(_ALIASES["auto"])
     mod = _module(name)

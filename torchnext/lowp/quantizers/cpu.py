@@ -22,7 +22,7 @@ import math
 import torch
 
 from torchnext.lowp import scales as _scales
-from torchnext.lowp.cpu import isa_index, ops, status
+from torchnext.lowp.cpu import isa_index, ops, simd, status
 from torchnext.lowp.formats import FORMATS, FormatSpec
 from torchnext.lowp.options import ResolvedOptions, block_outputs
 from torchnext.lowp.quantizers import eager as _eager
@@ -33,6 +33,7 @@ __all__ = [
     "dequantize_blocks",
     "quantize_blocks",
     "quantize_pair_blocks",
+    "auto_reason",
     "quantize_tensor",
     "rht_amax",
     "tensor_amax",
@@ -58,6 +59,15 @@ def unavailable_reason(device: torch.device | None, spec: FormatSpec | None) -> 
         return f"format {spec.name!r} is not compiled into the kernel (built-in NVFP4/MXFP8/MXFP4 only)"
     st = status()
     return None if st.available else st.reason
+
+
+def auto_reason(device: torch.device | None, spec: FormatSpec | None) -> str | None:
+    """Why ``backend="auto"`` should not pick this kernel (None: it should): unavailable here, or only the portable
+    variant is compiled (no AVX-512 / AVX2), whose speed against the eager kernel is not known."""
+    why = unavailable_reason(device, spec)
+    if why is None and not simd():
+        why = "only the portable (non-SIMD) variant is compiled here"
+    return why
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:

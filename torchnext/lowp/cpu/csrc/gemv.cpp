@@ -51,8 +51,10 @@ inline FormatGeom geom(int fmt) {
 inline int64_t block_bytes(int fmt) { return 16 + 16 * static_cast<int64_t>(geom(fmt).steps); }
 
 // ------------------------------------------------------------------------------------------------ packing
-// qdata: (N, row_bytes) uint8; scales: (N, nb) uint8. Returns (packed, nan_cols, flags) where flags[0] = 1 when
-// an MXFP8 E4M3 scale byte is >= 247 (2^120: the kernel's "x 256" folding would overflow; a safe variant runs).
+// qdata: (N, row_bytes) uint8; scales: (N, nb) uint8. Returns (packed, nan_cols, flags) where flags[0] = 1 when an
+// MX scale is so large that max|code| * scale overflows fp32 (blocks that held an Inf): the kernel then runs its
+// "safe" variant, which forms every weight as code * scale in fp32 (overflowing exactly as dequantize() does)
+// instead of folding the scale into per-block partial sums or into a x 256 factor.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gemv_pack(const at::Tensor& qdata, const at::Tensor& scales, int64_t fmt) {
   TORCH_CHECK(qdata.dim() == 2 && scales.dim() == 2, "gemv_pack: qdata and scales must be 2-D");
   TORCH_CHECK(qdata.scalar_type() == at::kByte && scales.scalar_type() == at::kByte, "gemv_pack: uint8 views expected");
@@ -75,6 +77,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemv_pack(const at::Tensor& qdata
   uint8_t* nanp = nan_cols.data_ptr<uint8_t>();
   std::atomic<int> big_scale{0};
   const bool e4m3_scale = fmt == kNvfp4;
+  // smallest E8M0 byte at which max|code| * scale overflows fp32 (6 * 2^126, 448 * 2^120, 57344 * 2^113)
+  const int big_threshold = fmt == kMxfp4 ? 253 : fmt == kMxfp8E4m3 ? 247 : fmt == kMxfp8E5m2 ? 240 : 256;
   at::parallel_for(0, tiles, 1, [&](int64_t t_begin, int64_t t_end) {
     for (int64_t t = t_begin; t < t_end; ++t) {
       for (int64_t b = 0; b < nb; ++b) {
@@ -89,7 +93,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemv_pack(const at::Tensor& qdata
               nanp[col] = 1;
               sc = 0;
             }
-            if (fmt == kMxfp8E4m3 && sc >= 247) big_scale.store(1, std::memory_order_relaxed);
+            if (sc >= big_threshold) big_scale.store(1, std::memory_order_relaxed);
           }
           dst[l] = sc;
         }
@@ -132,7 +136,7 @@ struct GemvArgs {
 //   MXFP4 / E5M2: 2^(b - 127) (b = 0 is 2^-127, a subnormal);  MXFP8 E4M3: 2^(b - 119) = 256 * 2^(b - 127)
 //   (the FP8 decode yields e4m3 / 256), or 2^(b - 127) with a separate x 256 when `safe` (b >= 247 present).
 template <class S, int FMT, bool SAFE>
-inline typename S::F scales16(const uint8_t* p) {
+TNX_INLINE typename S::F scales16(const uint8_t* p) {
   if constexpr (FMT == kNvfp4) {
     return Fp8Decode<S>::e4m3_div256(p);
   } else {
@@ -147,7 +151,7 @@ inline typename S::F scales16(const uint8_t* p) {
 }
 
 template <class S, int FMT, bool SAFE>
-inline typename S::F fp8_codes16(const uint8_t* p) {
+TNX_INLINE typename S::F fp8_codes16(const uint8_t* p) {
   if constexpr (FMT == kMxfp8E5m2) {
     return Fp8Decode<S>::e5m2(p);
   } else if constexpr (SAFE) {
@@ -163,8 +167,10 @@ inline typename S::F fp8_codes16(const uint8_t* p) {
 constexpr int64_t kPrefetchBytes = TNX_PREFETCH;
 
 // MR rows x NT tiles starting at tile t0: accumulate over all K, then the epilogue.
-// FOLD: per-block partial sums of raw products, scaled once per block (fewer multiplies; for small MR).
-template <class S, int FMT, int MR, int NT, bool FOLD, bool SAFE>
+// FOLD: 0 = scale every decoded weight vector (for large MR); 1 = per-block partial sums of the raw products, scaled
+// once per block (fewer multiplies); 2 = the same with separate partials for even and odd steps (more independent
+// FMA chains when MR * NT is small).
+template <class S, int FMT, int MR, int NT, int FOLD, bool SAFE>
 void tile_kernel(const GemvArgs& a, int64_t t0, typename S::I& amax_bits) {
   using F = typename S::F;
   constexpr int B = FMT == kNvfp4 ? 16 : 32;
@@ -194,7 +200,8 @@ void tile_kernel(const GemvArgs& a, int64_t t0, typename S::I& amax_bits) {
     F s[NT];
     for (int t = 0; t < NT; ++t) s[t] = scales16<S, FMT, SAFE>(base[t] + b * BB);
     const float* xb = a.xt + b * B * MR;
-    if constexpr (FOLD) {
+    if constexpr (FOLD > 0) {
+      constexpr int P = FOLD == 2 ? 2 : 1;  // partial accumulators per (tile, row)
       F pe[NT][MR], po[NT][MR];
       for (int t = 0; t < NT; ++t)
         for (int m = 0; m < MR; ++m) pe[t][m] = po[t][m] = S::fzero();
@@ -207,19 +214,20 @@ void tile_kernel(const GemvArgs& a, int64_t t0, typename S::I& amax_bits) {
             const F wo = S::permute16(tab, S::template srl<4>(v));
             for (int m = 0; m < MR; ++m) {
               pe[t][m] = S::fma(we, S::fset(xb[(2 * j) * MR + m]), pe[t][m]);
-              po[t][m] = S::fma(wo, S::fset(xb[(2 * j + 1) * MR + m]), po[t][m]);
+              if constexpr (P == 2) po[t][m] = S::fma(wo, S::fset(xb[(2 * j + 1) * MR + m]), po[t][m]);
+              else pe[t][m] = S::fma(wo, S::fset(xb[(2 * j + 1) * MR + m]), pe[t][m]);
             }
           } else {
             const F w = fp8_codes16<S, FMT, SAFE>(p);
             for (int m = 0; m < MR; ++m) {
-              if (j & 1) po[t][m] = S::fma(w, S::fset(xb[j * MR + m]), po[t][m]);
+              if (P == 2 && (j & 1)) po[t][m] = S::fma(w, S::fset(xb[j * MR + m]), po[t][m]);
               else pe[t][m] = S::fma(w, S::fset(xb[j * MR + m]), pe[t][m]);
             }
           }
         }
       }
       for (int t = 0; t < NT; ++t)
-        for (int m = 0; m < MR; ++m) acc[t][m] = S::fma(S::add(pe[t][m], po[t][m]), s[t], acc[t][m]);
+        for (int m = 0; m < MR; ++m) acc[t][m] = S::fma(P == 2 ? S::add(pe[t][m], po[t][m]) : pe[t][m], s[t], acc[t][m]);
     } else {
       for (int j = 0; j < STEPS; ++j) {
         for (int t = 0; t < NT; ++t) {
@@ -257,7 +265,7 @@ void tile_kernel(const GemvArgs& a, int64_t t0, typename S::I& amax_bits) {
   }
 }
 
-template <class S, int FMT, int MR, int NT, bool FOLD, bool SAFE>
+template <class S, int FMT, int MR, int NT, int FOLD, bool SAFE>
 void run_tiles(const GemvArgs& a, std::atomic<int32_t>& amax) {
   const int64_t groups = (a.tiles + NT - 1) / NT;
   at::parallel_for(0, groups, 1, [&](int64_t g_begin, int64_t g_end) {
@@ -283,12 +291,13 @@ void run_tiles(const GemvArgs& a, std::atomic<int32_t>& amax) {
 template <class S, int FMT, bool SAFE>
 void dispatch_rows(const GemvArgs& a, int mr, std::atomic<int32_t>& amax) {
   constexpr bool wide = S::kRegs >= 32;
+  constexpr int F2 = SAFE ? 0 : 2, F1 = SAFE || !wide ? 0 : 1;  // no scale folding in the safe variant
   switch (mr) {
-    case 1: run_tiles<S, FMT, 1, 4, true, SAFE>(a, amax); break;
-    case 2: run_tiles<S, FMT, 2, (wide ? 2 : 1), true, SAFE>(a, amax); break;
-    case 4: run_tiles<S, FMT, 4, (wide ? 2 : 1), false, SAFE>(a, amax); break;
-    case 8: run_tiles<S, FMT, 8, (wide ? 2 : 1), false, SAFE>(a, amax); break;
-    case 16: run_tiles<S, FMT, 16, 1, false, SAFE>(a, amax); break;
+    case 1: run_tiles<S, FMT, 1, 4, F2, SAFE>(a, amax); break;
+    case 2: run_tiles<S, FMT, 2, (wide ? 2 : 1), F2, SAFE>(a, amax); break;
+    case 4: run_tiles<S, FMT, 4, (wide ? 2 : 1), F1, SAFE>(a, amax); break;
+    case 8: run_tiles<S, FMT, 8, (wide ? 2 : 1), 0, SAFE>(a, amax); break;
+    case 16: run_tiles<S, FMT, 16, 1, 0, SAFE>(a, amax); break;
     default: TORCH_CHECK(false, "torchnext_cpu.gemv: unsupported row block ", mr);
   }
 }
@@ -297,12 +306,18 @@ template <class S>
 void dispatch_format(const GemvArgs& a, int fmt, bool safe, int mr, std::atomic<int32_t>& amax) {
   switch (fmt) {
     case kNvfp4: dispatch_rows<S, kNvfp4, false>(a, mr, amax); break;
-    case kMxfp4: dispatch_rows<S, kMxfp4, false>(a, mr, amax); break;
+    case kMxfp4:
+      if (safe) dispatch_rows<S, kMxfp4, true>(a, mr, amax);
+      else dispatch_rows<S, kMxfp4, false>(a, mr, amax);
+      break;
     case kMxfp8E4m3:
       if (safe) dispatch_rows<S, kMxfp8E4m3, true>(a, mr, amax);
       else dispatch_rows<S, kMxfp8E4m3, false>(a, mr, amax);
       break;
-    case kMxfp8E5m2: dispatch_rows<S, kMxfp8E5m2, false>(a, mr, amax); break;
+    case kMxfp8E5m2:
+      if (safe) dispatch_rows<S, kMxfp8E5m2, true>(a, mr, amax);
+      else dispatch_rows<S, kMxfp8E5m2, false>(a, mr, amax);
+      break;
     default: TORCH_CHECK(false, "torchnext_cpu.gemv: unknown format ", fmt);
   }
 }

@@ -55,7 +55,7 @@ inline uint32_t rng_key(uint64_t seed) {
 }
 
 template <class S>
-inline typename S::I mix32v(typename S::I x) {
+TNX_INLINE typename S::I mix32v(typename S::I x) {
   x = S::ixor(x, S::template srl<16>(x));
   x = S::imul(x, S::iset(static_cast<int32_t>(0x7FEB352Du)));
   x = S::ixor(x, S::template srl<15>(x));
@@ -65,7 +65,7 @@ inline typename S::I mix32v(typename S::I x) {
 
 // uniform(seed, c) for the 16 counters lo[l] (+ hi[l] << 32): (bits >> 8) * 2^-24
 template <class S>
-inline typename S::F uniform16(uint32_t key, typename S::I lo, typename S::I hi) {
+TNX_INLINE typename S::F uniform16(uint32_t key, typename S::I lo, typename S::I hi) {
   typename S::I h = mix32v<S>(S::ixor(lo, S::iset(static_cast<int32_t>(key))));
   h = S::ixor(h, S::ixor(hi, S::iset(static_cast<int32_t>(0x85EBCA6Bu))));
   h = mix32v<S>(h);
@@ -74,13 +74,7 @@ inline typename S::F uniform16(uint32_t key, typename S::I lo, typename S::I hi)
 
 // counters c0 + l * stride for the 16 lanes, split into low and high words
 template <class S>
-inline void counters16(uint64_t c0, uint64_t stride, typename S::I& lo, typename S::I& hi) {
-  const uint64_t lo0 = c0 & 0xFFFFFFFFu;
-  if (stride < (1u << 27) && lo0 + 15 * stride <= 0xFFFFFFFFu) {  // no carry into the high word: one vector op
-    lo = S::iadd(S::iset(static_cast<int32_t>(static_cast<uint32_t>(lo0))), S::imul(S::iota(), S::iset(static_cast<int32_t>(stride))));
-    hi = S::iset(static_cast<int32_t>(static_cast<uint32_t>(c0 >> 32)));
-    return;
-  }
+__attribute__((noinline)) void counters16_slow(uint64_t c0, uint64_t stride, typename S::I& lo, typename S::I& hi) {
   alignas(64) int32_t l32[16], h32[16];
   for (int l = 0; l < 16; ++l) {
     const uint64_t c = c0 + static_cast<uint64_t>(l) * stride;
@@ -89,6 +83,17 @@ inline void counters16(uint64_t c0, uint64_t stride, typename S::I& lo, typename
   }
   lo = S::iload(l32);
   hi = S::iload(h32);
+}
+
+template <class S>
+TNX_INLINE void counters16(uint64_t c0, uint64_t stride, typename S::I& lo, typename S::I& hi) {
+  const uint64_t lo0 = c0 & 0xFFFFFFFFu;
+  if (stride < (1u << 27) && lo0 + 15 * stride <= 0xFFFFFFFFu) {  // no carry into the high word: one vector op
+    lo = S::iadd(S::iset(static_cast<int32_t>(static_cast<uint32_t>(lo0))), S::imul(S::iota(), S::iset(static_cast<int32_t>(stride))));
+    hi = S::iset(static_cast<int32_t>(static_cast<uint32_t>(c0 >> 32)));
+    return;
+  }
+  counters16_slow<S>(c0, stride, lo, hi);
 }
 
 // ------------------------------------------------------------------------------------------- scale recipes
@@ -103,14 +108,16 @@ struct RecipeArgs {
 // RNE of a non-negative (or NaN) fp32 onto E4M3, saturation not needed (callers clamp to <= 448). Returns the
 // E4M3 byte; `val` gets the exact E4M3 value (NaN for NaN).
 template <class S>
-inline typename S::I e4m3_pos(typename S::F a, typename S::F& val) {
+TNX_INLINE typename S::I e4m3_pos(typename S::F a, typename S::F& val) {
   using F = typename S::F;
   const typename S::M nan = S::fnan(a);
   const F a0 = S::fsel(nan, S::fzero(), a);
   F magic = S::from_bits(S::iand(S::bits(a0), S::iset(0x7F800000)));
   magic = S::mul(S::max(magic, S::fset(0.015625f)), S::fset(1.5f * 1048576.0f));  // 1.5 * 2^(23 - 3)
   const F r = S::sub(S::add(a0, magic), magic);
-  const typename S::I code = S::template srl<20>(S::bits(S::mul(r, S::fset(7.52316384526264e-37f))));  // r * 2^-120
+  const typename S::I normal = S::isub(S::template srl<20>(S::bits(r)), S::iset(120 << 3));
+  const typename S::I sub = S::cvt_i(S::mul(r, S::fset(512.0f)));  // r / 2^-9
+  const typename S::I code = S::isel(S::flt(r, S::fset(0.015625f)), sub, normal);
   val = S::fsel(nan, a, r);
   return S::isel(nan, S::iset(0x7F), code);
 }
@@ -177,16 +184,17 @@ inline void recipe16(const RecipeArgs& ra, typename S::F amax, typename S::I& sb
 // ------------------------------------------------------------------------------------------ element codes
 // RNE of y onto the element grid, saturating: codes (magnitude | sign) per lane.
 //   minifloat: a = min(|y|, max) (NaN -> max); r = (a + M) - M with M = max(2^floor(log2 a), min_normal) * 1.5 *
-//   2^(23 - mbits) (fp32's own RNE onto the grid); code = bits(r * 2^(bias - 127)) >> (23 - mbits).
+//   2^(23 - mbits) (fp32's own RNE onto the grid); code = (bits(r) >> (23 - mbits)) - ((127 - bias) << mbits) for
+//   r >= min_normal, r / (min_normal * 2^-mbits) below (the value bits(r * 2^(bias - 127)) >> (23 - mbits) would
+//   give, without making a subnormal fp32).
 //   float8: the same on min(|y|, max); a NaN y gives 0x7F | sign (torch's cast).
 template <class S, int E>
-inline typename S::I encode16(typename S::F y) {
+TNX_INLINE typename S::I encode16(typename S::F y) {
   using F = typename S::F;
   using I = typename S::I;
   constexpr int MB = E == kE2m1 ? 1 : E == kE4m3 ? 3 : 2;
   constexpr float MAXV = E == kE2m1 ? 6.0f : E == kE4m3 ? 448.0f : 57344.0f;
   constexpr float MINN = E == kE2m1 ? 1.0f : E == kE4m3 ? 0.015625f : 6.103515625e-05f;
-  constexpr float RESCALE = E == kE2m1 ? 1.1754943508222875e-38f /*2^-126*/ : E == kE4m3 ? 7.52316384526264e-37f /*2^-120*/ : 1.925929944387236e-34f /*2^-112*/;
   constexpr int SIGN_SHIFT = E == kE2m1 ? 28 : 24;
   const I yb = S::bits(y);
   const I sign = S::template srl<SIGN_SHIFT>(S::iand(yb, S::iset(static_cast<int32_t>(0x80000000u))));
@@ -194,7 +202,13 @@ inline typename S::I encode16(typename S::F y) {
   F magic = S::from_bits(S::iand(S::bits(a), S::iset(0x7F800000)));
   magic = S::mul(S::max(magic, S::fset(MINN)), S::fset(1.5f * static_cast<float>(1u << (23 - MB))));
   const F r = S::sub(S::add(a, magic), magic);
-  I code = S::template srl<23 - MB>(S::bits(S::mul(r, S::fset(RESCALE))));
+  // r is a grid value: normal range -> (its fp32 exponent/mantissa bits) - the exponent bias difference; subnormal
+  // range -> r / quantum, an exact small integer. (No subnormal fp32 is produced: denormal results are slow.)
+  constexpr int BIAS = E == kE2m1 ? 1 : E == kE4m3 ? 7 : 15;
+  constexpr float INV_SUB_QUANTUM = static_cast<float>(1u << (MB + BIAS - 1));
+  const I normal = S::isub(S::template srl<23 - MB>(S::bits(r)), S::iset((127 - BIAS) << MB));
+  const I sub = S::cvt_i(S::mul(r, S::fset(INV_SUB_QUANTUM)));
+  I code = S::isel(S::flt(r, S::fset(MINN)), sub, normal);
   if constexpr (E != kE2m1) code = S::isel(S::fnan(y), S::iset(0x7F), code);
   return S::ior(code, sign);
 }
@@ -242,7 +256,7 @@ inline int64_t scale_pos(const QArgs& q, int64_t r, int64_t b) {
 
 // 16 input elements starting at p (n of them valid, the rest read as 0), widened to fp32
 template <class S>
-inline typename S::F load_x(const void* x, int dtype, int64_t idx, int n) {
+TNX_INLINE typename S::F load_x(const void* x, int dtype, int64_t idx, int n) {
   if (dtype == 0) {
     const float* p = static_cast<const float*>(x) + idx;
     return n == 16 ? S::load(p) : S::load_n(p, n);
@@ -271,7 +285,7 @@ inline typename S::F gather_x(const QArgs& q, int64_t idx, int64_t stride, int n
 }
 
 template <class S>
-inline typename S::F noise16(const QArgs& q, int64_t pos, int64_t stride) {
+TNX_INLINE typename S::F noise16(const QArgs& q, int64_t pos, int64_t stride) {
   if (q.noise) {
     if (stride == 1) return S::load(q.noise + pos);
     alignas(64) float t[16];
@@ -284,7 +298,7 @@ inline typename S::F noise16(const QArgs& q, int64_t pos, int64_t stride) {
 }
 
 template <class S>
-inline typename S::I amax_bits(typename S::F v) {
+TNX_INLINE typename S::I amax_bits(typename S::F v) {
   return S::iand(S::bits(v), S::iset(0x7FFFFFFF));
 }
 
@@ -523,7 +537,7 @@ struct PairArgs {
 };
 
 template <class S>
-inline typename S::F counter_noise(const CopyArgs& c, uint64_t pos, uint64_t stride) {
+TNX_INLINE typename S::F counter_noise(const CopyArgs& c, uint64_t pos, uint64_t stride) {
   typename S::I lo, hi;
   counters16<S>(c.offset + pos, stride, lo, hi);
   return uniform16<S>(c.key, lo, hi);

@@ -12,7 +12,7 @@
 // Semantics every struct follows exactly (they are what the kernels' bit-exactness relies on):
 //   min(a, b) = a < b ? a : b   and   max(a, b) = a > b ? a : b   (b when either is NaN: x86 MINPS/MAXPS)
 //   fma(a, b, c) = a * b + c with one rounding; mul/add/sub/div are IEEE fp32 with round-to-nearest-even
-//   srl/sll: logical shifts of the 32-bit lanes; cvt_i(F) rounds to nearest even (in-range values only)
+//   srl/sll: logical shifts of the 32-bit lanes; cvt_i(F): lanes that hold integer values (every use here) -> int32
 //   half_to_f(I): lanes hold IEEE binary16 bit patterns (low 16 bits); exact conversion incl. subnormals/Inf/NaN
 #pragma once
 
@@ -30,6 +30,13 @@
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define TNX_HAVE_AVX2 1
+#endif
+
+// Hot helpers are force-inlined: a call would pass the 64-byte vectors through memory.
+#if defined(__GNUC__) || defined(__clang__)
+#define TNX_INLINE inline __attribute__((always_inline))
+#else
+#define TNX_INLINE inline
 #endif
 
 namespace tnx {
@@ -94,7 +101,7 @@ struct Portable {
   static F min(F a, F b) { F r; TNX_LANES r.v[l] = a.v[l] < b.v[l] ? a.v[l] : b.v[l]; return r; }
   static F max(F a, F b) { F r; TNX_LANES r.v[l] = a.v[l] > b.v[l] ? a.v[l] : b.v[l]; return r; }
   static F floor(F a) { F r; TNX_LANES r.v[l] = std::floor(a.v[l]); return r; }
-  static I cvt_i(F a) { I r; TNX_LANES r.v[l] = static_cast<int32_t>(std::nearbyint(a.v[l])); return r; }
+  static I cvt_i(F a) { I r; TNX_LANES r.v[l] = static_cast<int32_t>(a.v[l]); return r; }
   static F cvt_f(I a) { F r; TNX_LANES r.v[l] = static_cast<float>(a.v[l]); return r; }
   static I bits(F a) { I r; std::memcpy(r.v, a.v, 64); return r; }
   static F from_bits(I a) { F r; std::memcpy(r.v, a.v, 64); return r; }

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from torchnext.lowp.cpu import ISAS, isa_index, ops, status
+from torchnext.lowp.cpu import ISAS, isa_index, ops, simd, status
 from torchnext.lowp.formats import FORMATS, FormatSpec
 from torchnext.lowp.mm.backends import EPILOGUE_FEATURES, Capability, KernelBackend, Problem, check_capability
 from torchnext.lowp.mm.epilogue import EpilogueOutput, finish_epilogue
@@ -114,8 +114,9 @@ class CpuBackend:
         return None
 
     def supersedes(self, problem: Problem) -> frozenset[str]:
-        """Backends the autotuner need not time where this one is eligible (see the module docstring)."""
-        return frozenset({KernelBackend.INDUCTOR.value})
+        """Backends the autotuner need not time where this one is eligible (see the module docstring): Inductor's
+        GEMV, when a SIMD variant is compiled (with only the portable one, both are timed)."""
+        return frozenset({KernelBackend.INDUCTOR.value}) if simd() else frozenset()
 
     def run(self, problem: Problem) -> EpilogueOutput:
         ep = problem.epilogue
