@@ -135,9 +135,12 @@ def quantize_pair(
         xin = x.contiguous()
         row_dec, row_inp = _inputs(x, spec, row_ro)
         col_shape = torch.Size((-(-x.shape[0] // 16) * 16, x.shape[1])) if rht_signs is not None else x.shape
+        same_scale = (col_ro.recipe, col_ro.global_scale, col_ro.amax) == (row_ro.recipe, row_ro.global_scale, row_ro.amax)
         if rht_signs is not None and rht_amax is not None:
             col_dec, col_enc = global_scales(xin, spec, col_ro, amax=rht_amax(xin, rht_signs))
             col_inp = _scales.ScaleInputs(spec, col_dec, col_enc)
+        elif xc is x and same_scale:  # the same tensor under the same global-scale options: one amax pass
+            col_dec, col_inp = row_dec, row_inp
         else:
             col_dec, col_inp = _inputs(xc, spec, col_ro)
         out = pair_kernel(xin, spec, row_ro, col_ro, row_inp, col_inp, rht_signs)

@@ -358,8 +358,6 @@ void rows_kernel(const QArgs& q, int64_t r0, int64_t r1) {
 
 // --------------------------------------------------------------------------------------------- column path
 // lanes = 16 neighbouring i of one o; for each block: vertical amax over its B steps, then encode and transpose.
-constexpr int64_t kColBlocks = 4;
-constexpr int64_t kColTiles = 16;
 template <class S, int E, int B, bool SR>
 void cols_kernel(const QArgs& q, int64_t task0, int64_t task1) {
   using F = typename S::F;
@@ -368,16 +366,16 @@ void cols_kernel(const QArgs& q, int64_t task0, int64_t task1) {
   const int64_t itiles = (q.inner + 15) / 16;
   const int64_t row_bytes = q.kp / PB;
   alignas(64) int32_t sbyte_v[16];
-  // super-tiles of kColBlocks blocks x kColTiles i-tiles: the input rows of a block stream across the i-tiles, and
-  // every output line (64 bytes of one row's codes) is completed while it is in cache
-  const int64_t bgroups = (q.nb + kColBlocks - 1) / kColBlocks;
-  const int64_t igroups = (itiles + kColTiles - 1) / kColTiles;
+  // a task is a group of G blocks of one o, each swept over all i-tiles: every input row is streamed end to end (the
+  // hardware prefetchers follow it), and G = 64 bytes / the bytes a block adds to an output row, so every output
+  // line (64 bytes of one row's codes) is complete when the task ends
+  constexpr int64_t G = 64 / (B / PB) < 1 ? 1 : 64 / (B / PB);
+  const int64_t bgroups = (q.nb + G - 1) / G;
   for (int64_t task = task0; task < task1; ++task) {
-    const int64_t o = task / (bgroups * igroups);
-    const int64_t bg = (task / igroups) % bgroups;
-    const int64_t ig = task % igroups;
-    for (int64_t b = bg * kColBlocks; b < std::min<int64_t>(q.nb, (bg + 1) * kColBlocks); ++b)
-    for (int64_t it = ig * kColTiles; it < std::min<int64_t>(itiles, (ig + 1) * kColTiles); ++it) {
+    const int64_t o = task / bgroups;
+    const int64_t bg = task % bgroups;
+    for (int64_t b = bg * G; b < std::min<int64_t>(q.nb, (bg + 1) * G); ++b)
+    for (int64_t it = 0; it < itiles; ++it) {
     const int64_t i0 = it * 16;
     const int n = static_cast<int>(std::min<int64_t>(16, q.inner - i0));
     const int64_t r0 = o * q.inner + i0;  // output row of lane 0
@@ -387,6 +385,8 @@ void cols_kernel(const QArgs& q, int64_t task0, int64_t task1) {
         const int64_t kk = b * B + j;
         if (kk < q.k) {
           const int64_t idx = (o * q.k + kk) * q.inner + i0;
+          // B rows stream side by side: more than the hardware prefetchers follow, so prefetch 4 tiles ahead
+          __builtin_prefetch(static_cast<const char*>(q.x) + (idx + 64) * (q.dtype == 0 ? 4 : 2), 0, 3);
           xs[j] = load_x<S>(q.x, q.dtype, idx, n);
           m = S::imax(m, amax_bits<S>(xs[j]));
         } else {
@@ -423,8 +423,9 @@ void run_q(const QArgs& q) {
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, q.kp));
     at::parallel_for(0, rows, grain, [&](int64_t a, int64_t b) { rows_kernel<S, E, B, SR>(q, a, b); });
   } else {
-    const int64_t itiles = (q.inner + 15) / 16;
-    const int64_t tasks = q.outer * ((q.nb + kColBlocks - 1) / kColBlocks) * ((itiles + kColTiles - 1) / kColTiles);
+    constexpr int PB = E == kE2m1 ? 2 : 1;
+    constexpr int64_t G = 64 / (B / PB) < 1 ? 1 : 64 / (B / PB);
+    const int64_t tasks = q.outer * ((q.nb + G - 1) / G);
     at::parallel_for(0, tasks, 1, [&](int64_t a, int64_t b) { cols_kernel<S, E, B, SR>(q, a, b); });
   }
 }
@@ -555,14 +556,14 @@ void pair_tiles(const PairArgs& p, int64_t t0, int64_t t1) {
   alignas(64) float mult_v[B];
   alignas(64) int32_t sb_v[B];
   F v[B][V];
-  // tasks are super-tiles of ST x ST tiles (ST = 64 bytes / the bytes one tile adds to a code row), walked
-  // row-major: input rows stream, and the lines of both copies' codes fill up while they are in cache
+  // a task is a strip of ST tile-rows swept over all tile-columns: the input rows of a tile-row are streamed end
+  // to end, and ST = 64 bytes / the bytes a tile adds to a code row, so the column copy's code lines are complete
+  // when the strip ends
   constexpr int64_t ST = 64 / (B / PB) < 1 ? 1 : 64 / (B / PB);
   const int64_t trows = p.mp / B;
-  const int64_t scols = (tcols + ST - 1) / ST;
   for (int64_t task = t0; task < t1; ++task)
-  for (int64_t ti = (task / scols) * ST; ti < std::min<int64_t>(trows, (task / scols + 1) * ST); ++ti)
-  for (int64_t tj = (task % scols) * ST; tj < std::min<int64_t>(tcols, (task % scols + 1) * ST); ++tj) {
+  for (int64_t ti = task * ST; ti < std::min<int64_t>(trows, (task + 1) * ST); ++ti)
+  for (int64_t tj = 0; tj < tcols; ++tj) {
     const int64_t m0 = ti * B, k0 = tj * B;
     // load the tile (zeros outside the M x K input)
     for (int r = 0; r < B; ++r) {
@@ -573,6 +574,7 @@ void pair_tiles(const PairArgs& p, int64_t t0, int64_t t1) {
         if (n == 0) {
           v[r][j] = S::fzero();
         } else {
+          __builtin_prefetch(static_cast<const char*>(p.x) + (m * p.k + k + 4 * B) * (p.dtype == 0 ? 4 : 2), 0, 3);
           v[r][j] = load_x<S>(p.x, p.dtype, m * p.k + k, n);
         }
       }
@@ -659,7 +661,7 @@ template <class S, int E, int B>
 void run_pair(const PairArgs& p) {
   constexpr int PB = E == kE2m1 ? 2 : 1;
   constexpr int64_t ST = 64 / (B / PB) < 1 ? 1 : 64 / (B / PB);
-  const int64_t tasks = ((p.mp / B + ST - 1) / ST) * ((p.kp / B + ST - 1) / ST);
+  const int64_t tasks = (p.mp / B + ST - 1) / ST;
   auto body = [&](int64_t a, int64_t b) {
     if (p.rht) pair_tiles<S, E, B, true>(p, a, b);
     else pair_tiles<S, E, B, false>(p, a, b);
