@@ -28,6 +28,7 @@ from torchnext.lowp.options import ResolvedOptions, block_outputs
 from torchnext.lowp.quantizers import eager as _eager
 from torchnext.lowp.rng import CounterNoise
 from torchnext.lowp.scales import ScaleInputs
+from torchnext.lowp.workspace import fresh
 
 __all__ = [
     "dequantize_blocks",
@@ -176,14 +177,14 @@ def quantize_tensor(
     rest = shape[:dim] + shape[dim + 1 :]
     el = spec.element
     storage = el.torch_dtype if el.torch_dtype is not None else torch.uint8
-    codes = torch.empty(rows, kp // el.per_byte, dtype=storage, device=x.device)
+    codes = fresh((rows, kp // el.per_byte), storage, x.device)  # huge pages advised: no 4 KiB page faults
     if opts.swizzle:
         srows, scols = _scales.swizzled_shape(rows, nb)
         padded = (rows % 128) or (nb % 4)
         scale_buf = (torch.zeros if padded else torch.empty)(srows * scols, dtype=torch.uint8, device=x.device)
         scales = scale_buf.view(srows, scols)
     else:
-        scale_buf = torch.empty(rows * nb, dtype=torch.uint8, device=x.device)
+        scale_buf = fresh((rows * nb,), torch.uint8, x.device)
         scales = scale_buf.view(*rest, nb)
     if rows and kp:
         _run(xc, outer, k, inner, codes, scale_buf, spec, opts, inp, noise, swizzle_cols=nb if opts.swizzle else None)
@@ -226,10 +227,10 @@ def quantize_pair_blocks(
     mp = -(-mprime // block) * block
     el = spec.element
     storage = el.torch_dtype if el.torch_dtype is not None else torch.uint8
-    row_codes = torch.empty(m, kp // pb, dtype=storage, device=x.device)
-    col_codes = torch.empty(k, mp // pb, dtype=storage, device=x.device)
-    row_scales = torch.empty(m * kp // block, dtype=torch.uint8, device=x.device)
-    col_scales = torch.empty(k * mp // block, dtype=torch.uint8, device=x.device)
+    row_codes = fresh((m, kp // pb), storage, x.device)  # huge pages advised: no 4 KiB page faults
+    col_codes = fresh((k, mp // pb), storage, x.device)
+    row_scales = fresh((m * kp // block,), torch.uint8, x.device)
+    col_scales = fresh((k * mp // block,), torch.uint8, x.device)
     rdec, renc, rg = _global_args(row_inputs, row_opts.scale_recipe)
     cdec, cenc, cg = _global_args(col_inputs, col_opts.scale_recipe)
     ops().quantize_pair(

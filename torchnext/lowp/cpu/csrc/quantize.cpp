@@ -358,6 +358,7 @@ void rows_kernel(const QArgs& q, int64_t r0, int64_t r1) {
 
 // --------------------------------------------------------------------------------------------- column path
 // lanes = 16 neighbouring i of one o; for each block: vertical amax over its B steps, then encode and transpose.
+constexpr int kStage = 4;
 template <class S, int E, int B, bool SR>
 void cols_kernel(const QArgs& q, int64_t task0, int64_t task1) {
   using F = typename S::F;
@@ -375,23 +376,31 @@ void cols_kernel(const QArgs& q, int64_t task0, int64_t task1) {
     const int64_t o = task / bgroups;
     const int64_t bg = task % bgroups;
     for (int64_t b = bg * G; b < std::min<int64_t>(q.nb, (bg + 1) * G); ++b)
-    for (int64_t it = 0; it < itiles; ++it) {
-    const int64_t i0 = it * 16;
+    for (int64_t it0 = 0; it0 < itiles; it0 += kStage) {
+    // stage kStage i-tiles of the block's B rows: each row is visited for kStage * 64 bytes at a time (one DRAM page
+    // burst instead of a line), with a software prefetch two stages ahead
+    F stage[B][kStage];
+    const int nst = static_cast<int>(std::min<int64_t>(kStage, itiles - it0));
+    for (int j = 0; j < B; ++j) {
+      const int64_t kk = b * B + j;
+      const int64_t base = (o * q.k + kk) * q.inner + it0 * 16;
+      if (kk < q.k)
+        for (int64_t off = 0; off < 16 * kStage; off += (q.dtype == 0 ? 16 : 32))
+          __builtin_prefetch(static_cast<const char*>(q.x) + (base + 2 * 16 * kStage + off) * (q.dtype == 0 ? 4 : 2), 0, 3);
+      for (int u = 0; u < nst; ++u) {
+        const int nu = static_cast<int>(std::min<int64_t>(16, q.inner - (it0 + u) * 16));
+        stage[j][u] = kk < q.k ? load_x<S>(q.x, q.dtype, base + 16 * u, nu) : S::fzero();
+      }
+    }
+    for (int u = 0; u < nst; ++u) {
+    const int64_t i0 = (it0 + u) * 16;
     const int n = static_cast<int>(std::min<int64_t>(16, q.inner - i0));
     const int64_t r0 = o * q.inner + i0;  // output row of lane 0
       I m = S::iset(0);
       F xs[B];
       for (int j = 0; j < B; ++j) {
-        const int64_t kk = b * B + j;
-        if (kk < q.k) {
-          const int64_t idx = (o * q.k + kk) * q.inner + i0;
-          // B rows stream side by side: more than the hardware prefetchers follow, so prefetch 4 tiles ahead
-          __builtin_prefetch(static_cast<const char*>(q.x) + (idx + 64) * (q.dtype == 0 ? 4 : 2), 0, 3);
-          xs[j] = load_x<S>(q.x, q.dtype, idx, n);
-          m = S::imax(m, amax_bits<S>(xs[j]));
-        } else {
-          xs[j] = S::fzero();
-        }
+        xs[j] = stage[j][u];
+        m = S::imax(m, amax_bits<S>(xs[j]));
       }
       I sb;
       F mu;
@@ -412,6 +421,7 @@ void cols_kernel(const QArgs& q, int64_t task0, int64_t task1) {
           else S::store_u8(dst, c[l]);
         }
       }
+    }
     }
   }
 }
