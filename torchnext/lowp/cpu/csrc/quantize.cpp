@@ -566,6 +566,7 @@ void pair_tiles(const PairArgs& p, int64_t t0, int64_t t1) {
   alignas(64) float mult_v[B];
   alignas(64) int32_t sb_v[B];
   F v[B][V];
+  F stage[B][kStage * V];
   // a task is a strip of ST tile-rows swept over all tile-columns: the input rows of a tile-row are streamed end
   // to end, and ST = 64 bytes / the bytes a tile adds to a code row, so the column copy's code lines are complete
   // when the strip ends
@@ -575,20 +576,23 @@ void pair_tiles(const PairArgs& p, int64_t t0, int64_t t1) {
   for (int64_t ti = task * ST; ti < std::min<int64_t>(trows, (task + 1) * ST); ++ti)
   for (int64_t tj = 0; tj < tcols; ++tj) {
     const int64_t m0 = ti * B, k0 = tj * B;
-    // load the tile (zeros outside the M x K input)
-    for (int r = 0; r < B; ++r) {
-      const int64_t m = m0 + r;
-      for (int j = 0; j < V; ++j) {
-        const int64_t k = k0 + 16 * j;
-        const int n = m < p.m ? static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, p.k - k))) : 0;
-        if (n == 0) {
-          v[r][j] = S::fzero();
-        } else {
-          __builtin_prefetch(static_cast<const char*>(p.x) + (m * p.k + k + 4 * B) * (p.dtype == 0 ? 4 : 2), 0, 3);
-          v[r][j] = load_x<S>(p.x, p.dtype, m * p.k + k, n);
+    if (tj % kStage == 0) {
+      // stage the next kStage tiles of the B rows (zeros outside the M x K input): each row is visited for
+      // kStage * B elements at a time (a DRAM page burst), with a software prefetch two stages ahead
+      for (int r = 0; r < B; ++r) {
+        const int64_t m = m0 + r;
+        if (m < p.m)
+          for (int64_t off = 0; off < kStage * B; off += (p.dtype == 0 ? 16 : 32))
+            __builtin_prefetch(static_cast<const char*>(p.x) + (m * p.k + k0 + 2 * kStage * B + off) * (p.dtype == 0 ? 4 : 2), 0, 3);
+        for (int j = 0; j < kStage * V; ++j) {
+          const int64_t k = k0 + 16 * j;
+          const int n = m < p.m ? static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, p.k - k))) : 0;
+          stage[r][j] = n == 0 ? S::fzero() : load_x<S>(p.x, p.dtype, m * p.k + k, n);
         }
       }
     }
+    for (int r = 0; r < B; ++r)
+      for (int j = 0; j < V; ++j) v[r][j] = stage[r][(tj % kStage) * V + j];
     // rowwise copy: one block per row (V vectors)
     const int rows = static_cast<int>(std::min<int64_t>(B, p.m - m0));
     if (rows > 0) {
