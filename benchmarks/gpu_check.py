@@ -22,6 +22,8 @@ Sections (a failing section is reported and the next one runs; exit status 1 if 
                  the fp32 step, and the step timed against a bf16 ``nn.Linear`` step.
 6. ``comms``     a one-rank NCCL ``Communicator`` (one GPU: NCCL cannot put two ranks on one device) — every
                  collective against torch.distributed's result, then all_reduce latency vs the raw NCCL group.
+6. ``process_group`` a one-rank ``backend="torchnext"`` group (its CUDA Communicator is NCCL): a DDP step on it
+                 vs the same step on a plain NCCL group — gradients equal, step times interleaved.
 
 Timing: CUDA events around each call, warm-up first, median of ``--reps``; the peers are timed interleaved.
 ``--cpu-smoke`` runs every section's plumbing on CPU with tiny shapes and CPU stand-ins (eager backend instead of
@@ -364,12 +366,54 @@ def section_comms(dev: torch.device, smoke: bool, reps: int) -> Result:
         comm.shutdown()
 
 
+def section_process_group(dev: torch.device, smoke: bool, reps: int) -> Result:
+    """A one-rank torchnext process group on the GPU (its CUDA Communicator is NCCL): a DDP step on it against the
+    same DDP step on a plain NCCL group -- gradients equal, step times interleaved."""
+    import torch.distributed as dist
+    from torch import nn
+
+    import torchnext
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=dt.timedelta(seconds=30))
+    dist.init_process_group("torchnext", store=store, rank=0, world_size=1)
+    try:
+        ours = dist.group.WORLD
+        assert isinstance(ours, torchnext.comms.TorchnextProcessGroup)
+        plain = dist.new_group([0], backend="gloo" if smoke else "nccl")
+        checks: dict[str, bool] = {"cuda_communicator": smoke or ours.communicator("cuda").backend == "nccl"}
+        width = 64 if smoke else 4096
+        x = torch.randn(16, width, device=dev)
+        steps, grads = {}, {}
+        for name, group in (("torchnext", ours), ("plain", plain)):
+            torch.manual_seed(0)
+            model = nn.parallel.DistributedDataParallel(
+                nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width)).to(dev),
+                process_group=group, device_ids=None if smoke else [dev.index or 0])
+            model(x).square().mean().backward()
+            grads[name] = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad()
+
+            def step(model: nn.Module = model) -> None:
+                model(x).square().mean().backward()
+                model.zero_grad()
+
+            steps[name] = step
+        checks["ddp_grads_equal"] = all(torch.equal(a, b) for a, b in zip(grads["torchnext"], grads["plain"], strict=True))
+        t = timed({"torchnext_ddp_step": steps["torchnext"], "plain_ddp_step": steps["plain"]}, dev, reps)
+        print(f"  checks {checks}; " + "  ".join(f"{k} {v:.3f} ms" for k, v in t.items()))
+        return {"ok": all(checks.values()), "checks": checks, **{f"{k}_ms": v for k, v in t.items()},
+                "ratio": t["plain_ddp_step"] / t["torchnext_ddp_step"]}
+    finally:
+        dist.destroy_process_group()
+
+
 SECTIONS: dict[str, Callable[[torch.device, bool, int], Result]] = {
     "quantize": section_quantize,
     "scaled_mm": section_scaled_mm,
     "grouped": section_grouped,
     "training": section_training,
     "comms": section_comms,
+    "process_group": section_process_group,
 }
 
 

@@ -74,6 +74,10 @@ class EnvConfig:
     """Flight Recorder ring size of the process groups torch creates with ``backend="torchnext"``:
     ``TORCHNEXT_FR_BUFFER_SIZE`` when set, else torch's own ``TORCH_FR_BUFFER_SIZE``, else 2000 (0 disables)."""
 
+    suite_groups: str = "gloo"
+    """``TORCHNEXT_SUITE_GROUPS``: which groups :mod:`torchnext.testing.torch_suite` (PyTorch's distributed test
+    suite as a harness) gives the suite -- ``gloo`` (torch's own) or ``torchnext``."""
+
     pg_fr_dump_dir: str | None = None
     """Their automatic-dump folder: ``TORCHNEXT_FR_DUMP_DIR`` when set, else the folder of torch's dump-file
     prefix ``TORCH_FR_DUMP_TEMP_FILE``, else None (no automatic dumps)."""
@@ -93,6 +97,7 @@ ENV_VARS = {
     "pg_cuda_backend": "TORCHNEXT_PG_CUDA_BACKEND",
     "pg_fr_buffer_size": "TORCHNEXT_FR_BUFFER_SIZE",
     "pg_fr_dump_dir": "TORCHNEXT_FR_DUMP_DIR",
+    "suite_groups": "TORCHNEXT_SUITE_GROUPS",
 }
 _TORCH_FALLBACKS = {"pg_fr_buffer_size": "TORCH_FR_BUFFER_SIZE"}
 """Fields that fall back to torch's variable of the same meaning when ours is unset."""
@@ -122,6 +127,8 @@ def env_config() -> EnvConfig:
         raise ValueError(f"TORCHNEXT_FR_BUFFER_SIZE={values['fr_buffer_size']!r} must be >= 0")
     if int(values["pg_fr_buffer_size"]) < 0:  # type: ignore[call-overload]
         raise ValueError(f"TORCH_FR_BUFFER_SIZE={values['pg_fr_buffer_size']!r} must be >= 0")
+    if values["suite_groups"] not in ("gloo", "torchnext"):
+        raise ValueError(f"TORCHNEXT_SUITE_GROUPS={values['suite_groups']!r}: expected 'gloo' or 'torchnext'")
     if values["pg_cuda_backend"] not in ("nccl", "none"):
         raise ValueError(f"TORCHNEXT_PG_CUDA_BACKEND={values['pg_cuda_backend']!r}: expected 'nccl' or 'none'")
     if values["pg_fr_dump_dir"] is None and os.environ.get("TORCH_FR_DUMP_TEMP_FILE"):

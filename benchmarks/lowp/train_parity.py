@@ -12,7 +12,9 @@ Configurations (torchnext.demo.model; fp32 master weights and AdamW state in all
 
 Same initial weights (the conversion draws no torch randomness), same batches (``batch_for_step``), one thread.
 Reported per configuration: the loss of the last step and the mean over the last 20 steps (the figure compared,
-less noisy), and its gap to bf16 in percent. The PNG shows every loss curve (an exponential moving average, 0.9).
+less noisy), and its gap to bf16 in percent; with ``--seeds N`` every configuration runs N seeds (initial weights,
+data and stochastic-rounding streams) and the gap is averaged per seed, with its range. The PNG shows every loss
+curve of the first seed (an exponential moving average, 0.9).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ TAIL = 20
 
 def train(name: str, steps: int, batch_size: int, seq_len: int, lr: float, seed: int) -> dict[str, Any]:
     torch.manual_seed(seed)
-    model = MoETransformerLM(ModelConfig(vocab_size=len(VOCAB), max_seq_len=max(128, seq_len), **CONFIGS[name]))
+    model = MoETransformerLM(ModelConfig(vocab_size=len(VOCAB), max_seq_len=max(128, seq_len), lowp_seed=seed,
+                                         **CONFIGS[name]))
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses: list[float] = []
     t0 = time.perf_counter()
@@ -80,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, default=1, help="seeds per configuration (seed .. seed + seeds - 1)")
     ap.add_argument("--only", default=None, help="comma-separated configurations (default: all)")
     ap.add_argument("--png", default=None, help="write the loss curves here (needs matplotlib)")
     ap.add_argument("--json", default=None, help="write every loss here")
@@ -94,34 +98,52 @@ def main(argv: list[str] | None = None) -> int:
     print(f"demo model (d_model 64, 2 blocks, 4 experts), {args.steps} steps, batch {args.batch_size} x {args.seq_len} "
           f"chars, AdamW lr {args.lr}, seed {args.seed}")
     results = []
+    seeds = list(range(args.seed, args.seed + args.seeds))
     for name in names:
-        r = train(name, args.steps, args.batch_size, args.seq_len, args.lr, args.seed)
+        runs = [train(name, args.steps, args.batch_size, args.seq_len, args.lr, sd) for sd in seeds]
+        r = dict(runs[0])
+        r["tail_means"] = [x["tail_mean"] for x in runs]
+        r["tail_mean"] = sum(r["tail_means"]) / len(runs)
+        r["finals"] = [x["final"] for x in runs]
+        r["wall_s"] = sum(x["wall_s"] for x in runs)
         results.append(r)
-        print(f"  {name:<17} final {r['final']:.4f}  mean(last {TAIL}) {r['tail_mean']:.4f}  {r['wall_s']:.0f} s"
+        print(f"  {name:<17} final {r['final']:.4f}  mean(last {TAIL}) per seed "
+              f"{' '.join(f'{v:.4f}' for v in r['tail_means'])}  {r['wall_s']:.0f} s"
               f"  low-precision layers: {len(r['lowp_layers'])}", flush=True)
-    base = next((r["tail_mean"] for r in results if r["name"] == "bf16"), None)
-    print(f"\n| configuration | loss, last step | mean loss, last {TAIL} steps | gap to bf16 | low-precision layers |")
-    print("|---|---|---|---|---|")
+    base = next((r for r in results if r["name"] == "bf16"), None)
+    print(f"\n| configuration | loss, last step (seed {args.seed}) | mean loss, last {TAIL} steps"
+          f"{' (mean of ' + str(len(seeds)) + ' seeds)' if len(seeds) > 1 else ''} | gap to bf16 | gap range over seeds |"
+          " low-precision layers |")
+    print("|---|---|---|---|---|---|")
     for r in results:
-        gap = f"{100 * (r['tail_mean'] - base) / base:+.2f} %" if base else "n/a"
-        r["gap_to_bf16_pct"] = 100 * (r["tail_mean"] - base) / base if base else None
-        print(f"| {r['name']} | {r['final']:.4f} | {r['tail_mean']:.4f} | {gap} | {len(r['lowp_layers'])} |")
+        if base is not None:
+            gaps = [100 * (v - b) / b for v, b in zip(r["tail_means"], base["tail_means"], strict=True)]
+            r["gap_to_bf16_pct"] = sum(gaps) / len(gaps)
+            gap, spread = f"{r['gap_to_bf16_pct']:+.2f} %", f"{min(gaps):+.2f} .. {max(gaps):+.2f} %"
+        else:
+            gap = spread = "n/a"
+        print(f"| {r['name']} | {r['final']:.4f} | {r['tail_mean']:.4f} | {gap} | {spread} | {len(r['lowp_layers'])} |")
     if args.png:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(8, 4.5))
+        fig, (ax, zoom) = plt.subplots(1, 2, figsize=(11, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+        start = 2 * len(results[0]["losses"]) // 3
         for r in results:
-            ax.plot(ema(r["losses"]), label=r["name"], linewidth=1.2)
+            curve = ema(r["losses"])
+            ax.plot(curve, label=r["name"], linewidth=1.2)
+            zoom.plot(range(start, len(curve)), curve[start:], label=r["name"], linewidth=1.2)
         ax.set_xlabel("step")
         ax.set_ylabel("LM loss (nats/char, EMA 0.9)")
-        ax.set_title(f"torchnext demo model: {args.steps} seeded steps per precision")
-        lo = min(min(ema(r["losses"])[len(r["losses"]) // 3:]) for r in results)
-        ax.set_ylim(lo - 0.05, min(4.0, max(ema(r["losses"])[5] for r in results)))
-        ax.legend(fontsize=8, ncol=2)
-        ax.grid(alpha=0.3)
+        ax.set_title(f"demo model, {args.steps} seeded steps per precision (seed {args.seed})", fontsize=10)
+        ax.set_ylim(top=min(4.0, max(ema(r["losses"])[5] for r in results)))
+        zoom.set_title(f"the last third (steps {start}-{args.steps})", fontsize=10)
+        zoom.set_xlabel("step")
+        zoom.legend(fontsize=8)
+        for a in (ax, zoom):
+            a.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(args.png, dpi=110)
         print(f"wrote {args.png}")

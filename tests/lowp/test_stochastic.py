@@ -110,3 +110,21 @@ def test_bad_seed_options() -> None:
         quantize(x, "mxfp4", rounding="stochastic", seed=1, offset=2**64)
     with pytest.raises(FormatError, match="seed=/offset="):  # the old option names the new ones
         quantize(x, "mxfp4", rounding="stochastic", generator=torch.Generator())
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2"])
+def test_fast_stochastic_round_equals_the_reference(fmt: str) -> None:
+    """The eager quantizer's bit-trick rounding gives the reference's values on wide data, saturation, zeros,
+    subnormal-range values and NaN."""
+    from torchnext.lowp.elements import stochastic_round_fast
+    from torchnext.lowp.formats import format_spec
+
+    el = format_spec(fmt).element
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(2048, 64, generator=g) * torch.exp2(torch.randint(-14, 8, (2048, 64), generator=g).float())
+    y = y.clamp(-el.max_value * 1.02, el.max_value * 1.02)
+    y[0, :5] = torch.tensor([float("nan"), -0.0, 0.0, el.max_value, -el.min_normal * 2.0**-el.mbits * 0.5])
+    u = uniform(1, 0, y.shape)
+    want = stochastic_round(y, el, u)
+    got = stochastic_round_fast(y.clone(), el, u)
+    assert torch.equal(want.view(torch.int32), got.view(torch.int32))

@@ -20,7 +20,7 @@ from torchnext.comms.errors import CommAborted, CommError, PeerFailure
 from torchnext.comms.extension import factory, option
 from torchnext.comms.hooks import AbortHookArgs, HookList, OpInfo, PostHookArgs, RemovableHandle
 from torchnext.comms.reduce_op import ReduceOp
-from torchnext.comms.work import CompletionWaiter, Work, WorkStatus, _new_tuple, future_callback
+from torchnext.comms.work import CompletionWaiter, UnwaitedWatcher, Work, WorkStatus, _new_tuple, future_callback
 
 if TYPE_CHECKING:
     from torchnext.comms.flight_recorder import FlightRecorder
@@ -179,6 +179,7 @@ class Communicator(CollectiveOps):
         self._split_seq = 0
         self._opts: dict[tuple[str, object], Any] = {}
         self._waiter: CompletionWaiter | None = None
+        self._unwaited: UnwaitedWatcher | None = None
         self._pre_hooks: HookList[OpInfo] = HookList("pre")
         self._post_hooks: HookList[PostHookArgs] = HookList("post")
         self._abort_hooks: HookList[AbortHookArgs] = HookList("abort")
@@ -302,6 +303,8 @@ class Communicator(CollectiveOps):
                           in_flight=tuple(op_id for op_id, _ in in_flight)),
             stop_on_error=False,
         )
+        if self._unwaited is not None:
+            self._unwaited.close()
         for _, work in in_flight:
             exc = CommAborted(f"cancelled by abort(){f' ({reason})' if reason else ''}",
                               **self._error_context(work.op, work.op_id))
@@ -343,6 +346,8 @@ class Communicator(CollectiveOps):
             self._closed = True
         if self._waiter is not None:
             self._waiter.close()
+        if self._unwaited is not None:
+            self._unwaited.close()
         backend = self._backend
         if self._error is not None:
             _abandon(backend)
@@ -464,19 +469,24 @@ class Communicator(CollectiveOps):
                 work._done = _locked()  # (no such op today) several backend works: wait as below
             if len(backend_works) != 1:
                 work._pending = len(backend_works)
-            for bw in backend_works:
-                if has_future:
-                    try:
-                        fut = bw.get_future()
-                    except RuntimeError:
-                        self._wait_in_thread(bw, work, td)
+            if has_future and self._interruptible and len(backend_works) == 1:
+                # A thread that waits waits on the backend Work directly (Work.wait); its future (costly to create
+                # on Gloo) gets the completion callback only if nobody waits (the watcher) or a wait outlasts its
+                # first slice (Work._watch).
+                work._bw = work._fut = backend_works[0]
+                work._racy = True
+                self._watcher().put(work)
+            else:
+                for bw in backend_works:
+                    if has_future:
+                        try:
+                            fut = bw.get_future()
+                        except RuntimeError:
+                            self._wait_in_thread(bw, work, td)
+                        else:
+                            fut.add_done_callback(future_callback(work))
                     else:
-                        if self._interruptible and len(backend_works) == 1:
-                            work._bw = bw  # a thread that waits may wait on it directly (Work.wait)
-                            work._racy = True
-                        fut.add_done_callback(future_callback(work))
-                else:
-                    self._wait_in_thread(bw, work, td)
+                        self._wait_in_thread(bw, work, td)
             if async_op:
                 return work
             work.wait()
@@ -484,6 +494,12 @@ class Communicator(CollectiveOps):
         finally:
             self._sync_work = None
             self._issue_lock.release()
+
+    def _watcher(self) -> UnwaitedWatcher:
+        watcher = self._unwaited
+        if watcher is None:
+            watcher = self._unwaited = UnwaitedWatcher(self._name)
+        return watcher
 
     def _wait_in_thread(self, backend_work: Any, work: Work, td: timedelta | None) -> None:
         if self._waiter is None:

@@ -7,8 +7,9 @@ When hooks run (the contract the Flight Recorder builds on):
 * **post hooks** run **exactly once per op whose pre hooks ran**, when the op reaches a terminal state
   (COMPLETED, ERROR, TIMED_OUT, ABORTED), in registration order, each with a :class:`PostHookArgs` carrying the
   same ``op_id``. They run on the thread that moves the op to that state: for COMPLETED/ERROR the issuing thread
-  for sync collectives on Gloo, else the backend's completion thread (or the issuing thread if the backend
-  finished before the callback was attached); the waiting thread for TIMED_OUT, the thread calling ``abort()`` for ABORTED. They finish before any ``wait()`` on
+  for sync collectives on Gloo; for async collectives on Gloo the thread that waits on the Work (when it waits
+  within the op's first slice), else the backend's completion thread or the communicator's watcher thread (see
+  :mod:`torchnext.comms.work`); the waiting thread for TIMED_OUT, the thread calling ``abort()`` for ABORTED. They finish before any ``wait()`` on
   the op returns, so after a synchronous op returns its post hooks have run. Keep them short and thread-safe.
 * **abort hooks** run once per communicator, on the thread calling ``abort()``, after the communicator is marked
   aborted and before in-flight ops are cancelled, each with an :class:`AbortHookArgs`.

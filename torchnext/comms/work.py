@@ -10,10 +10,14 @@ How completion is observed (this fixes the thread that runs post hooks, see :mod
   collectives): the issuing thread waits on the backend Work itself for ``SYNC_WAIT_SLICE`` (40 ms) -- the
   lowest-latency wait; a longer op then waits on a lock of ours that a future callback (or abort()) releases,
   checking the op's deadline (an abort reaches such an op within 40 ms, at once after the first slice);
-* all other ops (async ops; sync send/recv, whose timed wait on Gloo would *be* the op's timeout): the backend
-  Work's future callback (Gloo collectives, NCCL), or, for backend Works without a future
-  (Gloo send/recv), one waiter thread per communicator. ``Work.wait()`` blocks on our own lock, not on the backend,
-  so ``abort()`` wakes it at once.
+* async ops on such backends: a thread that calls ``Work.wait()`` first waits on the backend Work itself for one
+  slice and completes the op there (no hand-off from the backend's thread, which costs tens of microseconds). No
+  completion callback is attached when such an op is issued; it is attached when a wait outlasts its first slice,
+  by ``add_done_callback``, or -- for ops nobody waits on -- by the communicator's :class:`UnwaitedWatcher` after
+  :data:`UNWAITED_GRACE`. Whichever observer is first completes the op;
+* all other ops (sync send/recv, whose timed wait on Gloo would *be* the op's timeout; NCCL): the backend Work's
+  future callback, or, for backend Works without a future (Gloo send/recv), one waiter thread per communicator.
+  ``Work.wait()`` then blocks on our own lock, not on the backend, so ``abort()`` wakes it at once.
 """
 
 from __future__ import annotations
@@ -95,6 +99,7 @@ class Work:
         "_done",
         "_exc",
         "_finalize",
+        "_fut",
         "_hook_error",
         "_outputs",
         "_pending",
@@ -132,6 +137,7 @@ class Work:
         self._finalize: Callable[[], None] | None = None
         self._pending = 1
         self._bw: Any = None  # the backend Work a waiting thread may wait on directly (see wait())
+        self._fut: Any = None  # the backend Work whose future gets no completion callback yet (see _watch)
         self._racy = False  # completion may be observed twice (the backend's callback and a direct waiter)
         self._callbacks: list[Callable[[Work], object]] | None = None
         self._source: list[Any] | None = None  # recv from any source: [its backend Work]
@@ -156,6 +162,8 @@ class Work:
             if bw is not None and timeout is None:
                 self._bw = None  # one direct waiter; any other waits on the lock
                 self._wait_backend(bw)
+            if self._fut is not None and (self.status is _IP or self.status is _NS):
+                self._watch()  # a long op (or a bounded wait): the backend's callback (or abort) wakes us
             remaining = self._deadline - time.perf_counter()
             limit = remaining if timeout is None else min(_seconds(timeout), remaining)
             if self._done.acquire(timeout=min(max(limit, 0.0), threading.TIMEOUT_MAX)):
@@ -177,8 +185,13 @@ class Work:
                 if self._callbacks is None:
                     self._callbacks = []
                 self._callbacks.append(fn)
-                return
-        _run_callback(fn, self)
+                pending = True
+            else:
+                pending = False
+        if pending:
+            self._watch()  # nobody may wait: completion must be observed by the backend's callback
+        else:
+            _run_callback(fn, self)
 
     def source_rank(self) -> int | None:
         """The rank a completed ``recv`` from any source (``src=None``) received from (None while in flight); for
@@ -192,6 +205,11 @@ class Work:
     def is_completed(self) -> bool:
         """True once the op is terminal (COMPLETED, ERROR, TIMED_OUT or ABORTED)."""
         if self.status is not _IP and self.status is not _NS:
+            return True
+        bw = self._bw
+        if bw is not None and bw.is_completed():
+            self._bw = None
+            self._wait_backend(bw)  # returns at once: complete (or fail) it here
             return True
         if time.perf_counter() >= self._deadline:
             self._time_out()
@@ -224,7 +242,7 @@ class Work:
     def _time_out(self) -> None:
         comm = self._comm
         exc = CommTimeout(
-            f"did not complete within {self._deadline - self._t0:.3f}s (the communicator is now errored)",
+            f"did not complete within its timeout of {self._deadline - self._t0:.3f}s (the communicator is now errored)",
             **comm._error_context(self.op, self.op_id),
         )
         self._finish(WorkStatus.TIMED_OUT, exc)
@@ -286,6 +304,7 @@ class Work:
             self.status = status
             self._exc = exc
             self._t_end = time.perf_counter()
+            self._bw = self._fut = None  # no backend object outlives the op here (their destruction order matters)
             comm._in_flight.pop(self.op_id, None)
             if status is WorkStatus.ERROR or status is WorkStatus.TIMED_OUT:
                 if breaks_comm and comm._error is None and isinstance(exc, CommError):
@@ -310,6 +329,21 @@ class Work:
             for fn in callbacks or ():
                 _run_callback(fn, self)
         return True
+
+    def _watch(self) -> None:
+        """Attach the completion callback to the backend's future (once; idempotent). Ops a thread waits on right
+        away skip it -- the hand-off from the backend's thread to the waiter costs tens of microseconds -- so it is
+        attached only when completion must be observed without a waiter: a wait that outlasts its first slice,
+        ``add_done_callback``, or the communicator's watcher for ops nobody waited on (see ``Communicator``)."""
+        backend_work = self._fut
+        if backend_work is not None:
+            self._fut = None
+            try:
+                fut = backend_work.get_future()
+            except RuntimeError:  # a Gloo Work without a future (reduce_scatter): the waiter thread watches it
+                self._comm._wait_in_thread(backend_work, self, None)
+            else:
+                fut.add_done_callback(future_callback(self))
 
     def _wait_backend(self, backend_work: Any) -> None:
         """A waiting thread's first look at an async op: wait on the backend Work itself for ``SYNC_WAIT_SLICE``
@@ -438,6 +472,47 @@ def future_callback(work: Work) -> Callable[[Any], None]:
 
 def _seconds(t: float | timedelta) -> float:
     return t.total_seconds() if isinstance(t, timedelta) else float(t)
+
+
+UNWAITED_GRACE = timedelta(milliseconds=20)
+"""How long an async op may go unwaited before its completion is watched by the backend's callback instead."""
+_GRACE_S = UNWAITED_GRACE.total_seconds()
+
+
+class UnwaitedWatcher:
+    """One daemon thread per communicator for the async ops whose completion nobody waits on.
+
+    An async op on an interruptible backend gets no completion callback when issued (a thread that waits at once
+    waits on the backend Work directly: no hand-off between threads). Each such op is queued here with its issue
+    time; :data:`UNWAITED_GRACE` later, an op that is still in flight gets its callback (``Work._watch``), so its
+    post hooks, Flight Recorder entry and in-flight bookkeeping complete even when its Work is never waited on.
+    Ops are handled in issue order; the thread sleeps between them, so a stream of short ops costs it one wake-up
+    per grace period, not one per op.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[float, Work] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"torchnext-comms-watcher[{name}]", daemon=True)
+        self._thread.start()
+
+    def put(self, work: Work) -> None:
+        self._queue.put((time.perf_counter(), work))
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            issued, work = item
+            delay = issued + _GRACE_S - time.perf_counter()
+            if delay > 0:  # even for a finished op: one wake-up per grace period, never a loop racing the issuer
+                time.sleep(delay)
+            if work.status is _IP or work.status is _NS:
+                work._watch()
+            del item, work  # hold no reference while idle (it would keep the communicator alive)
 
 
 class CompletionWaiter:

@@ -26,6 +26,7 @@ __all__ = [
     "minifloat_grid",
     "pack_nibbles",
     "stochastic_round",
+    "stochastic_round_fast",
     "unpack_nibbles",
 ]
 
@@ -103,6 +104,21 @@ def stochastic_round(y: torch.Tensor, spec: ElementSpec, noise: torch.Tensor) ->
 
 
 # ---------------------------------------------------------------------------------------------------------- fast
+
+
+def stochastic_round_fast(y: torch.Tensor, spec: ElementSpec, noise: torch.Tensor) -> torch.Tensor:
+    """:func:`stochastic_round` with the grid spacing from the exponent bits (``q = 2**(E(clamp(|y|, min_normal,
+    max)) - mbits)``, and ``|y| / q`` as an exact multiplication by the power of two ``1 / q``): the same values,
+    fewer passes. ``y`` (a contiguous fp32 chunk) is clobbered; ``noise`` is not."""
+    a = y.abs()
+    c = torch.clamp(a, min=spec.min_normal, max=spec.max_value)
+    exp_bits = c.view(torch.int32).bitwise_and_(_EXP_MASK)
+    inv_q = torch.sub(0x7F000000 + (spec.mbits << 23), exp_bits).view(torch.float32)  # 2**(mbits - E), exact
+    q = exp_bits.sub_(spec.mbits << 23).view(torch.float32)  # 2**(E - mbits)
+    r = a.mul_(inv_q).add_(noise).floor_().mul_(q).clamp_(max=spec.max_value)
+    r = torch.where(torch.isnan(y), y, r.copysign_(y))
+    return r
+
 
 _EXP_MASK = 0x7F800000
 

@@ -101,6 +101,9 @@ def ops(rank: int, world: int, group: Any = None) -> dict[str, Any]:
     xs = [_full(1), _full(2)]
     dist.all_reduce_coalesced(xs, group=group)
     out["all_reduce_coalesced"] = [t.tolist() for t in xs]
+    lists = [[torch.empty(2), torch.empty(3, 2)] for _ in range(world)]
+    dist.all_gather_coalesced(lists, [torch.full((2,), float(rank)), torch.full((3, 2), 10.0 + rank)], group=group)
+    out["all_gather_coalesced"] = [[t.tolist() for t in ts] for ts in lists]
     return out
 
 

@@ -134,3 +134,32 @@ def test_enable_rejects_a_bad_shard_size() -> None:
 
     with pytest.raises(ValueError, match="positive"):
         enable_fsdp_lowp_all_gather(_Model(), 0)
+
+
+@pytest.mark.parametrize("key", RECIPES)
+def test_one_rank_extension_round_trip_gives_the_layer_copies(key: str) -> None:
+    """pre -> (a one-rank all-gather is the identity) -> post: the gathered copies are the layer's own casts of the
+    whole weight, bit for bit; other ops on the gathered weight see its dequantized values."""
+    from torchnext.lowp.training.fsdp import LowpGatheredWeight, LowpShardedWeight
+    from torchnext.lowp.training.ops import copy_operand, train_cast
+
+    recipe = Recipe.from_key(key)
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(4))
+    sharded = LowpShardedWeight(w, key)
+    inputs, meta = sharded.fsdp_pre_all_gather(None, w.shape, w.stride(), nn.Module(), None)
+    gathered, inner = sharded.fsdp_post_all_gather(tuple(t.clone() for t in inputs), meta, torch.float32)
+    assert isinstance(gathered, LowpGatheredWeight) and len(inner) == 6
+    want = train_cast(w, None, torch.tensor(0), key, "w", 0, 0, "auto", True, True)
+    got = [t for copy in gathered.lowp_copies(key) for t in copy]  # type: ignore[union-attr]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert gathered.lowp_copies("other") is None
+    spec = recipe.format.value
+    from torchnext.lowp.formats import format_spec
+
+    dense = copy_operand((want[0], want[1], want[2]), format_spec(spec), 64, 96).dequantize(torch.float32)
+    assert torch.equal(gathered + 0, dense)  # the fallback for any other op
+    assert "LowpGatheredWeight" in repr(gathered)
+    # a second gather refills the same tensors in place (FSDP2 reuses the unsharded parameter)
+    before = [t.data_ptr() for t in gathered.inner_tensors()]
+    assert sharded.fsdp_post_all_gather(tuple(t.clone() for t in inputs), meta, torch.float32, out=gathered) is None
+    assert [t.data_ptr() for t in gathered.inner_tensors()] == before

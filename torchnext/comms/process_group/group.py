@@ -269,11 +269,16 @@ class TorchnextProcessGroup(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
                             opts: Any = None) -> GroupWork:
-        if len(output_lists) != len(input_list) or not input_list:
-            raise ValueError(f"allgather_coalesced: {len(output_lists)} output lists for {len(input_list)} inputs")
+        """``output_lists[r][i] = rank r's input_list[i]`` (torch's layout: one list per rank)."""
+        if not input_list:
+            raise ValueError("allgather_coalesced: no input tensors")
         comm = self._comm_for(input_list[0], "all_gather")
+        if len(output_lists) != comm.size or any(len(outs) != len(input_list) for outs in output_lists):
+            raise ValueError(f"allgather_coalesced: expected {comm.size} output lists (one per rank) of "
+                             f"{len(input_list)} tensors each")
         td = _timeout(opts)
-        works = [comm.all_gather(outs, t, async_op=True, timeout=td) for outs, t in zip(output_lists, input_list, strict=True)]
+        works = [comm.all_gather([outs[i] for outs in output_lists], t, async_op=True, timeout=td)
+                 for i, t in enumerate(input_list)]
         return GroupWork(self, works, output_lists)  # type: ignore[arg-type]
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],

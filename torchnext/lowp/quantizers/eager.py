@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from torchnext.lowp.elements import decode_reference, encode_fast, stochastic_round
+from torchnext.lowp.elements import decode_reference, encode_fast, stochastic_round_fast
 from torchnext.lowp.formats import FormatSpec
 from torchnext.lowp.options import ResolvedOptions, block_outputs
 from torchnext.lowp.rng import CounterNoise, noise_rows
@@ -139,7 +139,7 @@ def quantize_blocks(
             scale, mult = scale_fn(block_amax(xc), inp)
             y = xc * mult[:, None]
         if noise is not None:
-            y = stochastic_round(y, el, noise_rows(noise, start, stop, block, device=y.device))
+            y = stochastic_round_fast(y, el, noise_rows(noise, start, stop, block, device=y.device))
         elif not skip_clamp:
             y.clamp_(-el.max_value, el.max_value)
         encode_fast(y, el, codes[start:stop])

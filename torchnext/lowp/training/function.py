@@ -24,7 +24,7 @@ import torch
 
 from torchnext.lowp.errors import FormatError
 from torchnext.lowp.hadamard import RHT_SIZE
-from torchnext.lowp.training.ops import Copy, bias_grad, check_copy_shapes, train_cast, train_mm
+from torchnext.lowp.training.ops import Copy, bias_grad, train_cast, train_mm
 from torchnext.lowp.training.recipe import Recipe
 
 __all__ = ["PrequantizedWeight", "lowp_linear"]
@@ -140,12 +140,3 @@ def lowp_linear(
         quantizer, backend, recipe.uses_rht("x"), recipe.uses_rht("dy"),
     )
     return out
-
-
-def check_prequantized(copies: tuple[Copy, Copy], recipe: Recipe, n: int, k: int) -> None:
-    """Raise ValueError unless ``copies`` are the (rowwise (N, K), columnwise (K, N)) copies of an (N, K) weight."""
-    from torchnext.lowp.formats import format_spec
-
-    spec = format_spec(recipe.format)
-    check_copy_shapes(copies[0], spec, n, k)
-    check_copy_shapes(copies[1], spec, k, n)

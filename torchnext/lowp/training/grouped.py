@@ -35,7 +35,7 @@ from torchnext.lowp.hadamard import rht_signs as draw_signs
 from torchnext.lowp.mm.grouped import grouped_scaled_mm
 from torchnext.lowp.rng import stream_seed
 from torchnext.lowp.tensor import BlockScaledTensor
-from torchnext.lowp.training.module import _RHT_STREAM, layer_id
+from torchnext.lowp.training.module import RHT_STREAM, layer_id
 from torchnext.lowp.training.ops import copy_operand, train_cast
 from torchnext.lowp.training.recipe import Recipe
 
@@ -191,7 +191,7 @@ class LowpGroupedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, device=device, dtype=dtype))
         nn.init.normal_(self.weight, std=in_features**-0.5)
         self.register_buffer("lowp_step", torch.zeros((), dtype=torch.int64, device=device))
-        signs = draw_signs(stream_seed(seed, self.layer, _RHT_STREAM), device=device) if recipe.rht else None
+        signs = draw_signs(stream_seed(seed, self.layer, RHT_STREAM), device=device) if recipe.rht else None
         self.register_buffer("rht_signs", signs)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

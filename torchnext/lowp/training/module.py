@@ -39,11 +39,12 @@ from torchnext.lowp.rng import stream_seed
 from torchnext.lowp.training.function import lowp_linear
 from torchnext.lowp.training.recipe import Recipe
 
-__all__ = ["LowpTrainingLinear", "bf16_tail_filter", "convert_to_lowp_training", "layer_id", "set_lowp_step"]
+__all__ = ["CALLS_PER_STEP", "RHT_STREAM", "LowpTrainingLinear", "bf16_tail_filter", "convert_to_lowp_training", "layer_id", "set_lowp_step"]
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
-_RHT_STREAM = 0x524854  # "RHT": the operand slot of the sign vector's stream seed
+RHT_STREAM = 0x524854
+"""The last part of a layer's RHT sign stream seed, ``stream_seed(seed, layer, RHT_STREAM)`` ("RHT" in ASCII)."""
 
 
 def layer_id(fqn: str) -> int:
@@ -90,7 +91,7 @@ class LowpTrainingLinear(nn.Linear):
         device = self.weight.device
         self.register_buffer("lowp_step", torch.zeros((), dtype=torch.int64, device=device))
         self.register_buffer("lowp_seed", torch.tensor(seed, dtype=torch.int64, device=device))
-        signs = rht_signs(stream_seed(seed, self.layer, _RHT_STREAM), device=device) if recipe.rht else None
+        signs = rht_signs(stream_seed(seed, self.layer, RHT_STREAM), device=device) if recipe.rht else None
         self.register_buffer("rht_signs", signs)
         self._register_load_state_dict_pre_hook(_fill_missing_lowp_buffers, with_module=True)
         self.register_load_state_dict_post_hook(_adopt_loaded_seed)
