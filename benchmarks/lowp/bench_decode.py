@@ -1,7 +1,8 @@
 """Benchmark the small-M weight-only decode matmul on CPU: torchnext's compiled block-scaled kernel against torch's own
 weight-only kernels and dense ``F.linear``, with the memory floor measured in the same run.
 
-    python benchmarks/lowp/bench_decode.py [--reps 21] [--m 1,4,16] [--shapes 4096x4096,4096x14336] [--json out.json]
+    python benchmarks/lowp/bench_decode.py [--reps 21] [--m 1,4,16] [--shapes 4096x4096,4096x14336] [--threads 2]
+                                           [--json out.json]
 
 Prints versions and the machine first. For each weight shape (N, K) and M, every peer runs in the same process,
 interleaved round by round (a load spike from another process hits all of them alike), on its own rotating set of
@@ -19,7 +20,8 @@ decode step over many layers does). Peers:
 
 ``floor`` = bytes of the weight (codes + scales) / the copy bandwidth (bytes read + written by ``dst.copy_(src)`` of
 256 MiB, median of the same run): the time a kernel that only streams its weight once would take. ``% floor`` =
-floor / time.
+floor / time. ``--threads 1,2`` repeats every table per torch thread count (on a loaded machine the 1-thread figures
+show per-core efficiency without the stalls of a parallel region waiting for a descheduled thread).
 """
 
 from __future__ import annotations
@@ -175,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--m", default="1,4,16")
     ap.add_argument("--shapes", default="4096x4096,4096x14336", help="N x K weight shapes (F.linear convention)")
     ap.add_argument("--no-inductor", action="store_true", help="skip the previous (Inductor) path")
+    ap.add_argument("--threads", default=str(torch.get_num_threads()), help="torch thread counts, e.g. 1,2")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     os.environ.setdefault("TORCHNEXT_AUTOTUNE_CACHE", os.path.join(tempfile.mkdtemp(), "autotune.json"))
@@ -192,37 +195,39 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy bandwidth (256 MiB, read + write): {bw:.1f} GB/s; each peer rotates weight copies of >= {2 * l3 >> 20} "
           f"MiB in total; {args.reps} interleaved rounds (median / min ms)\n")
     results: list[dict[str, Any]] = []
-    for shape in args.shapes.split(","):
-        n, k = (int(v) for v in shape.lower().split("x"))
-        for m in (int(v) for v in args.m.split(",")):
-            peers = build_peers(n, k, m, 2 * l3, not args.no_inductor)
-            t = interleaved(peers, args.reps)
-            ref = {name: t[name][0] for name in ("fp32 linear", "int4pack", "int8pack")}
-            print(f"## N={n} K={k} M={m}  (load {os.getloadavg()[0]:.2f})")
-            print(f"{'peer':<16}{'MiB':>8}{'median ms':>11}{'min ms':>9}{'floor ms':>10}{'% floor':>9}"
-                  f"{'x fp32':>8}{'x int4':>8}{'x int8':>8}")
-            for p in peers:
-                med, mn = t[p.name]
-                floor = p.nbytes / bw / 1e6
-                row = {"n": n, "k": k, "m": m, "peer": p.name, "mib": p.nbytes / 2**20, "median_ms": med, "min_ms": mn,
-                       "floor_ms": floor, "pct_floor": 100 * floor / med, "copy_gbs": bw,
-                       **{f"x_{r.split()[0]}": ref[r] / med for r in ref}, "load": os.getloadavg()[0]}
-                results.append(row)
-                print(f"{p.name:<16}{row['mib']:>8.2f}{med:>11.3f}{mn:>9.3f}{floor:>10.3f}{row['pct_floor']:>8.0f}%"
-                      f"{row['x_fp32']:>8.2f}{row['x_int4pack']:>8.2f}{row['x_int8pack']:>8.2f}")
-            print()
+    for threads in (int(v) for v in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        for shape in args.shapes.split(","):
+            n, k = (int(v) for v in shape.lower().split("x"))
+            for m in (int(v) for v in args.m.split(",")):
+                peers = build_peers(n, k, m, 2 * l3, not args.no_inductor)
+                t = interleaved(peers, args.reps)
+                ref = {name: t[name][0] for name in ("fp32 linear", "int4pack", "int8pack")}
+                print(f"## N={n} K={k} M={m}, {threads} thread(s)  (load {os.getloadavg()[0]:.2f})")
+                print(f"{'peer':<16}{'MiB':>8}{'median ms':>11}{'min ms':>9}{'floor ms':>10}{'% floor':>9}"
+                      f"{'x fp32':>8}{'x int4':>8}{'x int8':>8}")
+                for p in peers:
+                    med, mn = t[p.name]
+                    floor = p.nbytes / bw / 1e6
+                    row = {"threads": threads, "n": n, "k": k, "m": m, "peer": p.name, "mib": p.nbytes / 2**20, "median_ms": med, "min_ms": mn,
+                           "floor_ms": floor, "pct_floor": 100 * floor / med, "copy_gbs": bw,
+                           **{f"x_{r.split()[0]}": ref[r] / med for r in ref}, "load": os.getloadavg()[0]}
+                    results.append(row)
+                    print(f"{p.name:<16}{row['mib']:>8.2f}{med:>11.3f}{mn:>9.3f}{floor:>10.3f}{row['pct_floor']:>8.0f}%"
+                          f"{row['x_fp32']:>8.2f}{row['x_int4pack']:>8.2f}{row['x_int8pack']:>8.2f}")
+                print()
     print("goals (issue #17): NVFP4/MXFP4 at M=1 >= 1.0x int4pack and >= 70% of the floor; MXFP8 >= 1.0x int8pack; "
           "M=16 >= 2x fp32 linear")
     for r in results:
         if r["peer"] in ("nvfp4", "mxfp4") and r["m"] == 1:
             ok = r["x_int4pack"] >= 1.0 and r["pct_floor"] >= 70
-            print(f"  {r['peer']:<11} {r['n']}x{r['k']} M=1: {r['x_int4pack']:.2f}x int4pack, {r['pct_floor']:.0f}% floor "
+            print(f"  T{r['threads']} {r['peer']:<11} {r['n']}x{r['k']} M=1: {r['x_int4pack']:.2f}x int4pack, {r['pct_floor']:.0f}% floor "
                   f"-> {'met' if ok else 'MISSED'}")
         if r["peer"].startswith("mxfp8"):
-            print(f"  {r['peer']:<11} {r['n']}x{r['k']} M={r['m']}: {r['x_int8pack']:.2f}x int8pack -> "
+            print(f"  T{r['threads']} {r['peer']:<11} {r['n']}x{r['k']} M={r['m']}: {r['x_int8pack']:.2f}x int8pack -> "
                   f"{'met' if r['x_int8pack'] >= 1.0 else 'MISSED'}")
         if r["m"] == 16 and r["peer"] in ("nvfp4", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2"):
-            print(f"  {r['peer']:<11} {r['n']}x{r['k']} M=16: {r['x_fp32']:.2f}x fp32 linear -> "
+            print(f"  T{r['threads']} {r['peer']:<11} {r['n']}x{r['k']} M=16: {r['x_fp32']:.2f}x fp32 linear -> "
                   f"{'met' if r['x_fp32'] >= 2.0 else 'MISSED'}")
     print(f"load avg at the end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     if args.json:

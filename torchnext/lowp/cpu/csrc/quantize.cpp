@@ -225,7 +225,9 @@ inline typename S::I encode16_sr(typename S::F y, typename S::F u) {
   const F ac = S::min(a, S::fset(MAXV));
   F q = S::from_bits(S::iand(S::bits(ac), S::iset(0x7F800000)));  // 2^floor(log2 a) (0 for subnormals)
   q = S::mul(S::max(q, S::fset(MINN)), S::fset(1.0f / static_cast<float>(1u << MB)));
-  F r = S::mul(S::floor(S::add(S::div(a, q), u)), q);
+  // a / q with q a normal power of two is exactly a * (1 / q), and 1 / q's bits are (254 << 23) - bits(q)
+  const F inv_q = S::from_bits(S::isub(S::iset(254 << 23), S::bits(q)));
+  F r = S::mul(S::floor(S::add(S::mul(a, inv_q), u)), q);
   r = S::min(r, S::fset(MAXV));  // a = Inf: Inf / q + u = Inf -> min -> MAXV
   const F signed_r = S::from_bits(S::ior(S::bits(r), S::iand(S::bits(y), S::iset(static_cast<int32_t>(0x80000000u)))));
   return encode16<S, E>(S::fsel(nan, y, signed_r));
