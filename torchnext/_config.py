@@ -57,6 +57,18 @@ class EnvConfig:
     """``TORCHNEXT_HUGE_PAGES``: ``1`` asks Linux for transparent huge pages on the large CPU outputs torchnext
     allocates itself (``madvise(MADV_HUGEPAGE)``, see :mod:`torchnext.lowp.workspace`); ``0`` never does."""
 
+    cpu_kernels: int = 1
+    """``TORCHNEXT_CPU_KERNELS``: ``1`` builds torchnext's C++ CPU kernels on first use (cached, see
+    :mod:`torchnext.lowp.cpu`) and lets ``backend="auto"`` pick them; ``0`` never builds or loads them (the pure-torch
+    paths run)."""
+
+    kernel_cache: str = str(Path.home() / ".cache" / "torchnext" / "kernels")
+    """``TORCHNEXT_KERNEL_CACHE``: folder of the compiled CPU kernels (one subfolder per source/torch/compiler/CPU)."""
+
+    cxx: str | None = None
+    """``TORCHNEXT_CXX``: the C++ compiler for the CPU kernels (default: ``$CXX``, else ``c++``, as torch's
+    ``cpp_extension``)."""
+
     pg_cuda_backend: str = "nccl"
     """``TORCHNEXT_PG_CUDA_BACKEND``: the backend of the CUDA Communicator of torchnext process groups,
     ``nccl`` (used when CUDA and NCCL are available) or ``none`` (the groups communicate CPU tensors only)."""
@@ -83,6 +95,9 @@ ENV_VARS = {
     "ft_token": "TORCHNEXT_FT_TOKEN",
     "ft_replica_group": "TORCHNEXT_FT_REPLICA_GROUP",
     "huge_pages": "TORCHNEXT_HUGE_PAGES",
+    "cpu_kernels": "TORCHNEXT_CPU_KERNELS",
+    "kernel_cache": "TORCHNEXT_KERNEL_CACHE",
+    "cxx": "TORCHNEXT_CXX",
     "pg_cuda_backend": "TORCHNEXT_PG_CUDA_BACKEND",
     "pg_fr_buffer_size": "TORCHNEXT_FR_BUFFER_SIZE",
     "pg_fr_dump_dir": "TORCHNEXT_FR_DUMP_DIR",
@@ -108,6 +123,8 @@ def env_config() -> EnvConfig:
     autotune = values["autotune"]
     if autotune not in ("0", "1", "readonly"):
         raise ValueError(f"TORCHNEXT_AUTOTUNE={autotune!r}: expected one of '0', '1', 'readonly'")
+    if values["cpu_kernels"] not in (0, 1):
+        raise ValueError(f"TORCHNEXT_CPU_KERNELS={values['cpu_kernels']!r}: expected 0 or 1")
     if values["huge_pages"] not in (0, 1):
         raise ValueError(f"TORCHNEXT_HUGE_PAGES={values['huge_pages']!r}: expected 0 or 1")
     if int(values["fr_buffer_size"]) < 0:  # type: ignore[call-overload]

@@ -138,7 +138,7 @@ def test_capabilities_are_declared_honestly() -> None:
         assert not avail["cutlass"][0] and "cutlass" in avail["cutlass"][1]
         p = make_problem(torch.randn(2, 32), quantize(torch.randn(N, 32), "nvfp4"), None)
         assert get_backend("aten").supports(p) is not None
-    for name in ("reference", "eager", "aten", "inductor", "triton", "cutlass"):
+    for name in ("reference", "eager", "aten", "cpu", "inductor", "triton", "cutlass"):
         cap = get_backend(name).capability()
         assert cap.devices and isinstance(cap.formats, frozenset)
 

@@ -1,5 +1,7 @@
-"""Doctor probes for the ``scaled_mm`` backends: ``torchnext doctor`` lists each one as area ``lowp``, name
-``scaled_mm.<backend>``, with the backend's own ``available()`` answer (installed packages, device, compiler).
+"""Doctor probes for lowp: ``cpu-kernels`` (torchnext's compiled C++ CPU kernels: built with which compiler, cached
+where, or why not — this probe builds them if the cache has none, which takes ~30-60 s once) and one probe per
+``scaled_mm`` backend, name ``scaled_mm.<backend>``, with the backend's own ``available()`` answer (installed
+packages, device, compiler).
 
 A provider module of :mod:`torchnext.doctor.probes` (listed in ``PROBE_PROVIDERS``), imported only when doctor
 runs. The doctor reads lowp's backend registry; lowp knows nothing of the doctor.
@@ -16,8 +18,13 @@ __all__ = ["doctor_probes"]
 
 
 def doctor_probes() -> list[Probe]:
-    """One ``Probe`` per registered scaled_mm backend (built-in and user-registered)."""
+    """``cpu-kernels``, then one ``Probe`` per registered scaled_mm backend (built-in and user-registered)."""
+    from torchnext.lowp.cpu import status
     from torchnext.lowp.mm.backends import BACKENDS, available_backends
+
+    def kernels(_facts: Facts) -> Availability:
+        st = status()
+        return Availability(available=st.available, reason=st.reason)
 
     available_backends()  # loads the built-in backends
 
@@ -28,4 +35,7 @@ def doctor_probes() -> list[Probe]:
 
         return check
 
-    return [Probe(area="lowp", name=f"scaled_mm.{name}", check=check_for(name)) for name in sorted(BACKENDS)]
+    return [
+        Probe(area="lowp", name="cpu-kernels", check=kernels),
+        *(Probe(area="lowp", name=f"scaled_mm.{name}", check=check_for(name)) for name in sorted(BACKENDS)),
+    ]

@@ -24,10 +24,11 @@ SCALE_MODES = ("floor", "rceil")
 """MX E8M0 scale: ``"floor"`` (OCP MX v1.0) or ``"rceil"`` (cuBLAS: round the descale up to a power of two)."""
 ROUNDINGS = ("rne", "stochastic")
 """Element rounding: round-to-nearest-even, or stochastic (unbiased; see :class:`QuantOptions`)."""
-BACKENDS = ("auto", "eager", "reference", "triton")
-"""``"eager"``: vectorized, chunked torch ops (what ``"auto"`` picks); ``"reference"``: the plain readable
-implementation; ``"triton"``: one fused Triton kernel (CUDA tensors, or CPU under ``TRITON_INTERPRET=1``; opt-in
-until it has been timed on a GPU). (A ``torch.compile``d version of the eager pipeline was measured 3.5-4x *slower* on CPU, so it is
+BACKENDS = ("auto", "cpu", "eager", "reference", "triton")
+"""``"auto"``: ``"cpu"`` for CPU tensors when torchnext's compiled kernels are available, else ``"eager"``;
+``"cpu"``: one compiled C++ pass (built on first use; needs a C++ compiler); ``"eager"``: vectorized, chunked torch
+ops; ``"reference"``: the plain readable implementation; ``"triton"``: one fused Triton kernel (CUDA tensors, or CPU
+under ``TRITON_INTERPRET=1``; opt-in until it has been timed on a GPU). (A ``torch.compile``d version of the eager pipeline was measured 3.5-4x *slower* on CPU, so it is
 not offered; see docs/lowp.md.)"""
 
 

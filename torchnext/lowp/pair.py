@@ -24,6 +24,8 @@ Kernel contract (``quantize_pair_blocks``). A quantizer module (:mod:`torchnext.
   computed — the column amax after the transform when ``signs`` is given).
 * ``signs``: None, or the 16 fp32 +/-1 signs: the column copy is then quantized from ``rht(x, signs, dim=0)``
   (the butterfly of :mod:`torchnext.lowp.hadamard`, bit for bit), whose M is padded to a multiple of 16.
+  A module that also offers ``rht_amax(x, signs) -> 0-d fp32 max |rht(x, signs, dim=0)|`` lets the caller get
+  the column copy's global amax without materializing the transform (two-level formats).
 * Outputs, with ``Kp`` = K padded to B, ``Mp`` = M' (M, or M padded to 16 with ``signs``) padded to B, zero
   padding: ``row_codes`` (M, Kp / per_byte) and ``row_scales`` (M * Kp / B,) — the row-major blocks of ``x``;
   ``col_codes`` (K, Mp / per_byte) and ``col_scales`` (K * Mp / B,) — the blocks of ``x.T`` (or of the
@@ -123,19 +125,32 @@ def quantize_pair(
     check_input(x, 1)
     if flush_denormal_on(x.device):
         quantize(x, spec, options=opts)  # raises the documented FormatError
-    kernel = get_quantizer(row_ro.backend) if row_ro.backend == col_ro.backend else None
+    kernel = get_quantizer(row_ro.backend, x.device, spec) if row_ro.backend == col_ro.backend else None
     pair_kernel = getattr(kernel, "quantize_pair_blocks", None)
-    xc = rht(x, rht_signs, dim=0) if rht_signs is not None else x
+    # the column copy's global amax is rht(x)'s: a kernel offering rht_amax computes it without the transform
+    use_rht_amax = pair_kernel is not None and spec.two_level and col_ro.amax is None
+    rht_amax = getattr(kernel, "rht_amax", None) if use_rht_amax else None
+    xc = rht(x, rht_signs, dim=0) if rht_signs is not None and rht_amax is None else x
     if pair_kernel is not None and x.numel():
         xin = x.contiguous()
         row_dec, row_inp = _inputs(x, spec, row_ro)
-        col_dec, col_inp = _inputs(xc, spec, col_ro)
+        col_shape = torch.Size((-(-x.shape[0] // 16) * 16, x.shape[1])) if rht_signs is not None else x.shape
+        same_scale = (col_ro.recipe, col_ro.global_scale, col_ro.amax) == (row_ro.recipe, row_ro.global_scale, row_ro.amax)
+        if rht_signs is not None and rht_amax is not None:
+            col_dec, col_enc = global_scales(xin, spec, col_ro, amax=rht_amax(xin, rht_signs))
+            col_inp = _scales.ScaleInputs(spec, col_dec, col_enc)
+        elif xc is x and same_scale:  # the same tensor under the same global-scale options: one amax pass
+            col_dec, col_inp = row_dec, row_inp
+        else:
+            col_dec, col_inp = _inputs(xc, spec, col_ro)
         out = pair_kernel(xin, spec, row_ro, col_ro, row_inp, col_inp, rht_signs)
         if out is not None:
             rc, rs, cc, cs = out
             row = assemble(rc, rs.view(spec.scale_dtype), row_dec, spec, row_ro, shape=x.shape, dim=1, orig_dtype=x.dtype)
-            col = assemble(cc, cs.view(spec.scale_dtype), col_dec, spec, col_ro, shape=xc.shape, dim=0, orig_dtype=x.dtype)
+            col = assemble(cc, cs.view(spec.scale_dtype), col_dec, spec, col_ro, shape=col_shape, dim=0, orig_dtype=x.dtype)
             return row, col
+    if rht_signs is not None and xc is x:
+        xc = rht(x, rht_signs, dim=0)
     row = quantize(x, spec, dim=1, options=opts)
     col = quantize(xc, spec, dim=0, options=copts)
     if rht_signs is not None:

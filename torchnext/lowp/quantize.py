@@ -53,20 +53,28 @@ def check_input(x: Any, dim: int) -> int:
 
 
 def global_scales(
-    x: torch.Tensor, spec: FormatSpec, opts: ResolvedOptions
+    x: torch.Tensor, spec: FormatSpec, opts: ResolvedOptions, *, amax: torch.Tensor | None = None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(decode, encode) 0-d fp32 global scales of ``x`` under ``opts`` (from its amax, or the given scale), or
-    (None, None) for single-level formats."""
+    (None, None) for single-level formats. The amax is ``max |x|`` (NaN if ``x`` holds one), computed by the
+    options' quantizer kernel when it offers ``tensor_amax`` (one pass), else by ``torch.aminmax``; or given as
+    ``amax`` (a 0-d fp32 tensor) by a caller that has it."""
     if not spec.two_level or opts.global_scale is False:
         return None, None
     if not isinstance(opts.global_scale, bool):
         dec = torch.tensor(opts.global_scale, dtype=torch.float32, device=x.device)
         return dec, 1.0 / dec
-    if opts.amax is not None:
+    if amax is not None:
+        pass
+    elif opts.amax is not None:
         amax = opts.amax.to(x.device)
     elif x.numel():
-        lo, hi = torch.aminmax(x)  # one pass in the input dtype (no fp32 copy); NaN propagates
-        amax = torch.maximum(hi, -lo).float()
+        tensor_amax = getattr(get_quantizer(opts.backend, x.device, spec), "tensor_amax", None)
+        if tensor_amax is not None:
+            amax = tensor_amax(x)
+        else:
+            lo, hi = torch.aminmax(x)  # one pass in the input dtype (no fp32 copy); NaN propagates
+            amax = torch.maximum(hi, -lo).float()
     else:
         amax = torch.zeros((), device=x.device)
     if opts.recipe == "te":
@@ -126,7 +134,13 @@ def quantize(
             "torch.set_flush_denormal(True) is in effect: the E8M0/E2M1 scales and codes need fp32 subnormals; "
             "call torch.set_flush_denormal(False) before quantizing"
         )
-    backend = get_quantizer(ro.backend)
+    backend = get_quantizer(ro.backend, x.device, spec)
+    dec, enc = global_scales(x, spec, ro)
+    inputs = _scales.ScaleInputs(spec, dec, enc)
+    quantize_tensor = getattr(backend, "quantize_tensor", None)
+    if quantize_tensor is not None:  # the kernel reads x in place along dim and writes the final layout
+        qdata, scale_t = quantize_tensor(x, dim, spec, ro, inputs, ro.noise)
+        return assemble(qdata, scale_t, dec, spec, ro, shape=x.shape, dim=dim, orig_dtype=x.dtype, final=True)
     block = spec.block_size
     xm = x.movedim(dim, -1) if dim != x.dim() - 1 else x
     k = xm.shape[-1]
@@ -136,8 +150,7 @@ def quantize(
     xm = xm.contiguous()
     rest = xm.shape[:-1]
     x2 = xm.reshape(-1, block) if xm.numel() else xm.new_empty(math.prod(rest) * (k_padded // block), block)
-    dec, enc = global_scales(x, spec, ro)
-    codes, scales = backend.quantize_blocks(x2, spec, ro, _scales.ScaleInputs(spec, dec, enc), ro.noise)
+    codes, scales = backend.quantize_blocks(x2, spec, ro, inputs, ro.noise)
     return assemble(codes, scales, dec, spec, ro, shape=x.shape, dim=dim, orig_dtype=x.dtype)
 
 
@@ -151,16 +164,20 @@ def assemble(
     shape: torch.Size,
     dim: int,
     orig_dtype: torch.dtype,
+    final: bool = False,
 ) -> BlockScaledTensor:
     """A :class:`BlockScaledTensor` of logical ``shape`` blocked along ``dim`` from a kernel's flat outputs: codes
     ``(n_blocks, B / per_byte)`` (or already ``(*rest, k_padded / per_byte)``) and scales ``(n_blocks,)``, in the
-    order of the padded block matrix (see the module docstring); swizzles the scales if ``ro.swizzle``."""
+    order of the padded block matrix (see the module docstring); swizzles the scales if ``ro.swizzle``.
+    ``final=True``: the scales are already in their stored layout (swizzled if ``ro.swizzle``) and kept as given."""
     block = spec.block_size
     rest = [s for i, s in enumerate(shape) if i != dim]
     k_padded = -(-shape[dim] // block) * block
     qdata = codes.reshape(*rest, k_padded // spec.element.per_byte)
     n_blocks = k_padded // block
-    if ro.swizzle:
+    if final:
+        scale_t = scales
+    elif ro.swizzle:
         scale_t = _scales.swizzle(scales.reshape(math.prod(rest), n_blocks))
     else:
         scale_t = scales.reshape(*rest, n_blocks)

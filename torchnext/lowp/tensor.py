@@ -157,7 +157,7 @@ class BlockScaledTensor:
             block = spec.block_size
             codes = self.qdata.reshape(rows * n_blocks, block // spec.element.per_byte)
             scales = self.unswizzled_scales().reshape(rows * n_blocks)
-            vals = get_quantizer(backend).dequantize_blocks(codes, scales, spec, self.global_scale, dtype)
+            vals = get_quantizer(backend, self.qdata.device, spec).dequantize_blocks(codes, scales, spec, self.global_scale, dtype)
             out = vals.reshape(self.storage_shape)[..., : self.k]
             if self.block_dim != len(self.shape) - 1:
                 out = out.movedim(-1, self.block_dim)

@@ -3,6 +3,7 @@
 For a problem key ``(torch version, device, formats, M bucket, N, K, epilogue signature, out dtype)``::
 
     candidates = [b for b in registry if b.autotune_candidate and b.available() and b.supports(problem) is None]
+    candidates = [b for b in candidates if no other candidate c has b.name in c.supersedes(problem)]
     if key in memory or on disk (and its backend is still a candidate): return it
     if TORCHNEXT_AUTOTUNE in ("0", "readonly"): return first candidate in PREFERENCE      # nothing timed or written
     for b in candidates:
@@ -54,7 +55,7 @@ __all__ = [
 
 log = logging.getLogger("torchnext.lowp.mm.autotune")
 
-PREFERENCE = ("triton", "aten", "inductor", "eager", "cutlass")
+PREFERENCE = ("triton", "aten", "cpu", "inductor", "eager", "cutlass")
 """Static order used when timing is off (``TORCHNEXT_AUTOTUNE=0``) or not allowed (``readonly``) for a new key."""
 
 _CACHE_VERSION = 1
@@ -123,7 +124,8 @@ def problem_key(problem: Problem) -> str:
 
 
 def eligible_backends(problem: Problem) -> list[str]:
-    """Candidates for ``problem`` in :data:`PREFERENCE` order (then any other registered ones)."""
+    """Candidates for ``problem`` in :data:`PREFERENCE` order (then any other registered ones), without those an
+    eligible backend supersedes (its optional ``supersedes(problem)``)."""
     get_backend("reference")  # loads the built-ins
     names = [n for n in PREFERENCE if n in BACKENDS] + sorted(n for n in BACKENDS if n not in PREFERENCE)
     out = []
@@ -134,7 +136,12 @@ def eligible_backends(problem: Problem) -> list[str]:
         ok, _ = b.available()
         if ok and b.supports(problem) is None:
             out.append(name)
-    return out
+    superseded: set[str] = set()
+    for name in out:
+        sup = getattr(BACKENDS[name], "supersedes", None)
+        if sup is not None:
+            superseded |= set(sup(problem)) - {name}
+    return [n for n in out if n not in superseded]
 
 
 def _still_eligible(name: str, problem: Problem) -> bool:

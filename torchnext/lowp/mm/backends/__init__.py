@@ -1,7 +1,8 @@
 """Kernel backends of :func:`~torchnext.lowp.mm.scaled_mm`: a ``str`` enum, a registry and capability declarations.
 
 Each backend is an object with ``name``, ``capability()``, ``available() -> (bool, reason)``,
-``supports(problem) -> None | reason`` and ``run(problem) -> EpilogueOutput``. The built-in ones are registered
+``supports(problem) -> None | reason`` and ``run(problem) -> EpilogueOutput``; optionally
+``supersedes(problem) -> frozenset of names``: backends the autotuner need not time where this one is eligible. The built-in ones are registered
 lazily (first registry query), so ``import torchnext.lowp`` imports no compiler:
 
 ==============  ===========================================================================================
@@ -10,6 +11,8 @@ lazily (first registry query), so ``import torchnext.lowp`` imports no compiler:
 ``eager_bf16``  block-scaled operands decoded exactly to bf16 → one bf16 GEMM (output rounded to bf16) → fp32
                 epilogue; everywhere
 ``aten``        ``torch._scaled_mm`` with block scales (CUDA sm_100+), ``F.linear`` for dense operands
+``cpu``         torchnext's compiled C++ small-M kernel (M <= 16, block-scaled weight, dense activations): decode
+                in SIMD registers + fused epilogue; CPU, when a C++ compiler is present (built on first use)
 ``inductor``    ``torch.compile``-generated kernels: decode + reduction + epilogue fused (GEMV for tiny M),
                 fused dequantize → mm → fused epilogue + amax otherwise; CPU and GPU
 ``triton``      a Triton kernel (block-scaled operands decoded in-kernel, epilogue in-kernel); CUDA only
@@ -56,6 +59,7 @@ class KernelBackend(str, enum.Enum):
     EAGER = "eager"
     EAGER_BF16 = "eager_bf16"
     ATEN = "aten"
+    CPU = "cpu"
     INDUCTOR = "inductor"
     TRITON = "triton"
     CUTLASS = "cutlass"
@@ -147,6 +151,7 @@ _BUILTIN_MODULES = {
     KernelBackend.EAGER: "torchnext.lowp.mm.backends.eager",
     KernelBackend.EAGER_BF16: "torchnext.lowp.mm.backends.eager_bf16",
     KernelBackend.ATEN: "torchnext.lowp.mm.backends.aten",
+    KernelBackend.CPU: "torchnext.lowp.mm.backends.cpu",
     KernelBackend.INDUCTOR: "torchnext.lowp.mm.backends.inductor",
     KernelBackend.TRITON: "torchnext.lowp.mm.backends.triton",
     KernelBackend.CUTLASS: "torchnext.lowp.mm.backends.cutlass",

@@ -1,0 +1,25 @@
+"""Session set-up shared by every test directory.
+
+The compiled CPU kernels (torchnext/lowp/cpu) are built on first use and cached; here that first use happens once,
+before any test runs, so the build (tens of seconds on a 2-core machine, more under load) is never charged to one
+test's timeout, and the pytest header says whether the fast paths are in use and why.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _kernels() -> str:
+    from torchnext.lowp.cpu import status  # memoized: builds or loads once per process
+
+    st = status()
+    return f"torchnext CPU kernels: {'available' if st.available else 'unavailable'}: {st.reason}"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _kernels()
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return [_kernels()]

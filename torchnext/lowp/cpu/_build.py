@@ -1,0 +1,172 @@
+"""Build and load the C++ CPU kernels: compiler lookup, the cache key, a parallel compile, one lock per build.
+
+Decision (docs/lowp_mm.md, "The compiled CPU kernels"): the sources in ``csrc/`` are compiled on first use with the
+system C++ compiler straight into a shared library that registers ``torch.ops.torchnext_cpu`` (``TORCH_LIBRARY``)
+and is loaded with ``torch.ops.load_library``. No ninja, no pybind11, no Python headers: torch's own headers and
+libraries only (``torch.utils.cpp_extension.include_paths()`` / ``library_paths()``), so a machine with a compiler
+is enough. Threads come from ``at::parallel_for`` (torch's intra-op pool, ``torch.set_num_threads`` applies).
+
+Cache: ``<TORCHNEXT_KERNEL_CACHE>/torchnext_cpu-<key>/torchnext_cpu.so`` where ``key`` hashes the sources, the
+flags, torch's version, the compiler's ``--version`` and, because the code is compiled for this CPU
+(``-march=native`` on x86-64), the CPU's model and flags. A second process (or a second test) loads the cached
+library in milliseconds; concurrent first builds serialize on a file lock and the library appears atomically
+(``os.replace``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["BuildResult", "build", "compiler_command", "cpu_signature", "sources"]
+
+LIBRARY_NAME = "torchnext_cpu"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("register.cpp", "gemv.cpp", "quantize.cpp")
+
+_BASE_FLAGS = [
+    "-O3",
+    "-std=c++20",
+    "-fPIC",
+    "-fvisibility=hidden",
+    "-ffp-contract=off",  # the quantizer's bit-exactness needs every multiply and add rounded as written
+    "-fno-math-errno",
+    "-DNDEBUG",
+    "-w",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildResult:
+    """Where the library is and how it got there."""
+
+    library: Path
+    compiler: str
+    """The compiler's first ``--version`` line."""
+    built: bool
+    """True if this call compiled it, False if it came from the cache."""
+    seconds: float
+    """Compile + link time of this call (0 for a cache hit)."""
+
+
+def sources() -> list[Path]:
+    """Every file the build depends on (sources and headers), sorted."""
+    return sorted(p for p in CSRC.iterdir() if p.suffix in (".cpp", ".h"))
+
+
+def compiler_command(override: str | None) -> str | None:
+    """The compiler to run: ``override`` (TORCHNEXT_CXX), else torch's choice (``$CXX``, else ``c++``), if found."""
+    if override:
+        return shutil.which(override)
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    return shutil.which(get_cxx_compiler())
+
+
+def cpu_signature() -> str:
+    """What ``-march=native`` depends on: the machine and, on Linux, the CPU model and feature flags."""
+    parts = [platform.machine()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features", "CPU part")):
+                    parts.append(line.strip())
+                if len(parts) >= 3:
+                    break
+    except OSError:
+        parts.append(platform.processor())
+    return "\n".join(parts)
+
+
+def _arch_flags() -> list[str]:
+    return ["-march=native"] if platform.machine().lower() in ("x86_64", "amd64", "i686") else []
+
+
+def _version_line(cxx: str) -> str:
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"cannot run the compiler {cxx}: {exc}") from None
+    line = (out.stdout or out.stderr).splitlines()
+    return line[0].strip() if line else cxx
+
+
+def _link_flags() -> list[str]:
+    from torch.utils.cpp_extension import library_paths
+
+    flags = ["-shared"]
+    for p in library_paths():
+        flags += [f"-L{p}", f"-Wl,-rpath,{p}"]
+    flags += ["-lc10", "-ltorch_cpu"]
+    if sys.platform == "darwin":
+        flags += ["-undefined", "dynamic_lookup"]
+    return flags
+
+
+def _compile_flags() -> list[str]:
+    from torch.utils.cpp_extension import include_paths
+
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
+    return [*_BASE_FLAGS, *_arch_flags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in include_paths())]
+
+
+def cache_key(cxx_version: str) -> str:
+    h = hashlib.sha256()
+    for p in sources():
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    h.update(json.dumps([_BASE_FLAGS, _arch_flags(), torch.__version__, cxx_version, cpu_signature()]).encode())
+    return h.hexdigest()[:16]
+
+
+def _run(cmds: list[list[str]]) -> None:
+    """Run the commands in parallel (one per core at most); raise with the first failure's output."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
+    failure = None
+    for cmd, p in zip(cmds, procs, strict=True):
+        out, _ = p.communicate()
+        if p.returncode != 0 and failure is None:
+            tail = "\n".join(out.strip().splitlines()[-15:])
+            failure = f"`{' '.join(cmd[:2])} ... {cmd[-1]}` exited with {p.returncode}:\n{tail}"
+    if failure is not None:
+        raise RuntimeError(failure)
+
+
+def build(cache_dir: Path, cxx: str) -> BuildResult:
+    """The library for this environment: from the cache, or compiled now (under a file lock)."""
+    version = _version_line(cxx)
+    key = cache_key(version)
+    folder = cache_dir / f"{LIBRARY_NAME}-{key}"
+    lib = folder / f"{LIBRARY_NAME}.so"
+    if lib.exists():
+        return BuildResult(library=lib, compiler=version, built=False, seconds=0.0)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / f".{LIBRARY_NAME}-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.exists():  # another process built it while we waited
+            return BuildResult(library=lib, compiler=version, built=False, seconds=0.0)
+        t0 = time.perf_counter()
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as tmp:
+            flags = _compile_flags()
+            objs = [Path(tmp) / (Path(s).stem + ".o") for s in SOURCES]
+            _run([[cxx, *flags, "-c", str(CSRC / s), "-o", str(o)] for s, o in zip(SOURCES, objs, strict=True)])
+            tmp_lib = Path(tmp) / lib.name
+            _run([[cxx, *(str(o) for o in objs), *_link_flags(), "-o", str(tmp_lib)]])
+            seconds = time.perf_counter() - t0
+            meta = {"compiler": version, "seconds": round(seconds, 2), "torch": torch.__version__, "key": key}
+            (folder / "build.json").write_text(json.dumps(meta, indent=1))
+            os.replace(tmp_lib, lib)
+    return BuildResult(library=lib, compiler=version, built=True, seconds=seconds)

@@ -1,0 +1,84 @@
+// Operator registration: the torch.ops.torchnext_cpu namespace (no Python headers: loaded by torch.ops.load_library).
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "simd.h"
+
+namespace tnx {
+
+// Bumped whenever an op's schema or meaning changes: the Python loader refuses a library with another version.
+constexpr int64_t kAbiVersion = 1;
+
+int best_isa() {
+#if defined(TNX_HAVE_AVX512)
+  return static_cast<int>(Isa::kAvx512);
+#elif defined(TNX_HAVE_AVX2)
+  return static_cast<int>(Isa::kAvx2);
+#else
+  return static_cast<int>(Isa::kPortable);
+#endif
+}
+
+// Instruction sets compiled into this build, best first, e.g. "avx512,avx2,portable".
+std::string isas() {
+  std::string s;
+#if defined(TNX_HAVE_AVX512)
+  s += "avx512,";
+#endif
+#if defined(TNX_HAVE_AVX2)
+  s += "avx2,";
+#endif
+  s += "portable";
+  return s;
+}
+
+int64_t abi_version() { return kAbiVersion; }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gemv_pack(const at::Tensor& qdata, const at::Tensor& scales, int64_t fmt);
+std::tuple<at::Tensor, at::Tensor> gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& nan_cols,
+                                        const at::Tensor& flags, int64_t fmt, int64_t n, int64_t kp, double gscale,
+                                        bool has_g, const c10::optional<at::Tensor>& scale, int64_t scale_kind,
+                                        const c10::optional<at::Tensor>& bias, int64_t act,
+                                        const c10::optional<at::Tensor>& residual, bool want_amax, bool bf16_out,
+                                        int64_t isa);
+void quantize(const at::Tensor& x, int64_t outer, int64_t k, int64_t inner, const at::Tensor& codes,
+              const at::Tensor& scales, int64_t elem, int64_t block, int64_t recipe, double g_dec, double g_enc,
+              bool has_g, bool swizzle, int64_t swz_cols, const c10::optional<at::Tensor>& noise, bool sr_seeded,
+              int64_t seed, int64_t offset, int64_t isa);
+void quantize_pair(const at::Tensor& x, const at::Tensor& row_codes, const at::Tensor& row_scales,
+                   const at::Tensor& col_codes, const at::Tensor& col_scales, int64_t elem, int64_t block,
+                   int64_t recipe_r, double gdec_r, double genc_r, bool hasg_r, bool sr_r, int64_t seed_r,
+                   int64_t off_r, int64_t recipe_c, double gdec_c, double genc_c, bool hasg_c, bool sr_c,
+                   int64_t seed_c, int64_t off_c, const c10::optional<at::Tensor>& signs, int64_t isa);
+at::Tensor absmax(const at::Tensor& x, int64_t isa);
+at::Tensor rht_absmax(const at::Tensor& x, const at::Tensor& signs, int64_t isa);
+at::Tensor rng_uniform(int64_t seed, int64_t offset, int64_t numel);
+
+}  // namespace tnx
+
+TORCH_LIBRARY(torchnext_cpu, m) {
+  m.def("abi_version() -> int", &tnx::abi_version);
+  m.def("isas() -> str", &tnx::isas);
+  m.def("gemv_pack(Tensor qdata, Tensor scales, int fmt) -> (Tensor, Tensor, Tensor)", &tnx::gemv_pack);
+  m.def(
+      "gemv(Tensor x, Tensor packed, Tensor nan_cols, Tensor flags, int fmt, int n, int kp, float gscale, bool has_g, "
+      "Tensor? scale, int scale_kind, Tensor? bias, int act, Tensor? residual, bool want_amax, bool bf16_out, "
+      "int isa) -> (Tensor, Tensor)",
+      &tnx::gemv);
+  m.def(
+      "quantize(Tensor x, int outer, int k, int inner, Tensor(a!) codes, Tensor(b!) scales, int elem, int block, "
+      "int recipe, float g_dec, float g_enc, bool has_g, bool swizzle, int swz_cols, Tensor? noise, bool sr_seeded, "
+      "int seed, int offset, int isa) -> ()",
+      &tnx::quantize);
+  m.def(
+      "quantize_pair(Tensor x, Tensor(a!) row_codes, Tensor(b!) row_scales, Tensor(c!) col_codes, "
+      "Tensor(d!) col_scales, int elem, int block, int recipe_r, float gdec_r, float genc_r, bool hasg_r, bool sr_r, "
+      "int seed_r, int off_r, int recipe_c, float gdec_c, float genc_c, bool hasg_c, bool sr_c, int seed_c, "
+      "int off_c, Tensor? signs, int isa) -> ()",
+      &tnx::quantize_pair);
+  m.def("absmax(Tensor x, int isa) -> Tensor", &tnx::absmax);
+  m.def("rht_absmax(Tensor x, Tensor signs, int isa) -> Tensor", &tnx::rht_absmax);
+  m.def("rng_uniform(int seed, int offset, int numel) -> Tensor", &tnx::rng_uniform);
+}
