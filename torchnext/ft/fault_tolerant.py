@@ -85,6 +85,7 @@ class FaultTolerant:
         state_dict: Callable[[], Any] | None = None,
         load_state_dict: Callable[[Any], object] | None = None,
         step: int = 0,
+        join: bool = True,
     ) -> None:
         from torchnext._config import env_config
 
@@ -132,15 +133,32 @@ class FaultTolerant:
             coordinator_timeout_s=cfg.coordinator_timeout_s, on_interrupt=self._on_interrupt,
             replica_group=self.replica_group, group_rank=self.group_rank, group_size=self.group_size,
         )
+        self._joined = False
         try:
             cfg.check_timeouts(heartbeat_interval_s=self._client.heartbeat_interval_s,
                                heartbeat_timeout_s=self._client.heartbeat_timeout_s,
                                quorum_timeout_s=self._client.quorum_timeout_s,
                                grow_timeout_s=self._client.grow_timeout_s)
-            self._settle(need_new=True, timeout=cfg.join_timeout_s)
+            if join:
+                self.join()
         except BaseException:
             self.close()
             raise
+
+    def join(self) -> None:
+        """Enter the first generation (healed when this member joins a running job); idempotent, and implicit at
+        construction unless ``join=False``. Construct with ``join=False`` when the state to heal into exists only
+        after ``ft`` does -- FSDP2 shards the model over :meth:`device_mesh`, which needs ``ft`` -- then shard, then
+        ``join()`` (the first ``ft.step()`` joins too). The member is registered with the coordinator meanwhile:
+        the others wait for it (at most ``timeout_s``) while they build the generation's Communicator."""
+        if self._joined:
+            return
+        try:
+            self._settle(need_new=True, timeout=self.config.join_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self._joined = True
 
     # ------------------------------------------------------------------------------------------------ public
     @property
@@ -234,7 +252,8 @@ class FaultTolerant:
         return self._callbacks.add(callback)
 
     def step(self) -> Step:
-        """Context manager for one step attempt (see the module docstring)."""
+        """Context manager for one step attempt (see the module docstring); joins first if not yet joined."""
+        self.join()
         return Step(self)
 
     def should_commit(self) -> bool:

@@ -19,6 +19,7 @@ for DDP's and FSDP2's hooks and for ``dist.*`` calls alike. Bad arguments still 
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -63,15 +64,21 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
     ``ft.process_group``."""
 
     def __init__(self, ft: FaultTolerant) -> None:
-        comm = ft.comm
-        super().__init__({comm.device.type: comm}, description=f"{ft.config.name} (fault tolerant)")
+        # Not TorchnextProcessGroup.__init__: the group exists before ft's first generation (FSDP2 shards over a
+        # mesh of it before ft.join()), and its rank, size and Communicator are the current generation's.
+        dist.ProcessGroup.__init__(self, 0, 1)  # type: ignore[call-arg]
+        self._comms = {}
+        self._main = None  # type: ignore[assignment]
+        self._group_desc = f"{ft.config.name} (fault tolerant)"
+        self._lock = threading.Lock()
+        self._warned = False
         self._ft = ft
         me = dist.get_rank() if dist.is_initialized() else 0
-        self._mapping: dict[int, int] = {me: ft.rank}  # torch's global -> group rank table, kept current
+        self._mapping: dict[int, int] = {me: ft.rank if ft.members else 0}  # torch's global -> group rank, current
         self._me = me
         name = f"torchnext:{ft.config.name}:member{ft.member_id}:{next(_IDS)}"
-        self.setGroupName(name)
-        _register(self, name, comm.store, self._mapping)
+        self._group_name = name
+        _register(self, name, dist.HashStore(), self._mapping)
         ft.on_reconfigure(self._reconfigured)
 
     def _reconfigured(self, info: Reconfiguration) -> None:
@@ -97,6 +104,14 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
     def errored(self) -> BaseException | None:
         comm = self._ft._comm
         return None if comm is None else comm.errored()
+
+    def __repr__(self) -> str:
+        return (f"FaultTolerantProcessGroup(name={self._group_name!r}, rank={self.getRank()}, size={self.getSize()}, "
+                f"generation {self._ft.generation})")
+
+    def _get_sequence_number_for_group(self) -> int:
+        comm = self._ft._comm
+        return 0 if comm is None else int(comm._op_counter)
 
     def abort(self) -> None:
         """Abort the current generation's Communicator (its ops raise inside the step, which then cannot commit)."""

@@ -55,7 +55,6 @@ class GroupWork(dist._Work):
         super().__init__()
         self._group = group
         self._works: tuple[Work, ...] = (works,) if isinstance(works, Work) else tuple(works)
-        self._work = self._works[-1]
         self._result = result
         self._invalid = result if invalid is None else invalid
         self._future: torch.futures.Future[Any] | None = None
@@ -90,9 +89,9 @@ class GroupWork(dist._Work):
         return next((e for e in (w.exception() for w in self._works) if e is not None), None)
 
     def source_rank(self) -> int:
-        rank = self._work.source_rank()
+        rank = self._works[-1].source_rank() if self._works else None
         if rank is None:
-            raise RuntimeError(f"{self._work.op}: no source rank (not a completed recv)")
+            raise RuntimeError("no source rank: not a completed recv")
         return rank
 
     _source_rank = source_rank
