@@ -62,6 +62,7 @@ _SLICE_TEXT = "Operation timed out!"  # c10d Work::wait(timeout) when the timeou
 _P2P = frozenset({"send", "recv", "batch_p2p"})
 _ASYNC_WINDOW = 64  # an async p2p op deletes its own key of 64 ops earlier on the same stream (nobody may read it)
 _MAX_VALUE = 1 << 16
+_VERDICT_EVERY_S = 0.25  # a side wait longer than its first slice looks for a verdict this often
 
 
 class _SideFailure(Exception):
@@ -154,18 +155,25 @@ class Checker:
         except RuntimeError as exc:
             if str(exc) != _SLICE_TEXT:
                 raise _SideFailure() from exc
+        posted = self._announce(info)  # a slow check: say we are here, for whoever has to name the missing
         ready = _thread.allocate_lock()
         ready.acquire()
         self._wake = ready
         fut = work.get_future()
         fut.add_done_callback(lambda _f: _release(ready))
         deadline = time.monotonic() + info.timeout.total_seconds() + 10.0  # Gloo's own timeout fires first
+        look = time.monotonic() + _VERDICT_EVERY_S
         try:
             while not ready.acquire(timeout=_SLICE_S):
                 if self._aborted:
                     return False
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise _SideFailure() from TimeoutError(f"side-group {kind} did not finish")
+                if now > look:  # the others may have given up on this collective already (a verdict names us)
+                    look = now + _VERDICT_EVERY_S
+                    if self._keys.check([f"verdict/{self._seq}"]):
+                        raise _SideFailure() from TimeoutError("the other members gave up on this collective")
         finally:
             self._wake = None
         if self._aborted:
@@ -174,7 +182,18 @@ class Checker:
             fut.value()
         except Exception as exc:
             raise _SideFailure() from exc
+        if posted:
+            _quiet_delete(self._keys, posted)
         return True
+
+    def _announce(self, info: OpInfo) -> str:
+        """Post ``arrived/<seq>/<rank>`` (this member reached the check); returns the key ("" when it failed)."""
+        key = f"arrived/{self._seq}/{self.comm.rank}"
+        try:
+            self._keys.set(key, Fingerprint.of(info, self._seq).to_json())
+        except Exception:
+            return ""
+        return key
 
     def _gather_bytes(self, info: OpInfo, data: bytes) -> dict[int, bytes] | None:
         """Every member's ``data`` (sizes first, so the second all_gather has equal sizes everywhere)."""
@@ -281,7 +300,8 @@ class Checker:
                 except Exception as exc:
                     raise self._side_error(info, cause or exc) from exc
             verdict = _verdict(keys, seq)
-            if len(present) == size or verdict is not None or self._aborted or time.monotonic() > deadline:
+            if (len(present) + len(left) == size or verdict is not None or self._aborted
+                    or time.monotonic() > deadline):
                 break
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
@@ -289,7 +309,7 @@ class Checker:
             return
         missing = sorted(r for r in range(size) if r not in present)
         if verdict is None and missing:
-            proposal = json.dumps({"missing": [ranks[r] for r in missing], "seq": seq, "op": fp.text(),
+            proposal = json.dumps({"missing": [ranks[r] for r in missing], "seq": seq, "op": f"{fp.op} #{seq}",
                                    "left": {str(ranks[r]): t for r, t in left.items()},
                                    "present": sorted(ranks[r] for r in present), "waited_s": round(timeout_s, 3)})
             try:
@@ -301,7 +321,7 @@ class Checker:
         culprits = verdict["missing"]
         if ranks[me] in culprits:
             others = verdict["present"]
-            detail = (f"this rank ({ranks[me]}) entered {fp.text()} after {_ranks(others)} gave up waiting for it "
+            detail = (f"this rank ({ranks[me]}) entered {fp.op} #{seq} after {_ranks(others)} gave up waiting for it "
                       f"(they waited {verdict['waited_s']} s in {verdict['op']}): it is late, or it skipped or "
                       "added a collective earlier")
         else:
