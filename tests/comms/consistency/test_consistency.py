@@ -281,3 +281,42 @@ def test_bad_option_value_fails_before_connecting() -> None:
     store = dist.HashStore()
     with pytest.raises(TypeError, match="check_collectives must be a bool"):
         Communicator(store, 0, 1, check_collectives="yes")  # type: ignore[arg-type]
+
+
+def pg_body(ctx: RankContext) -> dict[str, Any]:
+    import os
+
+    import torch.distributed as dist
+
+    import torchnext  # noqa: F401  (registers the "torchnext" backend)
+
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"  # torch's own switch turns the mode on for torchnext groups
+    dist.init_process_group(backend="torchnext", store=ctx.store, rank=ctx.rank, world_size=ctx.world_size,
+                            timeout=timedelta(seconds=SETUP_S))
+    out: dict[str, Any] = {}
+    n = 6 if ctx.rank == 1 else 4
+    try:
+        dist.all_gather_into_tensor(torch.empty(n * ctx.world_size), torch.ones(n))
+        out["world"] = None
+    except dist.DistBackendError as exc:  # torch's class: existing except clauses keep working
+        out["world"] = (type(exc).__name__, list(getattr(exc, "culprits", ())))
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    out["after"] = t.tolist()
+    sub = dist.new_group([0, 1])
+    if ctx.rank < 2:
+        try:
+            dist.broadcast(torch.ones(3), src=ctx.rank, group=sub)  # each thinks it is the root
+            out["sub"] = None
+        except dist.DistBackendError as exc:
+            out["sub"] = (type(exc).__name__, getattr(exc, "field", None))
+    dist.destroy_process_group()
+    return out
+
+
+def test_process_group_mode_from_torch_distributed_debug() -> None:
+    for rank, out in enumerate(run_ranks(pg_body, 3, timeout=240)):
+        assert out["world"] == ("CollectiveMismatch", [1]), out
+        assert out["after"] == [3.0, 3.0]
+        if rank < 2:
+            assert out["sub"] == ("CollectiveMismatch", "root"), out

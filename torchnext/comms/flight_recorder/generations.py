@@ -28,6 +28,9 @@ from torchnext.comms.flight_recorder.loader import GroupInfo, RankDump
 __all__ = ["GenerationEnd", "generation_ends"]
 
 _FAILED = ("error", "timed_out", "aborted", "started", "scheduled")
+_STATE_WORDS = {"error": "failed", "timed_out": "timed out", "aborted": "aborted", "started": "still running",
+                "scheduled": "not started"}
+_REASON_CHARS = 240
 
 
 @dataclass(kw_only=True)
@@ -126,13 +129,14 @@ def generation_ends(dumps: list[RankDump], groups: dict[str, GroupInfo]) -> list
         reasons: list[str] = []
         for _, ev in sorted(aborts, key=lambda x: x[1]["time_ns"]):
             if ev["reason"] and ev["reason"] not in reasons:
-                reasons.append(ev["reason"])
+                reasons.append(_short(ev["reason"]))
         for es in failed.values():
             for e in es:
                 err = e.get("error")
-                if err and e["state"] != "aborted" and err not in reasons:
-                    reasons.append(str(err))
-        in_flight = {r: [f"{e['op']} #{_seq(e)} ({e['state']})" for e in es] for r, es in sorted(failed.items())}
+                if err and e["state"] != "aborted" and _short(str(err)) not in reasons:
+                    reasons.append(_short(str(err)))
+        in_flight = {r: [f"{e['op']} #{_seq(e)} ({_STATE_WORDS.get(e['state'], e['state'])})" for e in es]
+                     for r, es in sorted(failed.items())}
         formed = added.get(nxt) if nxt is not None else None
         end = GenerationEnd(
             pg=key, generation=group.generation, members=members, outcome=outcome,
@@ -146,6 +150,10 @@ def generation_ends(dumps: list[RankDump], groups: dict[str, GroupInfo]) -> list
         end.message = _tell(end)
         out.append(end)
     return out
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= _REASON_CHARS else text[: _REASON_CHARS - 3] + "..."
 
 
 def _ranks(rs: list[int]) -> str:
@@ -173,6 +181,8 @@ def _tell(g: GenerationEnd) -> str:
     if g.vanished:
         dead = [r for r in g.vanished if r in g.no_dump]
         lines.append(f"{_ranks(g.vanished)} vanished" + (f" ({_ranks(dead)} left no dump)" if dead else ""))
+    elif g.no_dump:
+        lines.append(f"{_ranks(g.no_dump)} left no dump (dead, or its dump failed)")
     if g.joined:
         lines.append(f"{_ranks(g.joined)} joined")
     if g.reasons:

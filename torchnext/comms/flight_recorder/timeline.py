@@ -143,7 +143,7 @@ def _render_png(report: Report, path: Path) -> None:
     bars, hang_s, label = timeline_bars(report)
     ranks = _ranks(report)
     row = {r: i for i, r in enumerate(ranks)}
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.6 * len(ranks)))
+    fig, ax = plt.subplots(figsize=(13, 1.6 + 0.6 * len(ranks)))
     for b in bars:
         width = max(b.end_s - b.start_s, 1e-4)
         ax.broken_barh([(b.start_s, width)], (row[b.rank] - 0.35, 0.7), color=STATE_COLORS.get(b.state, "#607d8b"))
@@ -173,7 +173,7 @@ def _render_png(report: Report, path: Path) -> None:
     handles += [Line2D([], [], color=_MARK_COLORS["abort"], marker="x", linestyle="none", label="abort()"),
                 Line2D([], [], color=STATE_COLORS["error"], marker="v", linestyle="none", label="op failed"),
                 Line2D([], [], color=_MARK_COLORS["generation"], linestyle=":", label="new generation")]
-    ax.legend(handles=handles, loc="lower right", fontsize=7)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, borderaxespad=0)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
