@@ -142,6 +142,7 @@ RELEVANT_ENV_PREFIXES: tuple[str, ...] = ("TORCHNEXT_", "TORCH_NCCL_", "NCCL_", 
 """Prefixes of the variables ``torchnext doctor`` reports (read-only)."""
 
 RELEVANT_ENV_NAMES: tuple[str, ...] = (
+    "TORCH_DISTRIBUTED_DEBUG",
     "NVIDIA_IMEX_CHANNELS",
     "NVIDIA_PYTORCH_VERSION",
     "NVIDIA_VISIBLE_DEVICES",
