@@ -48,7 +48,8 @@ def test_demo_kill_and_rejoin(tmp_path: Path) -> None:
     assert re.search(r"generation \d+ \('[^']+', members \[0, 1, 2, 3\]\) ended in a failure", report), report
     assert "in flight:" in report or "no op in flight (the ranks were between collectives" in report, report
     assert "rank 2 vanished (rank 2 left no dump)" in report, report
-    assert "how: " in report and "connection closed" in report, report
+    # how: the coordinator saw its connection close -- or, first, a survivor's collective failed and was reported
+    assert re.search(r"how: .*(connection closed|reported a failed collective|missed heartbeats)", report), report
     assert re.search(r"generation \d+ \('[^']+', members \[0, 1, 3(, 4)?\]\) formed [\d.]+ s later", report), report
     assert "rank 4 joined" in report, report  # the spare's generation: a reconfiguration, not a failure
     assert "dumped on abort" not in report, report  # the normal end is not worded as a crash
