@@ -175,6 +175,15 @@ def arrival_body(ctx: RankContext, culprit: int, how: str) -> dict[str, Any]:
     t = torch.ones(2)
     comm.all_reduce(t)
     others = ctx.world_size - 1
+    if how == "extra":  # the culprit issues one all_reduce more; the others are done and shut down
+        if ctx.rank != culprit:
+            comm.shutdown()
+            return {"shutdown": True}
+        try:
+            comm.all_reduce(t, timeout=FAULT_S)
+            return {"error": None}
+        except CollectiveMismatch as exc:
+            return {"error": (exc.field, list(exc.culprits), str(exc), exc.breaks_communicator)}
     if ctx.rank == culprit:  # skips the last all_reduce
         if how == "shutdown":
             comm.shutdown()
@@ -201,9 +210,14 @@ def arrival_body(ctx: RankContext, culprit: int, how: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("world,culprit,how", [(3, 1, "late"), (4, 2, "late"), (3, 2, "shutdown"),
-                                               (4, 0, "shutdown")])
+                                               (4, 0, "shutdown"), (3, 1, "extra"), (4, 3, "extra")])
 def test_a_member_that_never_comes_is_named(world: int, culprit: int, how: str) -> None:
     results = run_ranks(arrival_body, world, args=(culprit, how), timeout=240)
+    if how == "extra":  # only the culprit has an op to raise from; the others had finished
+        field, culprits, message, breaks = results[culprit]["error"]
+        assert (field, culprits, breaks) == ("arrival", [culprit], True), results[culprit]
+        assert f"rank {culprit} issued a collective more than the others" in message, message
+        return
     for rank, out in enumerate(results):
         if rank == culprit:
             if how == "late":
