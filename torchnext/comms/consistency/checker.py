@@ -319,13 +319,13 @@ class Checker:
         if verdict is None:  # everybody reached it: the side group failed for another reason
             raise self._side_error(info, cause)
         culprits = verdict["missing"]
-        present = verdict["present"]
-        if culprits and len(present) < len(culprits) and len(verdict["left"]) == len(culprits):
+        came: list[int] = verdict["present"]
+        if culprits and len(came) < len(culprits) and len(verdict["left"]) == len(culprits):
             # the majority had finished (shut down after the previous collective): the minority issued one more
             gone = "; ".join(f"rank {r} {t}" for r, t in verdict["left"].items())
-            detail = (f"{_ranks(present)} entered {verdict['op']}, which {_ranks(culprits)} never will ({gone}): "
-                      f"{_ranks(present)} issued a collective more than the others")
-            error = self._mismatch_error(info, detail, present, "arrival", breaks=True)
+            detail = (f"{_ranks(came)} entered {verdict['op']}, which {_ranks(culprits)} never will ({gone}): "
+                      f"{_ranks(came)} issued a collective more than the others")
+            error = self._mismatch_error(info, detail, came, "arrival", breaks=True)
             raise error from cause
         if ranks[me] in culprits:
             others = verdict["present"]
