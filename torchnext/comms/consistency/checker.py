@@ -125,8 +125,10 @@ class Checker:
 
     # ------------------------------------------------------------------------------------------- collectives
     def _pg(self) -> Any:
-        assert self._side is not None
-        return self._side.pg
+        side = self._side
+        if side is None:  # abort() or shutdown() released it meanwhile
+            raise RuntimeError(f"the consistency side group of {self.comm.name!r} was released")
+        return side.pg
 
     def _options(self, kind: str, timeout: timedelta) -> Any:
         opts = self._opts.get((kind, timeout))
