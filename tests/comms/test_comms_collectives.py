@@ -187,3 +187,40 @@ def test_collective_matrix(world_size: int) -> None:
     failures = [f for _, fs in results for f in fs]
     assert all(count >= 140 for count, _ in results), [c for c, _ in results]
     assert not failures, "\n".join(failures[:40])
+
+
+def _late_peer_body(ctx: RankContext) -> int:
+    """FSDP2's HSDP pattern on two communicators: async reduce-scatters into reused buffers, each output fed into an
+    all_reduce on the other communicator, the peer arriving late now and then (past the unwaited-op grace). Every
+    result must be the exact sum, also after the buffers were reused (a late write of an op declared complete would
+    land in a later result)."""
+    import random
+    import time
+
+    a = Communicator(ctx.store, ctx.rank, ctx.world_size, name="rs")
+    b = Communicator(ctx.store, ctx.rank, ctx.world_size, name="ar")
+    delays = random.Random(ctx.rank)
+    n = 1 << 14
+    inp = torch.empty(2 * n)
+    outs = [torch.empty(n), torch.empty(n)]
+    wrong = 0
+    for i in range(120):
+        out = outs[i % 2]
+        inp.fill_(float(i + ctx.rank))
+        if delays.random() < 0.2:
+            time.sleep(0.03)
+        work = a.reduce_scatter_single(out, inp, async_op=True)
+        assert work is not None
+        work.wait()
+        ar = b.all_reduce(out, async_op=True)
+        assert ar is not None
+        ar.wait()
+        expected = 2 * (2 * i + 1)  # i + (i + 1) reduce-scattered, then summed over the two ranks again
+        wrong += int(not bool((out == expected).all()))
+    a.shutdown()
+    b.shutdown()
+    return wrong
+
+
+def test_async_reduce_scatter_with_a_late_peer_is_exact() -> None:
+    assert run_ranks(_late_peer_body, 2, timeout=120) == [0, 0]

@@ -238,3 +238,77 @@ def test_failure_report_after_finish_is_answered_finished() -> None:
     m.tick(2.0)
     assert m.outbox == [(1, {"t": "fatal", "code": "finished", "reason": "the job finished at step 0: no new generation"})]
     assert m.gen == 1
+
+
+# ------------------------------------------------------------------------------------------- replica groups
+def _groups(n_groups: int, size: int, **kw: object) -> Membership:
+    """``n_groups`` replica groups of ``size`` ranks; member id = 10 * group + rank."""
+    m = _mk(initial_size=n_groups, **kw)
+    for g in range(n_groups):
+        for r in range(size):
+            m.join(10 * g + r, 0, 0.0, group=g, group_rank=r, group_size=size)
+    return m
+
+
+def test_a_replica_group_takes_part_only_whole() -> None:
+    m = _mk(initial_size=2)
+    m.join(0, 0, 0.0, group=0, group_rank=0, group_size=2)
+    m.join(1, 0, 0.0, group=0, group_rank=1, group_size=2)
+    m.join(10, 0, 0.0, group=1, group_rank=0, group_size=2)
+    assert m.gen == 0  # group 1 is not whole yet: one group of the two needed
+    m.join(11, 0, 0.0, group=1, group_rank=1, group_size=2)
+    gens = _gens(m)
+    assert m.gen == 1 and m.members == (0, 1, 10, 11)
+    msg = gens[0][1]
+    assert msg["groups"] == [[0, 1], [10, 11]] and msg["donors"] == [0, 1] and msg["joiners"] == [10, 11]
+
+
+def test_a_failed_rank_takes_its_whole_group_out_and_the_others_go_on() -> None:
+    m = _groups(2, 2, min_size=1, settle_s=0.0)
+    m.outbox.clear()
+    m.failure(11, 1.0, "closed", hung=False)
+    assert m.to_close == [11]
+    fenced = dict(m.to_fence)
+    assert list(fenced) == [10] and fenced[10]["t"] == "removed"
+    assert "replica group 1 lost member 11" in fenced[10]["reason"]
+    m.tick(1.0)
+    gens = _gens(m)
+    assert m.gen == 2 and m.members == (0, 1) and {mid for mid, _ in gens} == {0, 1}
+    assert gens[0][1]["groups"] == [[0, 1]] and gens[0][1]["abort"]
+    # the restarted group rejoins as new members: healed from the donor group, rank by rank, at the next commit
+    m.join(20, 0, 2.0, group=1, group_rank=0, group_size=2)
+    m.join(21, 0, 2.0, group=1, group_rank=1, group_size=2)
+    for mid in (0, 1):
+        m.vote(mid, 2, 0, 2.1)
+    nxt = next(msg for mid, msg in m.outbox if mid == 20 and msg["t"] == "gen")
+    assert nxt["members"] == [0, 1, 20, 21] and nxt["joiners"] == [20, 21] and nxt["donors"] == [0, 1]
+    assert nxt["groups"] == [[0, 1], [20, 21]] and not nxt["abort"]
+
+
+def test_an_incomplete_joining_group_waits_and_min_size_counts_groups() -> None:
+    m = _groups(2, 2, min_size=2, settle_s=0.0)
+    for mid in (0, 1, 10, 11):  # one commit: both groups hold the state
+        m.vote(mid, 1, 0, 0.5)
+    m.failure(1, 1.0, "closed", hung=False)
+    m.tick(1.0)
+    assert m.waiting_since is not None  # one group left, min_size=2 groups: wait for joiners
+    m.join(30, 0, 1.5, group=3, group_rank=1, group_size=2)
+    assert m.waiting_since is not None  # half a group is no quorum
+    m.join(31, 0, 1.6, group=3, group_rank=0, group_size=2)
+    assert m.waiting_since is None and m.members == (10, 11, 30, 31)
+
+
+@pytest.mark.parametrize(("kwargs", "code", "text"), [
+    ({"group": 0, "group_rank": 0, "group_size": 3}, "bad_request", "same shard count"),
+    ({"group": 0, "group_rank": 0, "group_size": 2}, "duplicate", "rank 0 of replica group 0"),
+    ({"group": 5, "group_rank": 2, "group_size": 2}, "bad_request", "out of range"),
+    ({"group": -1, "group_rank": 0, "group_size": 2}, "bad_request", "replica group id"),
+    ({"group": None, "group_rank": 1, "group_size": 2}, "bad_request", "without a replica group"),
+    ({"group": 5, "group_rank": "0", "group_size": 2}, "bad_request", "group_rank"),
+])
+def test_malformed_or_inconsistent_group_joins_are_rejected(kwargs: dict, code: str, text: str) -> None:
+    m = _mk(initial_size=1)
+    m.join(0, 0, 0.0, group=0, group_rank=0, group_size=2)
+    with pytest.raises(Rejected, match=text) as info:
+        m.join(None, 0, 0.0, **kwargs)
+    assert info.value.code == code

@@ -85,8 +85,9 @@ class CollectiveOps:
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *, async_op: bool = False, timeout: Timeout = None
     ) -> Work | None:
-        """In place on every rank: ``tensor = op(xs[0], ..., xs[size-1])``."""
-        t = v.check_tensor(tensor, "tensor", "all_reduce", self._device)
+        """In place on every rank: ``tensor = op(xs[0], ..., xs[size-1])``. A sparse COO ``tensor`` is summed as
+        the backend does it (Gloo: SUM of COO tensors, the result replaces ``tensor``'s values)."""
+        t = v.check_tensor(tensor, "tensor", "all_reduce", self._device, sparse=True)
         rop, c_op, divide = self._reduce_args("all_reduce", op, t.dtype)
         pg = self._pg
 

@@ -11,7 +11,9 @@ __all__ = ["check_list", "check_rank", "check_same_dtype", "check_tensor"]
 _STRIDED = torch.strided
 
 
-def check_tensor(t: object, what: str, op: str, device: torch.device) -> torch.Tensor:
+def check_tensor(t: object, what: str, op: str, device: torch.device, *, sparse: bool = False) -> torch.Tensor:
+    """``t`` if it is a contiguous dense tensor on ``device`` (a sparse COO tensor too where ``sparse``: Gloo's
+    all_reduce sums those); ``TypeError``/``ValueError`` naming ``op`` and ``what`` otherwise."""
     if type(t) is torch.Tensor and t.is_cpu and device.type == "cpu" and t.layout is _STRIDED and t.is_contiguous():
         return t  # fast path for the common case
     if not isinstance(t, torch.Tensor):
@@ -19,7 +21,10 @@ def check_tensor(t: object, what: str, op: str, device: torch.device) -> torch.T
     if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
         raise ValueError(f"{op}: {what} is on {t.device}, but this communicator's backend communicates {device} tensors")
     if t.is_sparse:
-        raise ValueError(f"{op}: {what} is sparse; only dense tensors are supported")
+        if sparse and t.layout is torch.sparse_coo:
+            return t
+        raise ValueError(f"{op}: {what} is sparse; only dense tensors are supported"
+                         + (" (all_reduce takes sparse COO tensors)" if op != "all_reduce" else ""))
     if not t.is_contiguous():
         raise ValueError(f"{op}: {what} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); call .contiguous()")
     return t

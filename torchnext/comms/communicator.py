@@ -209,6 +209,7 @@ class Communicator(CollectiveOps):
         self._backend = factory(cfg)
         self._pg = self._backend.pg
         self._interruptible = self._backend.interruptible_wait
+        self._futureless = self._backend.futureless_ops
         self._device = self._backend.device
 
     # ------------------------------------------------------------------------------------------------ properties
@@ -455,6 +456,8 @@ class Communicator(CollectiveOps):
     ) -> Work | None:
         if self._closed or self._error is not None:
             self._refuse(op)
+        if has_future and op in self._futureless:
+            has_future = False
         if timeout is None:
             td, timeout_s = None, self._timeout_s
         else:

@@ -298,7 +298,9 @@ class Coordinator:
         with self._lock:
             try:
                 step = msg.get("step", 0)
-                mid = self._state.join(msg.get("member"), step if isinstance(step, int) else -1, now)
+                mid = self._state.join(msg.get("member"), step if isinstance(step, int) else -1, now,
+                                       group=msg.get("group"), group_rank=msg.get("group_rank", 0),
+                                       group_size=msg.get("group_size", 1))
             except Rejected as exc:
                 self._reject(conn, exc.code, exc.reason)
                 return
@@ -308,6 +310,7 @@ class Coordinator:
             self._send(conn, {
                 "t": "welcome", "member": mid, "store_port": self.store_port, "proto": PROTOCOL_VERSION,
                 "heartbeat_interval_s": cfg.heartbeat_interval_s, "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
+                "quorum_timeout_s": cfg.quorum_timeout_s, "grow_timeout_s": cfg.grow_timeout_s,
             })
             self._flush(now)
 

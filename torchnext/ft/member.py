@@ -62,6 +62,9 @@ class MemberClient:
         member_id: int | None,
         step: int,
         connect_timeout_s: float,
+        replica_group: int | None = None,
+        group_rank: int = 0,
+        group_size: int = 1,
         coordinator_timeout_s: float,
         on_interrupt: Callable[[dict[str, Any]], None],
     ) -> None:
@@ -83,7 +86,8 @@ class MemberClient:
         self._reader = LineReader()
         try:
             sock.sendall(encode({"t": "hello", "token": token, "member": member_id, "step": step,
-                                 "proto": PROTOCOL_VERSION, "pid": os.getpid()}))
+                                 "proto": PROTOCOL_VERSION, "pid": os.getpid(), "group": replica_group,
+                                 "group_rank": group_rank, "group_size": group_size}))
             welcome = self._read_welcome(time.monotonic() + connect_timeout_s, address)
         except BaseException:
             sock.close()
@@ -93,6 +97,8 @@ class MemberClient:
         self.store_port: int = int(welcome["store_port"])
         self.heartbeat_interval_s = float(welcome["heartbeat_interval_s"])
         self.heartbeat_timeout_s = float(welcome["heartbeat_timeout_s"])
+        self.quorum_timeout_s: float | None = welcome.get("quorum_timeout_s")
+        self.grow_timeout_s: float | None = welcome.get("grow_timeout_s")
         sock.settimeout(1.0)  # bounds sendall; reads happen after select says readable
         self._last_heard = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"torchnext-heartbeat[{self.member_id}]", daemon=True)

@@ -8,6 +8,12 @@ Model
 -----
 * A **member** is one process, named by a stable int id (given by the process or assigned in join order). An id that
   was removed is never accepted again: a restarted process joins as a new member.
+* A **replica group** is the failure domain: ``group_size`` members (ranks ``0 .. group_size - 1`` of the group, say
+  the processes of one ``torchrun --nproc-per-node`` or one FSDP shard group) that share fate. A group takes part
+  in a generation only whole; when one of its members fails, the group leaves: its other members are removed too
+  ("your replica group lost member m") and must restart to rejoin as a new group, healed shard by shard. Every
+  group of a job has the same ``group_size`` (checked at join). A member that names no group is a group of one
+  (the default: every process its own failure domain). ``min_size`` and ``initial_size`` count groups.
 * A **generation** ``g`` is a sorted tuple of member ids. Ranks in generation ``g`` are ``members.index(id)``; the
   Communicator of generation ``g`` is built under its own store prefix, so nothing of ``g - 1`` can leak into it.
 * The **committed step** counts the training steps every member of some generation completed and the coordinator
@@ -140,6 +146,10 @@ class _Member:
     last_seen: float
     step: int
     joined_at: float
+    group: int = -1
+    """Replica group id (``-1 - id`` for a member that named none: a group of its own)."""
+    group_rank: int = 0
+    group_size: int = 1
     synced: bool = False
     """Holds the committed state (committed a step in a generation, or was the formation donor)."""
 
@@ -180,14 +190,17 @@ class Membership:
     _next_id: int = 0
 
     # ------------------------------------------------------------------------------------------------ events
-    def join(self, requested: int | None, step: int, now: float) -> int:
-        """A process asks to join; returns its member id or raises :class:`Rejected`."""
+    def join(self, requested: int | None, step: int, now: float, *, group: int | None = None, group_rank: int = 0,
+             group_size: int = 1) -> int:
+        """A process asks to join (as rank ``group_rank`` of replica group ``group`` of ``group_size`` ranks, or as
+        a group of its own); returns its member id or raises :class:`Rejected`."""
         if self.fatal is not None:
             raise Rejected("fatal", f"the job has failed: {self.fatal}")
         if self.finished_step is not None:
             raise Rejected("finished", f"the job finished at step {self.finished_step}")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise Rejected("bad_request", f"step must be an int >= 0, got {step!r}")
+        self._check_group(group, group_rank, group_size)
         if requested is None:
             mid = self._next_id
             while mid in self.live or mid in self.removed:
@@ -205,8 +218,9 @@ class Membership:
                 raise Rejected("duplicate", f"member id {requested} is already connected")
             mid = requested
         self._next_id = max(self._next_id, mid + 1)
-        self.live[mid] = _Member(mid, now, step, now)
-        self.history.append({"event": "join", "member": mid, "at": now})
+        gid = -1 - mid if group is None else group
+        self.live[mid] = _Member(mid, now, step, now, group=gid, group_rank=group_rank, group_size=group_size)
+        self.history.append({"event": "join", "member": mid, "group": gid, "at": now})
         self._maybe_form(now)
         return mid
 
@@ -240,6 +254,16 @@ class Membership:
         if mid in self.members:
             self.dead.add(mid)
             self._schedule_change(now, f"member {mid} {why}")
+        # shared fate: the rest of its replica group leaves with it (each learns why, then restarts to rejoin)
+        for other in [o for o, om in self.live.items() if om.group == m.group]:
+            om = self.live.pop(other)
+            because = f"your replica group {_group_name(m.group)} lost member {mid} (rank {m.group_rank}: {why})"
+            self.removed[other] = because
+            self.history.append({"event": "group_failure", "member": other, "group": om.group, "why": because,
+                                 "at": now})
+            self.to_fence.append((other, {"t": "removed", "gen": self.gen, "reason": because}))
+            if other in self.members:
+                self.dead.add(other)
 
     def leave(self, mid: int, now: float) -> None:
         """Graceful exit (``bye``): like a failure, without the alarm."""
@@ -317,14 +341,56 @@ class Membership:
         if self.waiting_since is not None and now - self.waiting_since > cfg.quorum_timeout_s:
             self._fail_job("quorum_lost", f"only {len(self.live)} live member(s), fewer than min_size={cfg.min_size}, "
                            f"and no joiner arrived within quorum_timeout_s={cfg.quorum_timeout_s}")
-        joiners = self._joiners()
+        joiners = self._complete(self._joiners())
         if (self.gen and joiners and self.change_at is None and self.waiting_since is None
                 and now - max(self.last_commit_at, min(self.live[j].joined_at for j in joiners)) > cfg.grow_timeout_s):
             self._new_generation(sorted({*self.members, *joiners}), f"grow (idle): joined {joiners}", now, abort=True)
 
     # ------------------------------------------------------------------------------------------------ internals
+    def _check_group(self, group: object, rank: object, size: object) -> None:
+        """Refuse a join whose replica-group claim is malformed or disagrees with the groups already known."""
+        for name, v, low in (("group_rank", rank, 0), ("group_size", size, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise Rejected("bad_request", f"{name} must be an int >= {low}, got {v!r}")
+        assert isinstance(rank, int) and isinstance(size, int)
+        if group is None:
+            if (rank, size) != (0, 1):
+                raise Rejected("bad_request", f"group_rank={rank}, group_size={size} without a replica group id")
+        elif isinstance(group, bool) or not isinstance(group, int) or group < 0:
+            raise Rejected("bad_request", f"replica group id must be an int >= 0, got {group!r}")
+        if rank >= size:
+            raise Rejected("bad_request", f"group_rank={rank} is out of range for group_size={size}")
+        for other in self.live.values():
+            if other.group_size != size:
+                raise Rejected("bad_request", (
+                    f"replica group {_group_name(-1 if group is None else group)} has {size} rank(s) but replica "
+                    f"group {_group_name(other.group)} has {other.group_size}: every replica group needs the same "
+                    "shard count (healing copies state shard by shard)"))
+            if group is not None and other.group == group and other.group_rank == rank:
+                raise Rejected("duplicate", f"rank {rank} of replica group {group} is already connected "
+                                            f"(member {other.id})")
+
     def _joiners(self) -> list[int]:
         return sorted(m for m in self.live if m not in self.members)
+
+    def _complete(self, candidates: list[int] | tuple[int, ...]) -> list[int]:
+        """The members of ``candidates`` whose replica group is whole among them (a group takes part whole)."""
+        by_group: dict[int, list[int]] = {}
+        for m in candidates:
+            by_group.setdefault(self.live[m].group, []).append(m)
+        return sorted(m for ms in by_group.values() if len(ms) == self.live[ms[0]].group_size for m in ms)
+
+    def groups_of(self, members: list[int] | tuple[int, ...]) -> list[list[int]]:
+        """``members`` as replica groups: one list per group (member ids by group rank), groups ordered by their
+        smallest member id (so groups of one keep the members' order)."""
+        by_group: dict[int, list[_Member]] = {}
+        for m in members:
+            by_group.setdefault(self.live[m].group, []).append(self.live[m])
+        groups = [[x.id for x in sorted(ms, key=lambda x: x.group_rank)] for ms in by_group.values()]
+        return sorted(groups, key=min)
+
+    def _group_count(self, members: list[int]) -> int:
+        return len({self.live[m].group for m in members})
 
     def _schedule_change(self, now: float, reason: str) -> None:
         self.change_reasons.append(reason)
@@ -332,19 +398,20 @@ class Membership:
             self.change_at = now + self.config.settle_s
 
     def _maybe_form(self, now: float) -> None:
+        whole = self._complete(sorted(self.live))
         if self.gen == 0:
             need = self.config.initial_size or self.config.min_size
-            if len(self.live) >= need:
-                self._new_generation(sorted(self.live), "initial", now, abort=False)
-        elif self.waiting_since is not None and len(self.live) >= self.config.min_size:
-            self._new_generation(sorted(self.live), "quorum regained: joined " + str(self._joiners()), now, abort=True)
+            if self._group_count(whole) >= need:
+                self._new_generation(whole, "initial", now, abort=False)
+        elif self.waiting_since is not None and self._group_count(whole) >= self.config.min_size:
+            self._new_generation(whole, "quorum regained: joined " + str(self._joiners()), now, abort=True)
 
     def _reconfigure(self, now: float) -> None:
         reason = "; ".join(self.change_reasons)
         self.change_reasons = []
         self.change_at = None
-        candidates = sorted(self.live)  # survivors of the generation + pending joiners
-        if len(candidates) >= self.config.min_size:
+        candidates = self._complete(sorted(self.live))  # survivors of the generation + whole joining groups
+        if self._group_count(candidates) >= self.config.min_size:
             self._new_generation(candidates, reason, now, abort=True)
             return
         survivors = tuple(m for m in self.members if m in self.live)
@@ -354,7 +421,8 @@ class Membership:
         if self.waiting_since is None:
             self.waiting_since = now
         msg = {"t": "wait", "gen": self.gen,
-               "reason": f"{reason}; {len(candidates)} member(s) left, min_size={self.config.min_size}: waiting "
+               "reason": f"{reason}; {self._group_count(candidates)} replica group(s) left, min_size="
+                         f"{self.config.min_size}: waiting "
                          f"up to {self.config.quorum_timeout_s}s for joiners"}
         self.history.append({"event": "wait", "at": now, "reason": msg["reason"]})
         for m in candidates:
@@ -368,7 +436,9 @@ class Membership:
             donor = min(synced)
         elif self.gen == 0:  # formation: the member with the most committed steps (lowest id on ties) is the source
             donor = max(members, key=lambda m: (self.live[m].step, -m))
-            self.live[donor].synced = True
+            for m in members:  # its whole replica group holds the state (shard by shard)
+                if self.live[m].group == self.live[donor].group:
+                    self.live[m].synced = True
             self.step = self.live[donor].step
         else:
             self._fail_job("state_lost", f"every member holding the committed state failed ({reason})")
@@ -380,9 +450,12 @@ class Membership:
         self.change_at = None
         self.change_reasons = []
         self.waiting_since = None
+        groups = self.groups_of(members)
+        donors = next(g for g in groups if donor in g)  # the donor group: rank r heals rank r of each joining group
         msg: dict[str, Any] = {
             "t": "gen", "gen": self.gen, "members": list(members), "step": self.step, "donor": donor,
             "joiners": [m for m in members if not self.live[m].synced], "abort": abort, "reason": reason,
+            "groups": groups, "donors": donors,
         }
         self.history.append({"event": "generation", "gen": self.gen, "members": list(members), "reason": reason,
                              "at": now, "abort": abort})
@@ -403,7 +476,7 @@ class Membership:
         for m in old:
             self.live[m].synced = True
         decision: dict[str, Any] = {"t": "decision", "gen": self.gen, "step": decided, "committed": self.step}
-        joiners = self._joiners()
+        joiners = self._complete(self._joiners())
         if joiners and self.change_at is None:
             nxt = self._new_generation(sorted({*old, *joiners}), f"grow: joined {joiners}", now, abort=False,
                                        notify=False)
@@ -428,3 +501,8 @@ class Membership:
         self.live.clear()
         self.waiting_since = None
         self.change_at = None
+
+
+def _group_name(gid: int) -> str:
+    """A replica group as users know it: its id, or "of member m" for a member's own group."""
+    return str(gid) if gid >= 0 else f"of member {-1 - gid}"

@@ -5,6 +5,7 @@ environment variables mirrored from torch."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -158,7 +159,7 @@ def test_torchnext_run_gives_an_unedited_gloo_script_torchnext_groups(tmp_path: 
     proc = subprocess.run([sys.executable, "-m", "torchnext", "run", "--standalone", "--nproc-per-node", "2",
                            str(script), "--lr", "0.1"], capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
+    lines = sorted(re.findall(r"RESULT \d \w+ \w+ [\d.]+ \[[^\]]*\]", proc.stdout))  # workers share stdout
     assert lines == [f"RESULT {r} TorchnextProcessGroup TorchnextProcessGroup 3.0 ['--lr', '0.1']" for r in range(2)]
 
 

@@ -56,6 +56,9 @@ class BackendHandle:
     """Whether ``backend_work.wait(timeout)`` on a collective only stops waiting when ``timeout`` elapses (c10d's
     generic ``Work::wait``) rather than failing the op: then sync ops wait in short slices on the issuing thread
     (fastest, still abortable). Gloo: True. Otherwise sync ops wait like async ones (future callback)."""
+    futureless_ops: frozenset[str] = frozenset()
+    """Ops whose backend Work has no future and whose timed wait is not a plain wait (Gloo's reduce_scatter: it
+    ignores the timeout and never reports ``is_completed()``): they are waited on untimed, by a waiter thread."""
     uneven_all_to_all: bool = False
     """Whether the list-form ``alltoall`` accepts chunks of different sizes (else it is emulated)."""
     abort_fn: Callable[[], None] | None = None

@@ -25,4 +25,5 @@ def create(cfg: BackendConfig) -> BackendHandle:
     if not dist.is_gloo_available():
         raise RuntimeError("this torch build has no Gloo support (torch.distributed.is_gloo_available() is False)")
     pg = dist.ProcessGroupGloo(cfg.store, cfg.rank, cfg.size, cfg.timeout)
-    return BackendHandle(pg=pg, device=device, native_avg=True, interruptible_wait=True)
+    return BackendHandle(pg=pg, device=device, native_avg=True, interruptible_wait=True,
+                         futureless_ops=frozenset({"reduce_scatter", "reduce_scatter_single"}))

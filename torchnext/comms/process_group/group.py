@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -172,9 +172,13 @@ class TorchnextProcessGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------------------------------------ internals
     def _comm_for(self, t: Any, op: str) -> Communicator:
-        if not isinstance(t, torch.Tensor):
+        """The Communicator for ``t``'s device (``t=None``: the group's main one), refusing once it is errored."""
+        if t is None:
+            comm: Communicator | None = self._main
+        elif not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: expected a torch.Tensor, got {type(t).__name__}")
-        comm = self._comms.get(t.device.type)
+        else:
+            comm = self._comms.get(t.device.type)
         if comm is None:
             raise ValueError(f"{op}: a tensor on {t.device}, but torchnext group {self._group_name!r} has backends "
                              f"only for {sorted(self._comms)} tensors")
@@ -191,44 +195,42 @@ class TorchnextProcessGroup(dist.ProcessGroup):
                          "marked invalid (NaN) and the next call into the group raises", self._group_name, work.op,
                          work.exception())
 
+    def _run(self, op: str, device_tensor: Any, issue: Callable[[Communicator], Any], result: list[Any]) -> GroupWork:
+        """Issue ``issue(comm)`` on the Communicator for ``device_tensor``'s device and wrap what it returns (the
+        one place a subclass changes what a failure means: :class:`torchnext.ft.FaultTolerantProcessGroup`)."""
+        comm = self._comm_for(device_tensor, op)
+        return GroupWork(self, issue(comm), result)
+
     # ------------------------------------------------------------------------------------------ reductions
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupWork:  # type: ignore[override]
         t = _only(tensors, "allreduce")
-        comm = self._comm_for(t, "all_reduce")
-        op = ReduceOp.SUM if opts is None else ReduceOp.from_c10d(opts.reduceOp)
-        work = comm.all_reduce(t, op, async_op=True, timeout=_timeout(opts))
-        return GroupWork(self, work, tensors)  # type: ignore[arg-type]
+        op, td = _reduce_op(opts), _timeout(opts)
+        return self._run("all_reduce", t, lambda c: c.all_reduce(t, op, async_op=True, timeout=td), tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupWork:
         if not tensors:
             raise ValueError("allreduce_coalesced: no tensors")
-        comm = self._comm_for(tensors[0], "all_reduce")
-        op = ReduceOp.SUM if opts is None else ReduceOp.from_c10d(opts.reduceOp)
-        td = _timeout(opts)
-        works = [comm.all_reduce(t, op, async_op=True, timeout=td) for t in tensors]
-        return GroupWork(self, works, tensors)  # type: ignore[arg-type]
+        op, td = _reduce_op(opts), _timeout(opts)
+        return self._run("all_reduce", tensors[0],
+                         lambda c: [c.all_reduce(t, op, async_op=True, timeout=td) for t in tensors], tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> GroupWork:  # type: ignore[override]
         t = _only(tensors, "reduce")
-        comm = self._comm_for(t, "reduce")
-        work = comm.reduce(t, int(opts.rootRank), ReduceOp.from_c10d(opts.reduceOp), async_op=True,
-                           timeout=_timeout(opts))
-        return GroupWork(self, work, tensors)  # type: ignore[arg-type]
+        root, op, td = int(opts.rootRank), _reduce_op(opts), _timeout(opts)
+        return self._run("reduce", t, lambda c: c.reduce(t, root, op, async_op=True, timeout=td), tensors)
 
-    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]
-                       opts: Any = None) -> GroupWork:
+    def reduce_scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
+                       input_tensors: list[list[torch.Tensor]], opts: Any = None) -> GroupWork:
         out = _only(output_tensors, "reduce_scatter", "outputs")
         ins = _only(input_tensors, "reduce_scatter", "input lists")
-        comm = self._comm_for(out, "reduce_scatter")
-        op = ReduceOp.SUM if opts is None else ReduceOp.from_c10d(opts.reduceOp)
-        work = comm.reduce_scatter(out, ins, op, async_op=True, timeout=_timeout(opts))
-        return GroupWork(self, work, output_tensors)  # type: ignore[arg-type]
+        op, td = _reduce_op(opts), _timeout(opts)
+        return self._run("reduce_scatter", out, lambda c: c.reduce_scatter(out, ins, op, async_op=True, timeout=td),
+                         output_tensors)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> GroupWork:
-        comm = self._comm_for(output, "reduce_scatter_single")
-        op = ReduceOp.SUM if opts is None else ReduceOp.from_c10d(opts.reduceOp)
-        work = comm.reduce_scatter_single(output, input, op, async_op=True, timeout=_timeout(opts))
-        return GroupWork(self, work, [output])  # type: ignore[arg-type]
+        op, td = _reduce_op(opts), _timeout(opts)
+        return self._run("reduce_scatter_single", output,
+                         lambda c: c.reduce_scatter_single(output, input, op, async_op=True, timeout=td), [output])
 
     reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]
 
@@ -236,34 +238,30 @@ class TorchnextProcessGroup(dist.ProcessGroup):
                                         opts: Any = None) -> GroupWork:
         if len(outputs) != len(inputs) or not outputs:
             raise ValueError(f"reduce_scatter_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs")
-        comm = self._comm_for(outputs[0], "reduce_scatter_single")
-        op = ReduceOp.SUM if opts is None else ReduceOp.from_c10d(opts.reduceOp)
-        td = _timeout(opts)
-        works = [comm.reduce_scatter_single(o, i, op, async_op=True, timeout=td) for o, i in zip(outputs, inputs, strict=True)]
-        return GroupWork(self, works, outputs)  # type: ignore[arg-type]
+        op, td = _reduce_op(opts), _timeout(opts)
+        return self._run("reduce_scatter_single", outputs[0], lambda c: [
+            c.reduce_scatter_single(o, i, op, async_op=True, timeout=td) for o, i in zip(outputs, inputs, strict=True)
+        ], outputs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]
 
     # --------------------------------------------------------------------------------------- data movement
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupWork:  # type: ignore[override]
         t = _only(tensors, "broadcast")
-        comm = self._comm_for(t, "broadcast")
-        root = 0 if opts is None else int(opts.rootRank)
-        work = comm.broadcast(t, root, async_op=True, timeout=_timeout(opts))
-        return GroupWork(self, work, tensors)  # type: ignore[arg-type]
+        root, td = (0 if opts is None else int(opts.rootRank)), _timeout(opts)
+        return self._run("broadcast", t, lambda c: c.broadcast(t, root, async_op=True, timeout=td), tensors)
 
-    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
-                  opts: Any = None) -> GroupWork:
+    def allgather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]
+                  input_tensors: list[torch.Tensor], opts: Any = None) -> GroupWork:
         t = _only(input_tensors, "allgather", "inputs")
         outs = _only(output_tensors, "allgather", "output lists")
-        comm = self._comm_for(t, "all_gather")
-        work = comm.all_gather(outs, t, async_op=True, timeout=_timeout(opts))
-        return GroupWork(self, work, output_tensors)  # type: ignore[arg-type]
+        td = _timeout(opts)
+        return self._run("all_gather", t, lambda c: c.all_gather(outs, t, async_op=True, timeout=td), output_tensors)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> GroupWork:
-        comm = self._comm_for(input, "all_gather_single")
-        work = comm.all_gather_single(output, input, async_op=True, timeout=_timeout(opts))
-        return GroupWork(self, work, [output])  # type: ignore[arg-type]
+        td = _timeout(opts)
+        return self._run("all_gather_single", input,
+                         lambda c: c.all_gather_single(output, input, async_op=True, timeout=td), [output])
 
     all_gather_single = _allgather_base
 
@@ -272,23 +270,27 @@ class TorchnextProcessGroup(dist.ProcessGroup):
         """``output_lists[r][i] = rank r's input_list[i]`` (torch's layout: one list per rank)."""
         if not input_list:
             raise ValueError("allgather_coalesced: no input tensors")
-        comm = self._comm_for(input_list[0], "all_gather")
-        if len(output_lists) != comm.size or any(len(outs) != len(input_list) for outs in output_lists):
-            raise ValueError(f"allgather_coalesced: expected {comm.size} output lists (one per rank) of "
-                             f"{len(input_list)} tensors each")
+        if any(len(outs) != len(input_list) for outs in output_lists):
+            raise ValueError(f"allgather_coalesced: every output list (one per rank) needs {len(input_list)} tensors")
         td = _timeout(opts)
-        works = [comm.all_gather([outs[i] for outs in output_lists], t, async_op=True, timeout=td)
-                 for i, t in enumerate(input_list)]
-        return GroupWork(self, works, output_lists)  # type: ignore[arg-type]
+
+        def issue(c: Communicator) -> Any:
+            if len(output_lists) != c.size:
+                raise ValueError(f"allgather_coalesced: expected {c.size} output lists (one per rank), "
+                                 f"got {len(output_lists)}")
+            return [c.all_gather([outs[i] for outs in output_lists], t, async_op=True, timeout=td)
+                    for i, t in enumerate(input_list)]
+
+        return self._run("all_gather", input_list[0], issue, output_lists)
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> GroupWork:
         if len(outputs) != len(inputs) or not inputs:
             raise ValueError(f"allgather_into_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs")
-        comm = self._comm_for(inputs[0], "all_gather_single")
         td = _timeout(opts)
-        works = [comm.all_gather_single(o, i, async_op=True, timeout=td) for o, i in zip(outputs, inputs, strict=True)]
-        return GroupWork(self, works, outputs)  # type: ignore[arg-type]
+        return self._run("all_gather_single", inputs[0], lambda c: [
+            c.all_gather_single(o, i, async_op=True, timeout=td) for o, i in zip(outputs, inputs, strict=True)
+        ], outputs)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]
 
@@ -296,59 +298,59 @@ class TorchnextProcessGroup(dist.ProcessGroup):
                  opts: Any = None) -> GroupWork:
         if not input_tensors:
             raise ValueError("alltoall: no input tensors")
-        comm = self._comm_for(input_tensors[0], "all_to_all")
-        work = comm.all_to_all(output_tensors, input_tensors, async_op=True, timeout=_timeout(opts))
-        return GroupWork(self, work, output_tensors)  # type: ignore[arg-type]
+        td = _timeout(opts)
+        return self._run("all_to_all", input_tensors[0],
+                         lambda c: c.all_to_all(output_tensors, input_tensors, async_op=True, timeout=td), output_tensors)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> GroupWork:
-        comm = self._comm_for(input, "all_to_all_single")
-        work = comm.all_to_all_single(output, input, list(output_split_sizes) or None,
-                                      list(input_split_sizes) or None, async_op=True, timeout=_timeout(opts))
-        return GroupWork(self, work, [output])  # type: ignore[arg-type]
+        out_splits, in_splits, td = list(output_split_sizes) or None, list(input_split_sizes) or None, _timeout(opts)
+        return self._run("all_to_all_single", input, lambda c: c.all_to_all_single(
+            output, input, out_splits, in_splits, async_op=True, timeout=td), [output])
 
     all_to_all_single = alltoall_base  # type: ignore[assignment]
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
                opts: Any) -> GroupWork:
         t = _only(input_tensors, "gather", "inputs")
-        comm = self._comm_for(t, "gather")
-        root = int(opts.rootRank)
-        outs = _only(output_tensors, "gather", "output lists") if comm.rank == root else None
-        work = comm.gather(t, outs, root, async_op=True, timeout=_timeout(opts))
-        return GroupWork(self, work, output_tensors)  # type: ignore[arg-type]
+        root, td = int(opts.rootRank), _timeout(opts)
+
+        def issue(c: Communicator) -> Any:
+            outs = _only(output_tensors, "gather", "output lists") if c.rank == root else None
+            return c.gather(t, outs, root, async_op=True, timeout=td)
+
+        return self._run("gather", t, issue, output_tensors)
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]
                 opts: Any) -> GroupWork:
         t = _only(output_tensors, "scatter", "outputs")
-        comm = self._comm_for(t, "scatter")
-        root = int(opts.rootRank)
-        ins = _only(input_tensors, "scatter", "input lists") if comm.rank == root else None
-        work = comm.scatter(t, ins, root, async_op=True, timeout=_timeout(opts))
-        return GroupWork(self, work, output_tensors)  # type: ignore[arg-type]
+        root, td = int(opts.rootRank), _timeout(opts)
+
+        def issue(c: Communicator) -> Any:
+            ins = _only(input_tensors, "scatter", "input lists") if c.rank == root else None
+            return c.scatter(t, ins, root, async_op=True, timeout=td)
+
+        return self._run("scatter", t, issue, output_tensors)
 
     def barrier(self, opts: Any = None) -> GroupWork:
-        comm = self._main
-        err = comm.errored()
-        if err is not None:
-            raise _again(err, "barrier", comm)
-        work = comm.barrier(async_op=True, timeout=_timeout(opts))
-        return GroupWork(self, work, [])  # type: ignore[arg-type]
+        td = _timeout(opts)
+        return self._run("barrier", None, lambda c: c.barrier(async_op=True, timeout=td), [])
 
     # ------------------------------------------------------------------------------------------ point to point
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> GroupWork:
         t = _only(tensors, "send")
-        work = self._comm_for(t, "send").send(t, dst, tag, async_op=True)
-        return GroupWork(self, work, tensors)  # type: ignore[arg-type]
+        return self._run("send", t, lambda c: c.send(t, dst, tag, async_op=True), tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> GroupWork:
         t = _only(tensors, "recv")
-        work = self._comm_for(t, "recv").recv(t, src, tag, async_op=True)
-        return GroupWork(self, work, tensors)  # type: ignore[arg-type]
+        return self._run("recv", t, lambda c: c.recv(t, src, tag, async_op=True), tensors)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> GroupWork:
         t = _only(tensors, "recv")
-        work = self._comm_for(t, "recv").recv(t, None, tag, async_op=True)
-        return GroupWork(self, work, tensors)  # type: ignore[arg-type]
+        return self._run("recv", t, lambda c: c.recv(t, None, tag, async_op=True), tensors)
 
     recvAnysource = recv_anysource
+
+
+def _reduce_op(opts: Any) -> ReduceOp:
+    return ReduceOp.SUM if opts is None else ReduceOp.from_c10d(opts.reduceOp)
