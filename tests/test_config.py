@@ -24,3 +24,19 @@ def test_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHNEXT_AUTOTUNE", "maybe")
     with pytest.raises(ValueError, match="TORCHNEXT_AUTOTUNE"):
         env_config()
+
+
+def test_check_collectives_from_ours_or_torchs_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCHNEXT_CHECK_COLLECTIVES", raising=False)
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
+    assert env_config().check_collectives is False
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    assert env_config().check_collectives is True
+    monkeypatch.setenv("TORCHNEXT_CHECK_COLLECTIVES", "0")  # ours wins when set
+    assert env_config().check_collectives is False
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "INFO")
+    monkeypatch.setenv("TORCHNEXT_CHECK_COLLECTIVES", "1")
+    assert env_config().check_collectives is True
+    monkeypatch.setenv("TORCHNEXT_CHECK_COLLECTIVES", "yes")
+    with pytest.raises(ValueError, match="TORCHNEXT_CHECK_COLLECTIVES"):
+        env_config()

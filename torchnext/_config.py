@@ -23,6 +23,15 @@ def _int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
+def _flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    if raw.strip() not in ("0", "1"):
+        raise ValueError(f"environment variable {name}={raw!r}: expected 0 or 1")
+    return raw.strip() == "1"
+
+
 def _str(name: str, default: str | None) -> str | None:
     raw = os.environ.get(name)
     return default if raw is None or raw == "" else raw
@@ -81,6 +90,11 @@ class EnvConfig:
     """``TORCHNEXT_SUITE_GROUPS``: which groups :mod:`torchnext.testing.torch_suite` (PyTorch's distributed test
     suite as a harness) gives the suite -- ``gloo`` (torch's own) or ``torchnext``."""
 
+    check_collectives: bool = False
+    """``TORCHNEXT_CHECK_COLLECTIVES``: ``1`` turns the consistency mode on for every Communicator (and the groups
+    of ``backend="torchnext"``) built without an explicit ``check_collectives=``, ``0`` off. Unset: on when torch's
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` is set (torch's own checker never wraps a Python group), else off."""
+
     pg_fr_dump_dir: str | None = None
     """Their automatic-dump folder: ``TORCHNEXT_FR_DUMP_DIR`` when set, else the folder of torch's dump-file
     prefix ``TORCH_FR_DUMP_TEMP_FILE``, else None (no automatic dumps)."""
@@ -102,6 +116,7 @@ ENV_VARS = {
     "pg_fr_buffer_size": "TORCHNEXT_FR_BUFFER_SIZE",
     "pg_fr_dump_dir": "TORCHNEXT_FR_DUMP_DIR",
     "suite_groups": "TORCHNEXT_SUITE_GROUPS",
+    "check_collectives": "TORCHNEXT_CHECK_COLLECTIVES",
 }
 _TORCH_FALLBACKS = {"pg_fr_buffer_size": "TORCH_FR_BUFFER_SIZE"}
 """Fields that fall back to torch's variable of the same meaning when ours is unset."""
@@ -116,7 +131,9 @@ def env_config() -> EnvConfig:
         if not os.environ.get(var) and os.environ.get(_TORCH_FALLBACKS.get(f.name, "")):
             var = _TORCH_FALLBACKS[f.name]
         default = getattr(defaults, f.name)
-        if isinstance(default, int):
+        if isinstance(default, bool):
+            values[f.name] = _flag(var, default)
+        elif isinstance(default, int):
             values[f.name] = _int(var, default)
         else:
             values[f.name] = _str(var, default)
@@ -135,6 +152,8 @@ def env_config() -> EnvConfig:
         raise ValueError(f"TORCHNEXT_SUITE_GROUPS={values['suite_groups']!r}: expected 'gloo' or 'torchnext'")
     if values["pg_cuda_backend"] not in ("nccl", "none"):
         raise ValueError(f"TORCHNEXT_PG_CUDA_BACKEND={values['pg_cuda_backend']!r}: expected 'nccl' or 'none'")
+    if not os.environ.get("TORCHNEXT_CHECK_COLLECTIVES"):
+        values["check_collectives"] = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
     if values["pg_fr_dump_dir"] is None and os.environ.get("TORCH_FR_DUMP_TEMP_FILE"):
         values["pg_fr_dump_dir"] = str(Path(os.environ["TORCH_FR_DUMP_TEMP_FILE"]).parent)
     return EnvConfig(**values)  # type: ignore[arg-type]
@@ -144,6 +163,7 @@ RELEVANT_ENV_PREFIXES: tuple[str, ...] = ("TORCHNEXT_", "TORCH_NCCL_", "NCCL_", 
 """Prefixes of the variables ``torchnext doctor`` reports (read-only)."""
 
 RELEVANT_ENV_NAMES: tuple[str, ...] = (
+    "TORCH_DISTRIBUTED_DEBUG",
     "NVIDIA_IMEX_CHANNELS",
     "NVIDIA_PYTORCH_VERSION",
     "NVIDIA_VISIBLE_DEVICES",

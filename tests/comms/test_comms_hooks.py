@@ -221,3 +221,65 @@ def test_op_info_carries_p2p_tags_and_batch_ops() -> None:
             ("batch_p2p", None, None, (("send", peer, 3), ("recv", peer, 3))),
             ("all_reduce", None, None, ()),
         ]
+
+
+def test_check_hooks_run_after_pre_hooks_and_may_refuse_an_op() -> None:
+    """A check hook refusing with a CommError: raised as is, post hooks see ERROR, the communicator stays usable
+    after a non-breaking CollectiveMismatch and is errored after any other refusal."""
+    import torch.distributed as dist
+
+    from torchnext.comms import CollectiveMismatch, CommError
+
+    comm = Communicator(dist.HashStore(), 0, 1, timeout=timedelta(seconds=30), name="checks")
+    events: list[tuple[str, int, str]] = []
+    verdict: dict[str, BaseException | None] = {"exc": None}
+
+    def check(info: OpInfo) -> None:
+        events.append(("check", info.op_id, info.op))
+        if verdict["exc"] is not None:
+            raise verdict["exc"]
+
+    comm.register_pre_hook(lambda info: events.append(("pre", info.op_id, info.op)))
+    comm.register_post_hook(lambda a: events.append(("post", a.op_id, a.status.name)))
+    handle = comm.register_check_hook(check)
+    t = torch.ones(2)
+    comm.all_reduce(t)
+    assert events == [("pre", 1, "all_reduce"), ("check", 1, "all_reduce"), ("post", 1, "COMPLETED")]
+    events.clear()
+    verdict["exc"] = CollectiveMismatch("differs", culprits=[0], breaks_communicator=False)
+    with pytest.raises(CollectiveMismatch, match="differs") as info:
+        comm.all_reduce(t)
+    assert info.value is verdict["exc"]  # as is, not wrapped
+    assert events == [("pre", 2, "all_reduce"), ("check", 2, "all_reduce"), ("post", 2, "ERROR")]
+    assert comm.errored() is None
+    verdict["exc"] = ValueError("a bug in the hook")
+    with pytest.raises(HookError, match="a bug in the hook"):
+        comm.all_reduce(t)
+    assert comm.errored() is None  # nothing was issued
+    verdict["exc"] = CommError("side channel broke")
+    with pytest.raises(CommError, match="side channel broke"):
+        comm.all_reduce(t)
+    assert isinstance(comm.errored(), CommError)
+    with pytest.raises(CommError, match="errored"):
+        comm.all_reduce(t)
+    handle.remove()
+    comm.abort()
+
+
+def test_shutdown_hooks_run_once_before_the_backend_is_released() -> None:
+    import torch.distributed as dist
+
+    comm = Communicator(dist.HashStore(), 0, 1, timeout=timedelta(seconds=30), name="shut")
+    seen: list[Any] = []
+    comm.register_shutdown_hook(lambda c: seen.append(c.backend_handle.pg is not None))
+
+    def bad(c: Communicator) -> None:
+        raise RuntimeError("boom")
+
+    comm.register_shutdown_hook(bad)
+    comm.all_reduce(torch.ones(1))
+    with pytest.raises(HookError, match="boom"):
+        comm.shutdown()
+    comm.shutdown()  # idempotent: the hooks ran once
+    assert seen == [True]
+    assert comm.backend_handle.pg is None  # released despite the raising hook

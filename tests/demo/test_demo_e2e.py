@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +43,13 @@ def test_demo_kill_and_rejoin(tmp_path: Path) -> None:
     assert sorted(p.name for p in (out / "fr").glob("*.json"))  # survivors' Flight Recorder dumps
     report = (out / "fr_report.txt").read_text()
     assert "2" in report and ("missing" in report or "without a dump" in report), report
+    # the report tells the failure: the generation that ended, what was in flight, who vanished and how, and the
+    # generation that formed next (the kill lands between collectives or inside one: both are told)
+    assert re.search(r"generation \d+ \('[^']+', members \[0, 1, 2, 3\]\) ended in a failure", report), report
+    assert "in flight:" in report or "no op in flight (the ranks were between collectives" in report, report
+    assert "rank 2 vanished (rank 2 left no dump)" in report, report
+    # how: the coordinator saw its connection close -- or, first, a survivor's collective failed and was reported
+    assert re.search(r"how: .*(connection closed|reported a failed collective|missed heartbeats)", report), report
+    assert re.search(r"generation \d+ \('[^']+', members \[0, 1, 3(, 4)?\]\) formed [\d.]+ s later", report), report
+    assert "rank 4 joined" in report, report  # the spare's generation: a reconfiguration, not a failure
+    assert "dumped on abort" not in report, report  # the normal end is not worded as a crash

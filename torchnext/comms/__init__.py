@@ -3,13 +3,14 @@
 Public names::
 
     from torchnext.comms import Communicator, Work, WorkStatus, ReduceOp, CommError, CommTimeout, CommAborted, PeerFailure
+    from torchnext.comms import CollectiveMismatch      # consistency mode: Communicator(..., check_collectives=True)
     from torchnext.comms import FlightRecorder          # collective trace + hang analysis (docs/flight_recorder.md)
     from torchnext.comms import Window                  # one-sided RMA windows (docs/comms_windows.md)
     from torchnext.comms import TorchnextProcessGroup   # torch.distributed on Communicators (docs/process_group.md)
 
 Layout: the core (``communicator``, ``_ops``, ``work``, ``hooks``, ``errors``, ``reduce_op``, ``backends/``,
-``extension``) knows none of its extensions; :mod:`torchnext.comms.flight_recorder` and
-:mod:`torchnext.comms.window` build on it, :mod:`torchnext.comms.process_group` on them, and they register themselves with :mod:`torchnext.comms.extension` when this
+``extension``) knows none of its extensions; :mod:`torchnext.comms.flight_recorder`,
+:mod:`torchnext.comms.window` and :mod:`torchnext.comms.consistency` build on it, :mod:`torchnext.comms.process_group` on them, and they register themselves with :mod:`torchnext.comms.extension` when this
 package is imported. Fault tolerance is a layer above: :mod:`torchnext.ft`.
 
 See ``docs/comms.md`` for the contract (ops, Work, hooks, abort, split, errors, thread-safety).
@@ -21,6 +22,8 @@ from torchnext.comms.backends import BackendHandle as BackendHandle
 from torchnext.comms.backends import get_backend as get_backend
 from torchnext.comms.backends import register_backend as register_backend
 from torchnext.comms.communicator import Communicator as Communicator
+from torchnext.comms.consistency import Checker as Checker
+from torchnext.comms.errors import CollectiveMismatch as CollectiveMismatch
 from torchnext.comms.errors import CommAborted as CommAborted
 from torchnext.comms.errors import CommError as CommError
 from torchnext.comms.errors import CommTimeout as CommTimeout
@@ -46,6 +49,8 @@ __all__ = [
     "AbortHookArgs",
     "BackendConfig",
     "BackendHandle",
+    "Checker",
+    "CollectiveMismatch",
     "CommAborted",
     "CommError",
     "CommTimeout",

@@ -70,6 +70,7 @@ class CollectiveOps:
             has_future: bool = True,
             tag: int | None = None,
             batch: tuple[Any, ...] = (),
+            splits: tuple[Any, ...] = (),
         ) -> Work | None: ...
 
         def _opt(self, kind: str, key: object, make: Callable[[], Any], timeout: timedelta | None) -> Any: ...
@@ -299,7 +300,8 @@ class CollectiveOps:
             opts = self._opt("alltoall", None, _C10D.AllToAllOptions, td)
             return [pg.alltoall_base(out, inp, out_splits, in_splits, opts)]
 
-        return self._issue(name, async_op, timeout, launch, (inp,), (out,))
+        return self._issue(name, async_op, timeout, launch, (inp,), (out,),
+                           splits=(tuple(out_splits), tuple(in_splits)) if in_splits or out_splits else ())
 
     def _root_list(
         self, name: str, t: torch.Tensor, lst: Sequence[torch.Tensor] | None, label: str, root: int

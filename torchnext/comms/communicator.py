@@ -70,6 +70,11 @@ class Communicator(CollectiveOps):
       be written until then, so do not reuse them). Every later op raises ``CommAborted``. Children made by
       ``split`` are independent: abort them separately.
 
+    Consistency mode (``check_collectives=True``, default ``TORCHNEXT_CHECK_COLLECTIVES``, else on with
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL``): before each op the members compare what they are about to issue (op,
+    sequence number, sizes, dtypes, root, reduce op; send/recv pairs) and on a difference every member raises
+    :class:`CollectiveMismatch` naming the culprits, before any data moved (see :mod:`torchnext.comms.consistency`).
+
     Thread-safety: ops are issued by one thread at a time per communicator (a synchronous op holds the communicator
     until it returns); a concurrent issue raises ``RuntimeError`` naming the op. ``Work.wait``, ``abort()``,
     ``errored()`` and the properties may be used from any thread. Hooks: see :mod:`torchnext.comms.hooks`.
@@ -95,11 +100,18 @@ class Communicator(CollectiveOps):
         device: torch.device | str | None = None,
         global_ranks: Sequence[int] | None = None,
         flight_recorder: bool | FlightRecorder = False,
+        check_collectives: bool | None = None,
     ) -> None:
         if not isinstance(name, str) or not name or "/" in name:
             raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
         if flight_recorder is not False:
             option("flight_recorder").check(flight_recorder)
+        if check_collectives is None:
+            from torchnext._config import env_config
+
+            check_collectives = env_config().check_collectives
+        if check_collectives is not False:
+            option("check_collectives").check(check_collectives)
         if not isinstance(store, dist.Store):
             raise TypeError(f"store must be a torch.distributed.Store, got {type(store).__name__}")
         if global_ranks is None:
@@ -113,6 +125,8 @@ class Communicator(CollectiveOps):
         self._setup(prefixed, rank, world_size, ranks, backend=backend, timeout=timeout, name=name, device=device)
         if flight_recorder is not False:
             option("flight_recorder").attach(self, flight_recorder)  # True: TORCHNEXT_FR_BUFFER_SIZE entries
+        if check_collectives is not False:  # after the recorder: a refused op is recorded, then refused
+            option("check_collectives").attach(self, check_collectives)
 
     @classmethod
     def from_env(
@@ -124,6 +138,7 @@ class Communicator(CollectiveOps):
         device: torch.device | str | None = None,
         host_store: bool = False,
         flight_recorder: bool | FlightRecorder = False,
+        check_collectives: bool | None = None,
     ) -> Communicator:
         """Build from torchrun / ``env://`` variables: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 
@@ -139,7 +154,7 @@ class Communicator(CollectiveOps):
             timeout=_as_timedelta(timeout), wait_for_workers=False,
         )
         return cls(store, env.rank, env.world_size, backend=backend, timeout=timeout, name=name, device=device,
-                   flight_recorder=flight_recorder)
+                   flight_recorder=flight_recorder, check_collectives=check_collectives)
 
     def _setup(
         self,
@@ -182,8 +197,10 @@ class Communicator(CollectiveOps):
         self._unwaited: UnwaitedWatcher | None = None
         self._pre_hooks: HookList[OpInfo] = HookList("pre")
         self._post_hooks: HookList[PostHookArgs] = HookList("post")
+        self._check_hooks: HookList[OpInfo] = HookList("check")
         self._abort_hooks: HookList[AbortHookArgs] = HookList("abort")
         self._split_hooks: HookList[Communicator] = HookList("split")
+        self._shutdown_hooks: HookList[Communicator] = HookList("shutdown")
         self.extensions: dict[str, Any] = {}
         """Per-communicator state of the extensions attached to it, by extension name (``"flight_recorder"``,
         ``"windows"``, ...): see :mod:`torchnext.comms.extension`."""
@@ -231,6 +248,12 @@ class Communicator(CollectiveOps):
         return self.extensions.get("flight_recorder")
 
     @property
+    def check_collectives(self) -> bool:
+        """Whether the consistency mode checks this communicator's ops (``extensions["consistency"]``, set by
+        :mod:`torchnext.comms.consistency` when it attaches)."""
+        return "consistency" in self.extensions
+
+    @property
     def timeout(self) -> timedelta:
         """Default op timeout."""
         return self._timeout
@@ -262,9 +285,21 @@ class Communicator(CollectiveOps):
         """Call ``fn(PostHookArgs)`` exactly once when each op reaches a terminal state."""
         return self._post_hooks.add(fn)
 
+    def register_check_hook(self, fn: Callable[[OpInfo], object]) -> RemovableHandle:
+        """Call ``fn(OpInfo)`` after the pre hooks, right before each op reaches the backend. ``fn`` may refuse
+        the op by raising a :class:`CommError`, which the op call raises as is (see :mod:`torchnext.comms.hooks`);
+        the consistency mode is built on it."""
+        return self._check_hooks.add(fn)
+
     def register_abort_hook(self, fn: Callable[[AbortHookArgs], object]) -> RemovableHandle:
         """Call ``fn(AbortHookArgs)`` once when this communicator is aborted."""
         return self._abort_hooks.add(fn)
+
+    def register_shutdown_hook(self, fn: Callable[[Communicator], object]) -> RemovableHandle:
+        """Call ``fn(self)`` once in ``shutdown()``, after the ops in flight finished and before the backend is
+        released (extensions release what they built on this communicator). A raising hook surfaces as
+        ``HookError`` once the shutdown is complete."""
+        return self._shutdown_hooks.add(fn)
 
     def register_split_hook(self, fn: Callable[[Communicator], object]) -> RemovableHandle:
         """Call ``fn(child)`` on this rank for every child communicator a later ``split``/``split_by_color``
@@ -345,6 +380,14 @@ class Communicator(CollectiveOps):
             if self._closed:
                 return
             self._closed = True
+        hook_error = self._shutdown_hooks.run(self, stop_on_error=False) if self._shutdown_hooks.snapshot else None
+        try:
+            self._release()
+        finally:
+            if hook_error is not None:
+                raise hook_error
+
+    def _release(self) -> None:
         if self._waiter is not None:
             self._waiter.close()
         if self._unwaited is not None:
@@ -409,6 +452,7 @@ class Communicator(CollectiveOps):
         has_future: bool = True,
         tag: int | None = None,
         batch: tuple[Any, ...] = (),
+        splits: tuple[Any, ...] = (),
     ) -> Work | None:
         if self._closed or self._error is not None:
             self._refuse(op)
@@ -431,10 +475,12 @@ class Communicator(CollectiveOps):
             op_id = self._op_counter
             info = None
             pre = self._pre_hooks.snapshot
-            if pre or self._post_hooks.snapshot:  # positional: this is the hot path
+            check = self._check_hooks.snapshot
+            if pre or check or self._post_hooks.snapshot:  # positional: this is the hot path
                 info = _new_tuple(OpInfo, (op, op_id, self._name, self._ranks, self._rank, self._size, async_op, root,
                                            peer, None if reduce_op is None else reduce_op._value_, tuple(inputs),
-                                           tuple(outputs), td or self._timeout, tag, batch))  # = OpInfo(...), minus a frame
+                                           tuple(outputs), td or self._timeout, tag, batch,
+                                           splits))  # = OpInfo(...), minus a frame
             # sync ops first wait in this thread where the backend's timed wait is only a wait (Gloo collectives);
             # elsewhere (Gloo send/recv: a timed wait *is* the op's timeout) they wait like async ops
             sliced = not async_op and has_future and self._interruptible
@@ -444,6 +490,12 @@ class Communicator(CollectiveOps):
                 if hook_error is not None:
                     work._finish(WorkStatus.ERROR, hook_error)
                     raise hook_error
+            if check:  # e.g. the consistency mode: the members compare this op before anything reaches the backend
+                refusal = self._check_hooks.refusal(info)  # type: ignore[arg-type]
+                if refusal is not None:
+                    exc, breaks = refusal
+                    work._finish(WorkStatus.ERROR, exc, breaks_comm=breaks)
+                    raise exc
             if not sliced:
                 with self._lock:
                     raced = self._aborted is not None  # abort() ran since the check above

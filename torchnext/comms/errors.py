@@ -5,7 +5,9 @@ Callers tell failures apart by class::
     CommError                    any failure of an issued communication op
     ├── CommTimeout              the op did not complete within its timeout
     ├── CommAborted              the communicator was aborted (before or while the op ran)
-    └── PeerFailure              a peer died or its connection broke (``.peer`` when known)
+    ├── PeerFailure              a peer died or its connection broke (``.peer`` when known)
+    └── CollectiveMismatch       members issued different ops, or one op with different arguments (consistency
+                                 mode: refused on every rank before any data moved)
     HookError (RuntimeError)     a user hook raised (names the hook); not a communication failure
 
 They are torch's exception types too, so ``except`` clauses written for torch.distributed keep working:
@@ -23,7 +25,9 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-__all__ = ["CommAborted", "CommError", "CommTimeout", "HookError", "PeerFailure", "classify_backend_error"]
+__all__ = [
+    "CollectiveMismatch", "CommAborted", "CommError", "CommTimeout", "HookError", "PeerFailure", "classify_backend_error",
+]
 
 
 class CommError(dist.DistBackendError):
@@ -76,6 +80,42 @@ class PeerFailure(CommError, dist.DistNetworkError):
         self.peer = peer
         if peer is not None:
             detail = f"peer rank {peer} failed: {detail}"
+        super().__init__(detail, **kwargs)  # type: ignore[arg-type]
+
+
+class CollectiveMismatch(CommError):
+    """The members of a communicator did not issue the same op with agreeing arguments at the same point.
+
+    Raised by the consistency mode (``Communicator(..., check_collectives=True)``, see
+    :mod:`torchnext.comms.consistency`) from the op call on **every** member, before any data reached the backend.
+    The message names the culprit ranks and what differs; so do the attributes:
+
+    * ``culprits``: global ranks of the members that differ from the majority (or never arrived);
+    * ``field``: what differs -- ``"op"``, ``"input_sizes"``, ``"output_sizes"``, ``"dtypes"``, ``"root"``,
+      ``"reduce_op"``, ``"splits"`` (all_to_all), ``"p2p"`` (a send and its receive), or ``"arrival"`` (members
+      that never issued the op);
+    * ``seq``: the collective's sequence number on the communicator (p2p: the pair's message index);
+    * ``fingerprints``: global rank -> what that member issued, as text;
+    * ``breaks_communicator``: False when the communicator stays usable (every member refused the op, nothing
+      moved); True for ``"arrival"``, after which the communicator is errored like after a timeout.
+    """
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        culprits: Sequence[int] = (),
+        field: str = "op",
+        seq: int | None = None,
+        fingerprints: dict[int, str] | None = None,
+        breaks_communicator: bool = False,
+        **kwargs: object,
+    ) -> None:
+        self.culprits = tuple(culprits)
+        self.field = field
+        self.seq = seq
+        self.fingerprints = dict(fingerprints or {})
+        self.breaks_communicator = breaks_communicator
         super().__init__(detail, **kwargs)  # type: ignore[arg-type]
 
 

@@ -4,14 +4,15 @@ The core (:mod:`torchnext.comms.communicator` and what it imports) knows no exte
 user-facing doors to extensions dispatch through this registry, which the extension packages fill when
 :mod:`torchnext.comms` is imported (it imports them to re-export their names):
 
-* ``Communicator(..., flight_recorder=value)`` -> ``option("flight_recorder")``: an :class:`OptionHandler` whose
-  ``check(value)`` runs before the communicator connects (bad input fails fast) and ``attach(comm, value)`` after;
+* ``Communicator(..., flight_recorder=value)`` -> ``option("flight_recorder")``, and ``check_collectives=value`` ->
+  ``option("check_collectives")``: an :class:`OptionHandler` whose ``check(value)`` runs before the communicator
+  connects (bad input fails fast) and ``attach(comm, value)`` after;
 * ``comm.new_window(tensor, ...)`` -> ``factory("new_window")(comm, tensor, ...)``;
 * ``comm.as_process_group()`` -> ``factory("as_process_group")(comm, ...)``.
 
 Extensions keep per-communicator state in ``comm.extensions`` (a dict keyed by the extension's name) and follow
-its life through the core's hooks: ``register_split_hook`` (every child a split creates on this rank) and
-``register_abort_hook``. Semantics::
+its life through the core's hooks: ``register_split_hook`` (every child a split creates on this rank),
+``register_abort_hook``, ``register_shutdown_hook``, and ``register_check_hook`` (which may refuse an op). Semantics::
 
     register_option(name, handler); option(name) is handler        # KeyError-free: unknown -> RuntimeError
     register_factory(name, fn);     factory(name) is fn
@@ -41,7 +42,7 @@ class OptionHandler(Protocol):
 _OPTIONS: dict[str, OptionHandler] = {}
 _FACTORIES: dict[str, Callable[..., Any]] = {}
 _PROVIDERS = {"flight_recorder": "torchnext.comms.flight_recorder", "new_window": "torchnext.comms.window",
-              "as_process_group": "torchnext.comms.process_group"}
+              "as_process_group": "torchnext.comms.process_group", "check_collectives": "torchnext.comms.consistency"}
 """Which package provides the built-in entries (for the error message only: nothing is imported from here)."""
 
 

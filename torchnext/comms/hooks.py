@@ -11,14 +11,24 @@ When hooks run (the contract the Flight Recorder builds on):
   within the op's first slice), else the backend's completion thread or the communicator's watcher thread (see
   :mod:`torchnext.comms.work`); the waiting thread for TIMED_OUT, the thread calling ``abort()`` for ABORTED. They finish before any ``wait()`` on
   the op returns, so after a synchronous op returns its post hooks have run. Keep them short and thread-safe.
+* **check hooks** run on the issuing thread after the pre hooks, right before the op is handed to the backend,
+  with the same :class:`OpInfo`. They exist for checks that may *refuse* an op (the consistency mode of
+  :mod:`torchnext.comms.consistency` compares the op across members there): a check hook that raises a
+  :class:`~torchnext.comms.CommError` refuses the op on this rank, and the op call raises that exception as is.
+  The post hooks then run with status ERROR and that exception. The communicator stays usable after a
+  :class:`~torchnext.comms.CollectiveMismatch` whose ``breaks_communicator`` is False, and is errored after any
+  other refusal (as after a failed op).
 * **abort hooks** run once per communicator, on the thread calling ``abort()``, after the communicator is marked
   aborted and before in-flight ops are cancelled, each with an :class:`AbortHookArgs`.
+* **shutdown hooks** run once, on the thread calling ``shutdown()``, after the ops in flight finished and before
+  the backend is released, with the communicator (extensions release what they built on it).
 
-A hook that raises: the remaining hooks of that list still run (post/abort) or are skipped (pre), and a
+A hook that raises (other than a check hook refusing an op with a ``CommError``): the remaining hooks of that list
+still run (post/abort/shutdown) or are skipped (pre/check), and a
 :class:`~torchnext.comms.HookError` naming the hook surfaces: a pre hook's error is raised from the op call and the
 op is **not issued on this rank** (peers that did issue it wait until their timeout or an abort); a post hook's
 error is raised by ``Work.wait()`` / the synchronous op (the op itself completed); an abort hook's error is raised
-by ``abort()`` after the abort finished.
+by ``abort()`` after the abort finished; a shutdown hook's by ``shutdown()`` after the shutdown finished.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 import torch
 
-from torchnext.comms.errors import HookError
+from torchnext.comms.errors import CollectiveMismatch, CommError, HookError
 
 if TYPE_CHECKING:
     from torchnext.comms._ops import P2POp
@@ -74,6 +84,9 @@ class OpInfo(NamedTuple):
     """The p2p tag of ``send``/``recv``; None for other ops."""
     batch: tuple[P2POp, ...] = ()
     """``batch_p2p``: its ops, validated, in the caller's order (kind, tensor, peer, tag); () for other ops."""
+    splits: tuple[tuple[int, ...], tuple[int, ...]] | tuple[()] = ()
+    """``all_to_all_single`` with explicit splits: ``(output_splits, input_splits)`` in rows per rank (an empty
+    tuple stands for equal splits); () for other ops."""
 
 
 class PostHookArgs(NamedTuple):
@@ -163,6 +176,23 @@ class HookList(Generic[A]):
                 if stop_on_error:
                     break
         return first
+
+    def refusal(self, args: A) -> tuple[BaseException, bool] | None:
+        """Run check hooks: None when every hook passed, else ``(exception, breaks_communicator)`` for the first
+        that raised (later hooks are skipped). A :class:`CommError` is the hook refusing the op and is returned as
+        is; it leaves the communicator usable only when it is a ``CollectiveMismatch`` with
+        ``breaks_communicator=False``. Any other exception is a bug in the hook: a ``HookError`` (which breaks
+        nothing: the op was not issued)."""
+        for fn in self.snapshot:
+            try:
+                fn(args)
+            except CommError as exc:
+                return exc, not (isinstance(exc, CollectiveMismatch) and not exc.breaks_communicator)
+            except Exception as exc:
+                err = HookError(f"{self.kind} hook {_hook_name(fn)} raised {exc!r}", hook=fn)
+                err.__cause__ = exc
+                return err, False
+        return None
 
 
 def _hook_name(fn: object) -> str:

@@ -173,6 +173,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             _emit("step_failed", member=ft.member_id, step=step_no, error=f"{type(step.error).__name__}: {step.error}")
     recorder.dump(fr_dir, format="json", reason="end")
     recorder.dump(fr_dir, format="pickle", reason="end")
+    recorder.detach()  # the end dumps stand: finishing closes (aborts) the communicator, which is not a failure
     report = {"member": ft.member_id, "rank": ft.rank, "generation": ft.generation, "steps": ft.step_count,
               "digest": param_digest(model), "wall_s": time.monotonic() - t_start}
     _emit("done", **report)

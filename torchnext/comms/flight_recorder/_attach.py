@@ -2,10 +2,12 @@
 
 Per attached communicator::
 
-    pre hook  (issuing thread)      -> recorder.record(pg, info.op, inputs, outputs, op_id, peer, tag, timeout)
+    pre hook  (issuing thread)      -> recorder.record(pg, info.op, inputs, outputs, op_id, peer, tag, timeout,
+                                                       root, reduce_op)
                                        (batch_p2p: one send/recv record per op of the batch, same op_id)
     post hook (terminal transition) -> recorder.complete(rid, state); TIMED_OUT / ERROR -> automatic dump
-    abort hook (abort() caller)     -> automatic dump (before in-flight ops are cancelled: they show as "started")
+    abort hook (abort() caller)     -> an "abort" event (time, reason, op_ids in flight), then an automatic dump
+                                       (before in-flight ops are cancelled: they show as "started")
     split child created             -> attached to the same recorder, with its own pg id
 
 Automatic dumps go to the recorder's ``dump_dir`` (``TORCHNEXT_FR_DUMP_DIR``); without one they are skipped.
@@ -73,7 +75,7 @@ class Attachment:
                 self._rids[id(info)] = [
                     self.recorder._record(self.pg_id, p.kind, (p.tensor,) if p.kind == "send" else (),
                                           (p.tensor,) if p.kind == "recv" else (), info.op_id, p.peer, p.tag, ms,
-                                          info.async_op, True, now)
+                                          info.async_op, True, now, None, None)
                     for p in info.batch
                 ]
                 return
@@ -89,6 +91,8 @@ class Attachment:
                 info.async_op,
                 True,
                 time_ns(),
+                info.root,
+                info.reduce_op,
             )
         except Exception as exc:  # the recorder must never stop an op from being issued
             self.recorder._internal_error("pre hook", exc)
@@ -119,6 +123,10 @@ class Attachment:
             self.recorder._auto_dump_once(kind, f"{args.info.op} op_id={args.info.op_id}: {exc!r}")
 
     def on_abort(self, args: Any) -> None:
+        try:
+            self.recorder.note_event("abort", self.pg_id, reason=args.reason, in_flight=list(args.in_flight))
+        except Exception as exc:
+            self.recorder._internal_error("abort hook", exc)
         self.recorder._auto_dump_once("abort", f"abort() of {args.comm_name!r}: {args.reason or 'no reason given'}")
 
     def detach(self) -> None:

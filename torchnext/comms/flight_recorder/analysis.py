@@ -3,20 +3,26 @@
 Semantics, per communicator (a ``pg_config`` key; a rebuilt communicator of a new generation has its own key, so
 traces are stitched across reconfigurations without mixing generations)::
 
-    for seq in the collective sequence numbers every member still has in its ring:
-        entered = {rank: entry with collective_seq_id == seq}
-        if a member never entered seq:       missing_ranks (and stop: what follows is a consequence)
-        elif ops differ:                      op_mismatch     (the ranks outside the majority)
-        elif sizes differ (per-op rule):      size_mismatch
-        elif dtypes differ:                   dtype_mismatch
+    for seq in the collective sequence numbers every member with a dump still has in its ring:
+        entered = {rank: entry with collective_seq_id == seq}      # among the ranks whose dumps exist
+        first difference among them, the ranks outside the majority being the culprits:
+            ops -> op_mismatch; roots -> root_mismatch; reduce ops -> reduce_op_mismatch;
+            sizes (per-op rule) -> size_mismatch; dtypes -> dtype_mismatch
+        if a member never entered seq, or a member without a dump was in it while it did not complete:
+            the entered ranks are a minority and the others' last collective completed -> extra_collective
+            else -> missing_ranks (a consequence of the mismatch above, when there is one)
+            and stop: what follows is a consequence
         else: lateness[rank] = entered_at[rank] - min(entered_at)   -> straggler when > threshold
     p2p: k-th send a->b (tag t) pairs with the k-th recv on b from a (tag t); leftovers -> unmatched_p2p
     window ops (one-sided, nothing to pair): one still "started" at the dump, or ended in error / timed_out
                                           -> window_op (names the rank, the target rank and where the target was)
     last_completed[pg] = the highest seq completed on every member
 
-Issues come out most important first: missing_ranks, op_mismatch, size_mismatch, dtype_mismatch, unmatched_p2p,
-window_op, straggler. :meth:`Report.to_json` is the stable ``--json`` schema.
+Issues come out likely culprit first: the mismatches (op, root, reduce_op, size, dtype), extra_collective,
+missing_ranks, unmatched_p2p, window_op, straggler. A mismatch is a bug in itself and the usual cause of a hang that
+follows it: the rank that called something else is the culprit, the ranks that then hang or die are its victims.
+:attr:`Report.generations` tells how each generation of a rebuilt communicator ended
+(:mod:`~torchnext.comms.flight_recorder.generations`). :meth:`Report.to_json` is the stable ``--json`` schema.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from torchnext.comms.flight_recorder.generations import generation_ends
 from torchnext.comms.flight_recorder.loader import GroupInfo, LoadProblem, RankDump, load_dir
 
 __all__ = ["Issue", "IssueKind", "Report", "analyze", "analyze_dir"]
@@ -38,10 +45,13 @@ SCHEMA_VERSION = 1
 class IssueKind(str, Enum):
     """Kinds of findings, in report order (most important first)."""
 
-    MISSING_RANKS = "missing_ranks"
     OP_MISMATCH = "op_mismatch"
+    ROOT_MISMATCH = "root_mismatch"
+    REDUCE_OP_MISMATCH = "reduce_op_mismatch"
     SIZE_MISMATCH = "size_mismatch"
     DTYPE_MISMATCH = "dtype_mismatch"
+    EXTRA_COLLECTIVE = "extra_collective"
+    MISSING_RANKS = "missing_ranks"
     UNMATCHED_P2P = "unmatched_p2p"
     WINDOW_OP = "window_op"
     STRAGGLER = "straggler"
@@ -67,6 +77,9 @@ _DTYPE_RULES: dict[str, tuple[str, ...]] = {
     "broadcast": ("input_dtypes",),
     "reduce": ("input_dtypes",),
 }
+_ROOT_OPS = frozenset({"broadcast", "reduce", "gather", "scatter"})
+_REDUCE_OPS = frozenset({"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_single"})
+_SIZE_KILLS = "probably terminated by it: Gloo aborts a process that receives a message of an unexpected size"
 _DEFAULT_SIZE_FIELDS = ("input_sizes", "output_sizes")
 _DEFAULT_DTYPE_FIELDS = ("input_dtypes", "output_dtypes")
 _MAX_ISSUES_PER_GROUP = 10
@@ -109,6 +122,8 @@ class Report:
     problems: list[LoadProblem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     ranks_without_dump: list[int] = field(default_factory=list)
+    generations: list[Any] = field(default_factory=list)
+    """How each generation that ended ended (:class:`~torchnext.comms.flight_recorder.generations.GenerationEnd`)."""
 
     @property
     def hang_point(self) -> Issue | None:
@@ -142,6 +157,7 @@ class Report:
                 for d in self.dumps
             ],
             "ranks_without_dump": self.ranks_without_dump,
+            "generations": [g.to_json() for g in self.generations],
             "problems": [{"path": p.path, "message": p.message, "skipped": p.skipped} for p in self.problems],
             "notes": self.notes,
         }
@@ -169,14 +185,15 @@ def _where(dump: RankDump | None) -> dict[str, Any]:
     return {"dump": True, "last_entry": _summary(last), "stack": stack, "dump_reason": dump.dump_reason}
 
 
-def _majority(values: dict[int, Any]) -> tuple[Any, list[int]]:
-    """The most common value (ties: the one of the lowest rank) and the ranks that differ from it."""
+def _majority(values: dict[int, Any]) -> tuple[Any, list[int], bool]:
+    """The most common value (ties: the one of the lowest rank), the ranks that differ from it, and whether it was
+    a tie (then the choice of culprit is a convention: torch's checker reports against rank 0 too)."""
     counts = Counter(repr(v) for v in values.values())
     best = max(counts.values())
     winners = {k for k, c in counts.items() if c == best}
     expected_key = next(repr(values[r]) for r in sorted(values) if repr(values[r]) in winners)
     expected = next(values[r] for r in sorted(values) if repr(values[r]) == expected_key)
-    return expected, sorted(r for r, v in values.items() if repr(v) != expected_key)
+    return expected, sorted(r for r, v in values.items() if repr(v) != expected_key), len(winners) > 1
 
 
 def _merge_groups(dumps: list[RankDump], notes: list[str]) -> dict[str, GroupInfo]:
@@ -248,86 +265,18 @@ def _analyze_group(
         ops = {r: e["op"] for r, e in entered.items()}
         op = _majority(ops)[0] if ops else None
         incomplete = any(e["state"] != "completed" for e in entered.values())
-        if missing or (no_dump and incomplete and entered):
-            culprits = sorted(missing + (no_dump if incomplete else []))
-            where = {str(r): _where(by_rank.get(r)) for r in culprits}
-            first_in = min((e["time_created_ns"] for e in entered.values()), default=None)
-            early = [
-                r for r in culprits
-                if r in by_rank and first_in is not None and (by_rank[r].time_dumped_ns or first_in) < first_in
-            ]
-            for r in early:
-                where[str(r)]["dumped_before_others_entered"] = True
-            states = {str(r): e["state"] for r, e in entered.items()}
-            names = ", ".join(
-                f"rank {r} " + ("left no dump (dead, or its dump failed)" if r in no_dump
-                                else "was at " + _fmt_last(where[str(r)]["last_entry"]))
-                for r in culprits
-            )
-            issues.append(
-                Issue(
-                    kind=IssueKind.MISSING_RANKS.value,
-                    pg=key,
-                    generation=group.generation,
-                    seq=seq,
-                    op=op,
-                    ranks=culprits,
-                    detail={
-                        "entered": states,
-                        "entered_time_ns": {str(r): e["time_created_ns"] for r, e in entered.items()},
-                        "missing": where,
-                        "no_dump": [r for r in culprits if r in no_dump],
-                    },
-                    message=f"{op} #{seq} on {key!r}: ranks {culprits} never entered it ({names})"
-                    + (f"; ranks {early} dumped before the others entered it, so they may simply not have got there"
-                       " yet (dumps taken at different times, not necessarily a hang)" if early else ""),
-                )
-            )
+        stuck = bool(missing or (no_dump and incomplete and entered))
+        mismatch = _mismatch(key, group, seq, entered, ops, no_dump if stuck else [])
+        if mismatch is not None:
+            issues.append(mismatch)
+        if stuck:
+            issues.append(_missing_issue(key, group, seq, op, entered, missing, no_dump, incomplete, by_rank, seqs,
+                                         mismatch))
             break
-        if len(set(ops.values())) > 1:
-            _, odd = _majority(ops)
-            issues.append(
-                Issue(
-                    kind=IssueKind.OP_MISMATCH.value,
-                    pg=key,
-                    generation=group.generation,
-                    seq=seq,
-                    op=op,
-                    ranks=odd,
-                    detail={"ops": {str(r): o for r, o in ops.items()}, "expected": op},
-                    message=f"collective #{seq} on {key!r}: ranks {odd} called "
-                    f"{sorted({ops[r] for r in odd})} while the others called {op}",
-                )
-            )
-        else:
-            for kind, rules, default in (
-                (IssueKind.SIZE_MISMATCH, _SIZE_RULES, _DEFAULT_SIZE_FIELDS),
-                (IssueKind.DTYPE_MISMATCH, _DTYPE_RULES, _DEFAULT_DTYPE_FIELDS),
-            ):
-                fields_ = rules.get(str(op), default)
-                if not fields_:
-                    continue
-                vals = {r: {f: e.get(f) for f in fields_} for r, e in entered.items()}
-                expected, odd = _majority(vals)
-                if odd:
-                    issues.append(
-                        Issue(
-                            kind=kind.value,
-                            pg=key,
-                            generation=group.generation,
-                            seq=seq,
-                            op=op,
-                            ranks=odd,
-                            detail={"values": {str(r): v for r, v in vals.items()}, "expected": expected},
-                            message=f"{op} #{seq} on {key!r}: ranks {odd} passed "
-                            f"{'; '.join(str(vals[r]) for r in odd)}, the others {expected}",
-                        )
-                    )
-                    break
-            if len(entered) > 1:
-                t0 = min(e["time_created_ns"] for e in entered.values())
-                for r, e in entered.items():
-                    lateness[r].append((e["time_created_ns"] - t0, seq, str(op)))
+        if mismatch is None and len(entered) > 1:
+            t0 = min(e["time_created_ns"] for e in entered.values())
+            for r, e in entered.items():
+                lateness[r].append((e["time_created_ns"] - t0, seq, str(op)))
         if entered and not missing and not incomplete:
             last_completed = {"seq": seq, "op": op, "generation": group.generation}
         if len(issues) >= _MAX_ISSUES_PER_GROUP:
@@ -357,6 +306,130 @@ def _analyze_group(
             )
     report.issues.extend(issues)
     report.last_completed[key] = last_completed
+
+
+def _compared(op: str | None) -> list[tuple[IssueKind, tuple[str, ...]]]:
+    """The fields compared across ranks for ``op``, in report order (after the op itself)."""
+    out: list[tuple[IssueKind, tuple[str, ...]]] = []
+    if op in _ROOT_OPS:
+        out.append((IssueKind.ROOT_MISMATCH, ("root",)))
+    if op in _REDUCE_OPS:
+        out.append((IssueKind.REDUCE_OP_MISMATCH, ("reduce_op",)))
+    out.append((IssueKind.SIZE_MISMATCH, _SIZE_RULES.get(str(op), _DEFAULT_SIZE_FIELDS)))
+    out.append((IssueKind.DTYPE_MISMATCH, _DTYPE_RULES.get(str(op), _DEFAULT_DTYPE_FIELDS)))
+    return out
+
+
+def _mismatch(
+    key: str, group: GroupInfo, seq: int, entered: dict[int, dict[str, Any]], ops: dict[int, str],
+    no_dump: list[int],
+) -> Issue | None:
+    """The first difference among the ranks that entered collective ``seq`` (op, root, reduce op, sizes, dtypes),
+    or None. ``no_dump`` are members without a dump while the collective did not complete: named as its likely
+    victims."""
+    if len(entered) < 2:
+        return None
+    kind: IssueKind
+    values: dict[int, dict[str, Any]]
+    detail: dict[str, Any]
+    if len(set(ops.values())) > 1:
+        expected_op, odd, tie = _majority(ops)
+        kind, op = IssueKind.OP_MISMATCH, expected_op
+        detail = {"ops": {str(r): o for r, o in ops.items()}, "expected": expected_op}
+        what = "; ".join(f"rank {r} entered {ops[r]} #{seq}" for r in odd)
+        message = f"{what} on {key!r} where {_rank_list(sorted(set(ops) - set(odd)))} entered {expected_op}"
+    else:
+        op = next(iter(ops.values()))
+        found: tuple[IssueKind, dict[int, dict[str, Any]], Any, list[int], bool] | None = None
+        for candidate, fields_ in _compared(op):
+            if not fields_:
+                continue
+            vals = {r: {f: e.get(f) for f in fields_} for r, e in entered.items()}
+            expected, odd, tie = _majority(vals)
+            if odd:
+                found = (candidate, vals, expected, odd, tie)
+                break
+        if found is None:
+            return None
+        kind, values, expected, odd, tie = found
+        detail = {"values": {str(r): v for r, v in values.items()}, "expected": expected}
+        what = "; ".join(f"rank {r} entered {op} #{seq} on {key!r} with {_fmt_fields(values[r])}" for r in odd)
+        others = sorted(set(entered) - set(odd))
+        message = f"{what} where {_rank_list(others)} reported {_fmt_fields(expected)}"
+    if tie:
+        message += (f" (no majority among the {len(entered)} ranks with a dump: the lowest rank's value is taken as "
+                    "the reference)")
+        detail["tie"] = True
+    if no_dump:
+        detail["no_dump"] = list(no_dump)
+        kills = kind in (IssueKind.SIZE_MISMATCH, IssueKind.OP_MISMATCH)
+        message += f"; {_rank_list(no_dump)} left no dump" + (f" ({_SIZE_KILLS})" if kills else "")
+    return Issue(kind=kind.value, pg=key, generation=group.generation, seq=seq, op=op, ranks=odd, detail=detail,
+                 message=message)
+
+
+def _missing_issue(
+    key: str, group: GroupInfo, seq: int, op: str | None, entered: dict[int, dict[str, Any]], missing: list[int],
+    no_dump: list[int], incomplete: bool, by_rank: dict[int, RankDump], seqs: dict[int, dict[int, dict[str, Any]]],
+    cause: Issue | None,
+) -> Issue:
+    """Members that never entered collective ``seq`` (missing_ranks), or -- when those that entered are a minority
+    and the others are not stuck in a collective -- the ranks that issued one collective more (extra_collective)."""
+    states = {str(r): e["state"] for r, e in entered.items()}
+    times = {str(r): e["time_created_ns"] for r, e in entered.items()}
+    settled = all(seqs[r].get(seq - 1, {}).get("state", "completed") == "completed" for r in missing)
+    if missing and len(missing) > len(entered) and settled and not no_dump:
+        culprits = sorted(entered)
+        where = {str(r): _where(by_rank.get(r)) for r in missing}
+        last = _fmt_last(where[str(missing[0])]["last_entry"])
+        return Issue(
+            kind=IssueKind.EXTRA_COLLECTIVE.value, pg=key, generation=group.generation, seq=seq, op=op,
+            ranks=culprits,
+            detail={"entered": states, "entered_time_ns": times, "missing": where, "no_dump": []},
+            message=f"{_rank_list(culprits)} entered {op} #{seq} on {key!r}, which {_rank_list(missing)} never "
+            f"entered (their last was {last}): {_rank_list(culprits)} issued a collective more than the others "
+            "(or the others are stuck outside any collective: see their stacks)",
+        )
+    culprits = sorted(missing + (no_dump if incomplete else []))
+    where = {str(r): _where(by_rank.get(r)) for r in culprits}
+    first_in = min(times.values(), default=None)
+    early = [
+        r for r in culprits
+        if r in by_rank and first_in is not None and (by_rank[r].time_dumped_ns or first_in) < first_in
+    ]
+    for r in early:
+        where[str(r)]["dumped_before_others_entered"] = True
+    names = ", ".join(
+        f"rank {r} " + ("left no dump (dead, or its dump failed)" if r in no_dump
+                        else "was at " + _fmt_last(where[str(r)]["last_entry"]))
+        for r in culprits
+    )
+    detail: dict[str, Any] = {"entered": states, "entered_time_ns": times, "missing": where,
+                              "no_dump": [r for r in culprits if r in no_dump]}
+    message = f"{op} #{seq} on {key!r}: ranks {culprits} never entered it ({names})"
+    if early:
+        message += (f"; ranks {early} dumped before the others entered it, so they may simply not have got there"
+                    " yet (dumps taken at different times, not necessarily a hang)")
+    if cause is not None:
+        detail["consequence_of"] = cause.kind
+        message += f"; a consequence of the {cause.kind.replace('_', ' ')} above"
+    return Issue(kind=IssueKind.MISSING_RANKS.value, pg=key, generation=group.generation, seq=seq, op=op,
+                 ranks=culprits, detail=detail, message=message)
+
+
+def _fmt_fields(values: dict[str, Any]) -> str:
+    """``{"input_sizes": [[6]], "output_sizes": [[18]]}`` -> ``input [6], output [18]``."""
+    parts = []
+    for f, v in values.items():
+        name = f.removesuffix("_sizes").removesuffix("_dtypes") + (" dtype" if f.endswith("_dtypes") else "")
+        if isinstance(v, (list, tuple)) and len(v) == 1:
+            v = v[0]
+        parts.append(f"{name} {v}")
+    return ", ".join(parts)
+
+
+def _rank_list(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
 def _offsets(seqs: dict[int, dict[int, dict[str, Any]]], seq: int) -> dict[str, float]:
@@ -453,6 +526,7 @@ def analyze(
         _analyze_p2p(key, group, by_rank, report)
         _analyze_window(key, group, by_rank, report)
     report.issues.sort(key=lambda i: (_KIND_ORDER.get(i.kind, 99), i.generation, i.pg, i.seq or 0))
+    report.generations = generation_ends(report.dumps, report.groups)
     return report
 
 

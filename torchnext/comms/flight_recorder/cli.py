@@ -97,10 +97,18 @@ def _print_text(report: Any) -> None:
             console.print(Text(f"rank {d.rank} dumped on {d.dump_reason}", style="dim"))
     if report.ranks_without_dump:
         console.print(f"[red]ranks without a dump:[/] {report.ranks_without_dump}")
+    for g in report.generations:
+        style = {"failure": "bold red", "reconfigured": "cyan"}.get(g.outcome, "dim")
+        head, *rest = g.message.splitlines()
+        console.print(Text(head, style=style))
+        for line in rest:
+            console.print(Text(f"   {line}"))
     if not report.issues:
-        console.print("[green]no issues found[/]")
+        failed = any(g.outcome == "failure" for g in report.generations)
+        console.print("[green]no hang or mismatch found in the recorded collectives[/]" if failed
+                      else "[green]no issues found[/]")
     for i, issue in enumerate(report.issues, 1):
-        colour = "red" if issue.kind in ("missing_ranks", "op_mismatch", "unmatched_p2p", "window_op") else "yellow"
+        colour = "yellow" if issue.kind in ("straggler", "dtype_mismatch") else "red"
         console.print(f"[bold {colour}]{i}. {issue.kind}[/] {escape(issue.message)}")
         if issue.kind == "missing_ranks":
             for r, where in issue.detail.get("missing", {}).items():

@@ -51,7 +51,9 @@ _FINAL_STATES = frozenset({"completed", "error", "timed_out", "aborted"})
     _GEN,
     _ASYNC,
     _ERROR,
-) = range(23)
+    _ROOT,
+    _ROP,
+) = range(25)
 
 
 class GroupLike(Protocol):
@@ -144,6 +146,9 @@ def format_entries(
                 "tag": e[_TAG],
                 "async_op": e[_ASYNC],
                 "error": e[_ERROR],
+                "root": e[_ROOT],
+                "root_global": g.ranks[e[_ROOT]] if e[_ROOT] is not None and 0 <= e[_ROOT] < len(g.ranks) else None,
+                "reduce_op": e[_ROP],
             }
         )
     return out
@@ -173,7 +178,7 @@ def entries_json(live: list[list[Any]], groups: list[Any], global_rank: int) -> 
     for e in live:
         g = groups[e[_PG]]
         op, peer = e[_OP], e[_PEER]
-        t0, t1, state, tid = e[_TCREATED], e[_TDONE], e[_STATE], e[_TID]
+        t0, t1, state, tid, root = e[_TCREATED], e[_TDONE], e[_STATE], e[_TID], e[_ROOT]
         group_text = cached(
             "g",
             (g.pg_id, op, peer),
@@ -199,6 +204,8 @@ def entries_json(live: list[list[Any]], groups: list[Any], global_rank: int) -> 
             f'"timeout_ms":{_n(e[_TIMEOUT])},"is_p2p":{"true" if e[_ISP2P] else "false"},'
             f'"retired":{"true" if state in _FINAL_STATES else "false"},"frames":{frames},{thread},'
             f'"generation":{e[_GEN]},"tag":{_n(e[_TAG])},"async_op":{"true" if e[_ASYNC] else "false"},'
-            f'"error":{"null" if e[_ERROR] is None else _j(e[_ERROR])}}}'
+            f'"error":{"null" if e[_ERROR] is None else _j(e[_ERROR])},'
+            f'"root":{_n(root)},"root_global":{_n(g.ranks[root] if root is not None and 0 <= root < len(g.ranks) else None)},'
+            f'"reduce_op":{"null" if e[_ROP] is None else _j(e[_ROP])}}}'
         )
     return "[" + ",".join(parts) + "]"

@@ -14,7 +14,8 @@ _G_CSEQ, _G_PSEQ, _G_CENQ, _G_CSTART, _G_CDONE, _G_PENQ, _G_PSTART, _G_PDONE = r
 class Group:
     """One communicator known to the recorder."""
 
-    __slots__ = ("backend", "counters", "desc", "generation", "key", "name", "pg_id", "rank", "ranks", "timeout_ms")
+    __slots__ = ("backend", "counters", "desc", "generation", "key", "name", "pg_id", "rank", "ranks", "time_added_ns",
+                 "timeout_ms")
 
     def __init__(
         self,
@@ -28,6 +29,7 @@ class Group:
         backend: str,
         generation: int,
         timeout_ms: int | None,
+        time_added_ns: int | None = None,
     ) -> None:
         self.pg_id = pg_id
         self.key = key
@@ -38,6 +40,7 @@ class Group:
         self.backend = backend
         self.generation = generation
         self.timeout_ms = timeout_ms
+        self.time_added_ns = time_added_ns
         self.counters = [0, 0, -1, -1, -1, -1, -1, -1]
 
     def config(self) -> dict[str, Any]:
@@ -53,6 +56,7 @@ class Group:
             "backend": self.backend,
             "pg_id": self.pg_id,
             "rank": self.rank,
+            "time_added_ns": self.time_added_ns,
         }
 
     def status(self) -> dict[str, int]:

@@ -60,6 +60,8 @@ class GroupInfo:
     desc: str
     ranks: list[int]
     generation: int = 0
+    time_added_ns: int | None = None
+    """When this rank's recorder started recording the communicator (None when the dump does not say)."""
 
 
 @dataclass(kw_only=True)
@@ -84,6 +86,9 @@ class RankDump:
     pg_status: dict[str, Any] = field(default_factory=dict)
     stacks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     entries: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    """Communicator events (``kind`` "abort", ``pg``, ``generation``, ``time_ns``, ``reason``, ``in_flight``
+    op_ids), oldest first; empty for PyTorch's dumps."""
     notes: list[str] = field(default_factory=list)
 
     def main_stack(self) -> list[dict[str, Any]]:
@@ -263,9 +268,12 @@ def load_file(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Ra
         if key == "":
             dump.notes.append("pg_config is empty/broken (PyTorch Gloo dumps): group members inferred from the dumps")
             continue
+        added = cfg.get("time_added_ns")
         dump.groups[str(key)] = GroupInfo(
-            key=str(key), desc=str(cfg.get("desc", "")), ranks=_ranks_of(cfg), generation=int(cfg.get("generation", 0))
+            key=str(key), desc=str(cfg.get("desc", "")), ranks=_ranks_of(cfg), generation=int(cfg.get("generation", 0)),
+            time_added_ns=added if isinstance(added, int) and not isinstance(added, bool) else None,
         )
+    dump.events = _events(obj.get("events"), dump.notes)
     raw_entries = obj["entries"]
     if not isinstance(raw_entries, list):
         raise DumpFormatError(f"'entries' is a {type(raw_entries).__name__}, expected a list")
@@ -288,6 +296,30 @@ def load_file(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Ra
         dump.dropped = int(dump.entries[0]["record_id"])  # record ids start at 0: the gap was dropped
     dump.entries.sort(key=lambda e: (e.get("record_id", -1), e["time_created_ns"]))
     return dump
+
+
+def _events(raw: Any, notes: list[str]) -> list[dict[str, Any]]:
+    """The dump's ``events``, each checked (a malformed one is skipped with a note)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        notes.append(f"'events' is a {type(raw).__name__}, expected a list: ignored")
+        return []
+    out = []
+    for i, e in enumerate(raw):
+        try:
+            if not isinstance(e, dict):
+                raise TypeError(f"a {type(e).__name__}")
+            t = e["time_ns"]
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise TypeError(f"time_ns {t!r}")
+            reason = e.get("reason")
+            out.append({"kind": str(e["kind"]), "pg": str(e["pg"]), "generation": int(e.get("generation", 0)),
+                        "time_ns": t, "reason": None if reason is None else str(reason),
+                        "in_flight": [int(x) for x in e.get("in_flight") or []]})
+        except (KeyError, TypeError, ValueError) as exc:
+            notes.append(f"event {i} malformed ({exc}): skipped")
+    return out
 
 
 def _same_event(a: RankDump, b: RankDump) -> bool:

@@ -90,6 +90,8 @@ class EntryState(str, Enum):
 
 
 _DUMP_FORMATS = ("json", "pickle")
+MAX_EVENTS = 1000
+"""Communicator events (aborts) a recorder keeps for its dumps."""
 
 def _shapes(tensors: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     return tuple(t.shape for t in tensors), tuple(t.dtype for t in tensors)
@@ -155,6 +157,7 @@ class FlightRecorder:
         self._auto = _AutoDumper()
         self.last_dump_paths: list[Path] = []
         self.dump_errors: list[str] = []
+        self._events: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ attaching
     @classmethod
@@ -281,10 +284,28 @@ class FlightRecorder:
         with self._lock:
             key = unique_key(self._group_keys, key, ranks, self.generation)
             group = Group(pg_id=len(self._groups), key=key, name=name, desc=desc or name, ranks=ranks, rank=rank,
-                          backend=backend, generation=self.generation, timeout_ms=timeout_ms)
+                          backend=backend, generation=self.generation, timeout_ms=timeout_ms,
+                          time_added_ns=time.time_ns())
             self._groups.append(group)
             self._group_keys[key] = group
         return group.pg_id
+
+    def note_event(self, kind: str, pg_id: int, *, reason: str | None = None, in_flight: Sequence[int] = (),
+                   t_ns: int | None = None) -> None:
+        """Keep a communicator event for the dump's ``events`` (the last :data:`MAX_EVENTS`): ``"abort"`` with
+        its reason and the op_ids in flight (the attach hooks note every ``abort()``)."""
+        group = self._group(pg_id)
+        event = {"kind": str(kind), "pg": group.key, "generation": group.generation,
+                 "time_ns": time.time_ns() if t_ns is None else int(t_ns), "reason": reason,
+                 "in_flight": [int(i) for i in in_flight]}
+        with self._lock:
+            self._events.append(event)
+            del self._events[:-MAX_EVENTS]
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """The communicator events noted so far (oldest first)."""
+        return [dict(e) for e in self._events]
 
     def group_key(self, pg_id: int) -> str:
         """The ``pg_config`` key of group ``pg_id``."""
@@ -311,11 +332,14 @@ class FlightRecorder:
         async_op: bool = False,
         state: str = "started",
         t_ns: int | None = None,
+        root: int | None = None,
+        reduce_op: str | None = None,
     ) -> int:
         """Record that this rank entered ``op`` on group ``pg_id``; return the record id (-1 when disabled).
 
         ``inputs`` / ``outputs`` are tensors (only their shapes and dtypes are kept); ``peer`` is the group rank of
-        the p2p partner; ``t_ns`` overrides the wall-clock time (tests, replays).
+        the p2p partner; ``root`` the group rank of a rooted collective's root, ``reduce_op`` a reduction's op
+        (``"sum"``, ...); ``t_ns`` overrides the wall-clock time (tests, replays).
         """
         if state not in ("started", "scheduled"):
             raise FlightRecorderError(f"a new record is 'started' or 'scheduled', not {state!r}")
@@ -323,7 +347,7 @@ class FlightRecorder:
             return -1
         return self._record(
             pg_id, op, inputs, outputs, op_id, peer, tag, timeout_ms, async_op, state == "started",
-            time.time_ns() if t_ns is None else t_ns,
+            time.time_ns() if t_ns is None else t_ns, root, reduce_op,
         )
 
     def _record(
@@ -339,6 +363,8 @@ class FlightRecorder:
         async_op: bool,
         started: bool,
         now: int,
+        root: int | None,
+        reduce_op: str | None,
     ) -> int:
         """The hot path (positional arguments; the hooks call it directly)."""
         group = self._groups[pg_id]
@@ -397,6 +423,8 @@ class FlightRecorder:
             self.generation,
             async_op,
             None,
+            root,
+            reduce_op,
         ]
         return rid
 
@@ -523,6 +551,7 @@ class FlightRecorder:
             "pg_config": self.pg_config(),
             "pg_status": self.pg_status(),
             "stacks": thread_stacks(self.max_frames * 4),
+            "events": self.events,
         }
 
     def dump(
