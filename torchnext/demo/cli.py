@@ -14,18 +14,29 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from torchnext.demo.launcher import DemoConfig
+    from torchnext.demo.train import Parallel
 
     d = DemoConfig()
-    parser.add_argument("--ranks", type=int, default=d.ranks, help="local ranks to launch (default %(default)s)")
+    parser.add_argument("--ranks", type=int, default=d.ranks,
+                        help="local ranks to launch, all replica groups together (default %(default)s)")
+    parser.add_argument("--parallel", choices=[p.value for p in Parallel], default=d.parallel,
+                        help="hsdp: FSDP2 inside replica groups of --shard-size ranks, fault tolerance across them; "
+                             "ddp: torch's DDP, every rank its own replica group; diloco: inner FSDP2 steps, outer "
+                             "sync every --sync-every steps (default %(default)s)")
+    parser.add_argument("--shard-size", type=int, default=d.shard_size,
+                        help="hsdp/diloco: ranks per replica group; --ranks must be a multiple (default %(default)s)")
     parser.add_argument("--steps", type=int, default=d.steps, help="committed training steps (default %(default)s)")
     parser.add_argument("--precision", choices=["nvfp4", "mxfp8", "bf16", "fp32"], default=d.precision,
                         help="weight precision of experts and projections (default %(default)s)")
-    parser.add_argument("--kill-rank", type=int, default=d.kill_rank, help="rank to SIGKILL (default %(default)s)")
-    parser.add_argument("--kill-step", type=int, default=d.kill_step,
-                        help="inject the failure after this committed step (default %(default)s)")
-    parser.add_argument("--hang-rank", type=int, default=None, help="SIGSTOP this rank instead of killing one")
+    parser.add_argument("--fault", action="append", type=_fault, default=None, metavar="KIND:RANK@STEP",
+                        help="inject a failure after the job committed STEP steps: kill:RANK (SIGKILL) or hang:RANK "
+                             "(SIGSTOP); repeatable (default " + ", ".join(str(f) for f in d.faults) + ")")
     parser.add_argument("--no-fault", action="store_true", help="run without injecting a failure")
-    parser.add_argument("--rejoin", action="store_true", help="start a replacement that heals and joins")
+    parser.add_argument("--rejoin", action="store_true",
+                        help="restart each failed replica group (warm standby processes): it heals shard by shard "
+                             "from a live group and joins")
+    parser.add_argument("--sync-every", type=int, default=d.sync_every,
+                        help="diloco: inner steps between outer synchronizations (default %(default)s)")
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=d.seq_len, help="characters per sequence")
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -34,14 +45,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar, only the final summary")
 
 
+def _fault(text: str) -> Any:
+    from torchnext.demo.launcher import Fault
+
+    try:
+        return Fault.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _config(args: argparse.Namespace) -> Any:
+    """The DemoConfig of ``args``, validated.
+
+    Raises:
+        ValueError: a flag combination that cannot run (the message names the flag and value).
+    """
     from torchnext.demo.launcher import DemoConfig
 
-    kill = None if (args.no_fault or args.hang_rank is not None) else args.kill_rank
-    hang = None if args.no_fault else args.hang_rank
-    return DemoConfig(ranks=args.ranks, steps=args.steps, precision=args.precision, kill_rank=kill,
-                      kill_step=args.kill_step, hang_rank=hang, rejoin=args.rejoin, batch_size=args.batch_size,
-                      seq_len=args.seq_len, seed=args.seed, out=args.out, timeout_s=args.timeout)
+    if args.no_fault and args.fault:
+        raise ValueError("--no-fault and --fault contradict each other: choose one")
+    kw: dict[str, Any] = {}
+    if args.no_fault:
+        kw["faults"] = ()
+    elif args.fault:
+        kw["faults"] = tuple(args.fault)
+    cfg = DemoConfig(ranks=args.ranks, steps=args.steps, precision=args.precision, parallel=args.parallel,
+                     shard_size=args.shard_size, rejoin=args.rejoin, batch_size=args.batch_size,
+                     seq_len=args.seq_len, seed=args.seed, sync_every=args.sync_every, out=args.out,
+                     timeout_s=args.timeout, **kw)
+    cfg.validate()
+    return cfg
 
 
 def analyze_flight_recorder(out: Path) -> tuple[int, Path]:
@@ -70,18 +103,26 @@ def run(args: argparse.Namespace) -> int:
 
     from torchnext.demo.launcher import DemoError, run_demo
 
-    cfg = _config(args)
     console = Console(stderr=False, highlight=False)
-    fault = ("none" if cfg.kill_rank is None and cfg.hang_rank is None else
-             f"kill rank {cfg.kill_rank}" if cfg.kill_rank is not None else f"hang rank {cfg.hang_rank}")
-    console.print(f"[bold]torchnext demo[/]: {cfg.ranks} ranks, {cfg.steps} steps, precision {cfg.precision}, "
-                  f"fault: {fault}{' at step ' + str(cfg.kill_step) if fault != 'none' else ''}"
-                  f"{', rejoin' if cfg.rejoin else ''} → {cfg.out}")
+    try:
+        cfg = _config(args)
+        if cfg.parallel == "diloco":
+            from torchnext.demo.launcher import _require_diloco
+
+            _require_diloco()
+    except ValueError as exc:
+        Console(stderr=True, highlight=False).print(f"[red]torchnext demo: error:[/] {escape(str(exc))}")
+        return 2
+    fault = ", ".join(str(f) for f in cfg.faults) or "none"
+    layout = (f"{cfg.groups} replica groups of {cfg.group_size} ranks" if cfg.parallel != "ddp"
+              else f"{cfg.groups} replica groups of 1 rank")
+    console.print(f"[bold]torchnext demo[/]: {cfg.parallel}, {cfg.ranks} ranks ({layout}), {cfg.steps} steps, "
+                  f"precision {cfg.precision}, faults: {fault}{', rejoin' if cfg.rejoin else ''} → {cfg.out}")
     progress = Progress(TextColumn("[bold blue]train"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("loss {task.fields[loss]}  world {task.fields[size]}  gen {task.fields[gen]}  "
+                        TextColumn("loss {task.fields[loss]}  groups {task.fields[size]}  gen {task.fields[gen]}  "
                                    "{task.fields[tps]} tok/s"),
                         TimeElapsedColumn(), console=console, disable=args.quiet)
-    task = progress.add_task("train", total=cfg.steps, loss="-", size=cfg.ranks, gen=0, tps="-")
+    task = progress.add_task("train", total=cfg.steps, loss="-", size=cfg.groups, gen=0, tps="-")
     seen_reconfig: set[int] = set()
     failed_steps: set[int] = set()
 
@@ -91,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
             progress.update(task, completed=ev["step"], loss=f"{ev['loss']:.3f}", size=ev["size"],
                             gen=ev["generation"], tps=f"{ev['tokens_per_s']:.0f}")
         elif kind == "fault":
-            progress.console.print(f"[red]✗ injected: {ev['kind']} rank {ev['rank']} after step {ev['step']}[/]")
+            progress.console.print(f"[red]✗ injected: {ev['kind']} rank {ev['rank']} (member {ev['member']}, "
+                                   f"replica group {ev['group']}) after step {ev['step']}[/]")
         elif kind == "step_failed" and ev["step"] not in failed_steps:
             failed_steps.add(ev["step"])
             progress.console.print(f"[yellow]! step {ev['step']} failed on member {ev['member']}: "
@@ -101,15 +143,18 @@ def run(args: argparse.Namespace) -> int:
                 seen_reconfig.add(ev["generation"])
                 t = ev.get("timings", {})
                 rebuild = (t["built"] - t["start"]) * 1e3 if "built" in t and "start" in t else float("nan")
-                progress.console.print(f"[green]✓ generation {ev['generation']}: members {ev['members']} "
+                progress.console.print(f"[green]✓ generation {ev['generation']}: replica groups {ev.get('groups')} "
                                        f"({escape(str(ev['reason']))}), rebuilt in {rebuild:.1f} ms[/]")
         elif kind == "joined" and ev.get("healed") and ev["step"] > 0:
             h = ev["healed"]
             progress.console.print(f"[green]✓ member {ev['member']} joined generation {ev['generation']} at step "
                                    f"{ev['step']}, healed from a survivor: {h['bytes'] / 2**20:.2f} MiB, "
                                    f"{h['tensors']} tensors in {h['seconds'] * 1e3:.0f} ms[/]")
+        elif kind == "removed":
+            progress.console.print(f"[yellow]- member {ev['member']} left with its replica group "
+                                   f"{ev.get('group')}: {escape(str(ev['error']))}[/]")
         elif kind == "rejoin_started":
-            progress.console.print(f"[cyan]→ replacement member {ev['member']} launched[/]")
+            progress.console.print(f"[cyan]→ replica group {ev['group']} restarting: members {ev['members']}[/]")
 
     try:
         with progress:
@@ -120,10 +165,11 @@ def run(args: argparse.Namespace) -> int:
     out = Path(cfg.out)
     rc, timeline = analyze_flight_recorder(out)
     for f in summary["failures"]:
-        console.print(f"failure: {f['kind']} rank {f['rank']} at step {f['step']}: detect {f['detect_s']} s, "
+        console.print(f"failure: {f['kind']} rank {f['rank']} (replica group {f['group']}) at step {f['step']}: "
+                      f"detect {f['detect_s']} s, "
                       f"agree {f['agree_s']} s, rebuild {f['rebuild_s']} s")
     console.print(f"loss {summary['initial_loss']:.3f} → {summary['final_loss']:.3f} over "
-                  f"{summary['steps_completed']} steps; params equal across ranks: "
+                  f"{summary['steps_completed']} steps; every shard equals its counterparts in the other replica groups: "
                   f"{summary['params_equal_across_ranks']}; wall {summary['wall_s']} s")
     plot = "loss.png" if (out / "loss.png").exists() else "loss.svg"
     console.print(f"wrote {out}/summary.json, {plot}, fr/, fr_report.txt (analyzer exit {rc}), {timeline.name}")

@@ -1,11 +1,16 @@
-"""The demo launcher: hosts the coordinator, starts the ranks, injects the failure, and writes the results.
+"""The demo launcher: hosts the coordinator, starts the ranks, injects the faults, and writes the results.
 
 ``run_demo(DemoConfig(...)) -> dict`` (the summary) is what ``torchnext demo`` calls. The launcher never trains:
 it hosts the coordinator (so no rank's death can take the store down), starts ``ranks`` processes running
-:mod:`torchnext.demo.train`, reads their JSON-lines progress, kills (SIGKILL) or hangs (SIGSTOP) the chosen rank
-when the job reaches the chosen step, optionally starts a replacement that heals from a survivor and joins, and
-finally writes ``summary.json``, ``loss.png``, the Flight Recorder dumps (``fr/``) and the analyzer's report.
-Every child process is killed and reaped on the way out, whatever happened.
+:mod:`torchnext.demo.train` -- replica groups of ``shard_size`` ranks (hsdp: local slot ``s`` is rank ``s %
+shard_size`` of group ``s // shard_size``; ddp: every rank its own group) -- reads their JSON-lines progress,
+kills (SIGKILL) or hangs (SIGSTOP) the chosen ranks when the job reaches the chosen steps (:class:`Fault`), and with
+``rejoin`` restarts the failed replica group from warm standby processes (started at launch, one set per fault)
+that heal shard by shard from a live group and join. It finally writes ``summary.json``, ``loss.png``, the Flight
+Recorder dumps (``fr/``) and the analyzer's report. Every child process is killed and reaped on the way out,
+whatever happened.
+
+Member ids: ``slot + ranks * incarnation`` (incarnation 0 at launch, +1 at every restart of that slot's group).
 """
 
 from __future__ import annotations
@@ -13,21 +18,70 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["DemoConfig", "DemoError", "run_demo"]
+__all__ = ["DemoConfig", "DemoError", "Fault", "run_demo"]
+
+FAULT_KINDS = ("kill", "hang")
+_FAULT_RE = re.compile(r"^\s*([A-Za-z]+)\s*:\s*(-?\d+)\s*@\s*(-?\d+)\s*$")
 
 
 class DemoError(RuntimeError):
     """The demo could not complete (a rank crashed unexpectedly, a timeout, the coordinator failed)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    """One injected failure: ``kind`` (``kill``: SIGKILL; ``hang``: SIGSTOP until the group is removed, then
+    SIGCONT -- the rank must learn it was removed) on local rank ``rank`` after the job committed ``step`` steps.
+    Written ``kind:RANK@STEP`` (``kill:2@20``)."""
+
+    kind: str
+    rank: int
+    step: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind must be one of {', '.join(FAULT_KINDS)}, got {self.kind!r}")
+        if self.rank < 0:
+            raise ValueError(f"fault rank must be >= 0, got {self.rank}")
+        if self.step < 0:
+            raise ValueError(f"fault step must be >= 0, got {self.step}")
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        """``"kill:2@20"`` -> ``Fault(kind="kill", rank=2, step=20)``.
+
+        Raises:
+            ValueError: not ``KIND:RANK@STEP``, an unknown kind, a negative rank or step.
+        """
+        m = _FAULT_RE.match(text)
+        if m is None:
+            raise ValueError(f"bad fault {text!r}: expected KIND:RANK@STEP with KIND one of "
+                             f"{', '.join(FAULT_KINDS)} (e.g. kill:2@20)")
+        kind = m.group(1).lower()
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"bad fault {text!r}: unknown kind {m.group(1)!r} (expected one of "
+                             f"{', '.join(FAULT_KINDS)})")
+        rank, step = int(m.group(2)), int(m.group(3))
+        if rank < 0:
+            raise ValueError(f"bad fault {text!r}: rank {rank} is negative")
+        if step < 0:
+            raise ValueError(f"bad fault {text!r}: step {step} is negative")
+        return cls(kind=kind, rank=rank, step=step)
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.rank}@{self.step}"
 
 
 @dataclass(kw_only=True)
@@ -35,25 +89,28 @@ class DemoConfig:
     """What ``torchnext demo`` runs."""
 
     ranks: int = 4
-    """Local ranks to launch."""
+    """Local ranks to launch (all replica groups together)."""
     steps: int = 200
     """Committed training steps."""
     precision: str = "nvfp4"
     """Weight precision: nvfp4, mxfp8, bf16, fp32."""
-    kill_rank: int | None = 2
-    """Rank (initial member id) to SIGKILL; None: no kill."""
-    kill_step: int = 20
-    """Committed step after which the failure is injected."""
-    hang_rank: int | None = None
-    """Rank to SIGSTOP instead (declared failed by missed heartbeats, then resumed to see it refused)."""
+    parallel: str = "hsdp"
+    """``hsdp`` (FSDP2 inside replica groups of ``shard_size`` ranks), ``ddp`` (every rank its own replica group)
+    or ``diloco``."""
+    shard_size: int = 2
+    """hsdp/diloco: ranks per replica group (``ranks`` must be a multiple); ddp: ignored (1)."""
+    faults: Sequence[Fault] = (Fault(kind="kill", rank=2, step=20),)
+    """Failures to inject, in step order (empty: none)."""
     rejoin: bool = False
-    """Start a replacement after the failure; it heals from a survivor and joins."""
+    """Restart each failed replica group (from warm standby processes); it heals from a live group and joins."""
     batch_size: int = 8
     """Sequences per rank per step."""
     seq_len: int = 64
     """Characters per sequence."""
     seed: int = 0
     """Seed of the model and data."""
+    sync_every: int = 10
+    """diloco: inner steps between outer synchronizations."""
     out: str = "./torchnext-demo"
     """Output folder."""
     timeout_s: float = 600.0
@@ -63,53 +120,145 @@ class DemoConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     """Extra environment for the rank processes."""
 
+    @property
+    def group_size(self) -> int:
+        """Ranks per replica group."""
+        return 1 if self.parallel == "ddp" else self.shard_size
+
+    @property
+    def groups(self) -> int:
+        """Replica groups at launch."""
+        return self.ranks // self.group_size
+
+    def validate(self) -> None:
+        """Check the configuration as a whole.
+
+        Raises:
+            ValueError: naming the flag and the value that is wrong.
+        """
+        from torchnext.demo.train import Parallel
+
+        if self.parallel not in [p.value for p in Parallel]:
+            raise ValueError(f"--parallel must be one of {[p.value for p in Parallel]}, got {self.parallel!r}")
+        if self.ranks < 2:
+            raise ValueError(f"--ranks: the demo needs at least 2 ranks, got {self.ranks}")
+        if self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if self.parallel != "ddp":
+            if self.shard_size < 1:
+                raise ValueError(f"--shard-size must be >= 1, got {self.shard_size}")
+            if self.ranks % self.shard_size:
+                raise ValueError(f"--ranks {self.ranks} is not divisible by --shard-size {self.shard_size} "
+                                 f"(--parallel {self.parallel} runs replica groups of --shard-size ranks)")
+        if self.sync_every < 1:
+            raise ValueError(f"--sync-every must be >= 1, got {self.sync_every}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"--timeout must be positive, got {self.timeout_s}")
+        hit: set[int] = set()
+        for f in self.faults:
+            if not 0 <= f.rank < self.ranks:
+                raise ValueError(f"--fault {f}: rank {f.rank} is out of range [0, {self.ranks})")
+            if not 0 < f.step < self.steps:
+                raise ValueError(f"--fault {f}: step {f.step} must be in (0, --steps {self.steps})")
+            group = f.rank // self.group_size
+            if group in hit and not self.rejoin:
+                raise ValueError(f"--fault {f}: replica group {group} (ranks {self._ranks_of(group)}) already failed "
+                                 "and does not come back without --rejoin")
+            hit.add(group)
+        if not self.rejoin and len(hit) >= self.groups:
+            raise ValueError(f"--fault: the faults take down every replica group ({self.groups}); keep one alive "
+                             "or pass --rejoin")
+
+    def _ranks_of(self, group: int) -> list[int]:
+        return list(range(group * self.group_size, (group + 1) * self.group_size))
+
 
 @dataclass
 class _Rank:
     member: int
+    slot: int
+    incarnation: int
     proc: subprocess.Popen[str]
     log: IO[str]
     started: float
     state: str = "running"  # standby | running | killed | hung | removed | done | failed
+    joined: bool = False
+
+
+@dataclass
+class _Injected:
+    fault: Fault
+    at: float
+    member: int
+    group_members: list[int]
+    standby: list[int] = field(default_factory=list)
+    woken: bool = False
 
 
 class _Launcher:
-    def __init__(self, cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None], coordinator: str, token: str,
+                 store_port: int) -> None:
         self.cfg = cfg
         self.on_event = on_event
+        self.coordinator, self.token, self.store_port = coordinator, token, store_port
         self.out = Path(cfg.out)
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.ranks: dict[int, _Rank] = {}
         self.losses: dict[int, float] = {}
-        self.sizes: list[tuple[int, int]] = []  # (step, size) whenever the size changes
-        self.failures: list[dict[str, Any]] = []
+        self.sizes: list[tuple[int, int]] = []  # (step, replica groups) whenever the count changes
+        self.injected: list[_Injected] = []
         self.reconfigs: list[dict[str, Any]] = []
         self.done: dict[int, dict[str, Any]] = {}
+        self.removed: dict[int, dict[str, Any]] = {}
+
+    def member_id(self, slot: int, incarnation: int) -> int:
+        return slot + self.cfg.ranks * incarnation
+
+    def group_of(self, slot: int) -> int:
+        return slot // self.cfg.group_size
 
     # ---------------------------------------------------------------------------------------------- processes
-    def spawn(self, member: int, coordinator: str, token: str, *, standby: bool = False) -> None:
+    def spawn(self, slot: int, incarnation: int, *, standby: bool = False) -> int:
         cfg = self.cfg
+        member = self.member_id(slot, incarnation)
         env = dict(os.environ)
         env.update(cfg.extra_env)
-        env.update({"TORCHNEXT_FT_COORDINATOR": coordinator, "TORCHNEXT_FT_TOKEN": token,
+        env.update({"TORCHNEXT_FT_COORDINATOR": self.coordinator, "TORCHNEXT_FT_TOKEN": self.token,
                     "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
         cmd = [sys.executable, "-m", "torchnext.demo.train", "--steps", str(cfg.steps), "--precision", cfg.precision,
                "--batch-size", str(cfg.batch_size), "--seq-len", str(cfg.seq_len), "--seed", str(cfg.seed),
                "--out", str(self.out), "--member-id", str(member), "--lowp-backend", cfg.lowp_backend,
-               "--min-size", "2" if cfg.ranks > 2 else "1", *(["--standby"] if standby else [])]
+               "--min-size", str(_min_groups(cfg.groups)), "--parallel", cfg.parallel,
+               "--sync-every", str(cfg.sync_every), *(["--standby"] if standby else [])]
+        if cfg.parallel != "ddp":
+            cmd += ["--replica-group", str(self.group_of(slot)), "--group-rank", str(slot % cfg.group_size),
+                    "--group-size", str(cfg.group_size), "--incarnation", str(incarnation),
+                    "--store", f"127.0.0.1:{self.store_port}"]
         log = open(self.out / "logs" / f"member_{member}.log", "w")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True,
-                                stdin=subprocess.PIPE if standby else subprocess.DEVNULL)
-        self.ranks[member] = _Rank(member, proc, log, time.monotonic(), state="standby" if standby else "running")
+        try:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+                                    start_new_session=True, stdin=subprocess.PIPE if standby else subprocess.DEVNULL)
+        except BaseException:
+            log.close()
+            raise
+        self.ranks[member] = _Rank(member, slot, incarnation, proc, log, time.monotonic(),
+                                   state="standby" if standby else "running")
         threading.Thread(target=self._reader, args=(member, proc), daemon=True, name=f"demo-reader-{member}").start()
+        return member
 
     def wake(self, member: int) -> None:
         """Tell a warm spare to join now."""
         r = self.ranks[member]
-        assert r.proc.stdin is not None
+        if r.proc.stdin is None:
+            raise DemoError(f"member {member} is not a standby process")
         r.proc.stdin.write("join\n")
         r.proc.stdin.flush()
         r.state = "running"
+
+    def current(self, slot: int) -> _Rank | None:
+        """The running process of ``slot`` (its newest incarnation), if any."""
+        procs = [r for r in self.ranks.values() if r.slot == slot and r.state == "running"]
+        return max(procs, key=lambda r: r.incarnation) if procs else None
 
     def _reader(self, member: int, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
@@ -126,19 +275,37 @@ class _Launcher:
             self.events.put(ev)
         self.events.put({"event": "exit", "_member": member, "_t": time.monotonic(), "code": proc.wait()})
 
-    def cleanup(self) -> None:
+    def cleanup(self, grace_s: float = 0.0) -> None:
+        """Kill (SIGKILL, whole process group) and reap every child; those that finished get ``grace_s`` to exit."""
+        deadline = time.monotonic() + grace_s
         for r in self.ranks.values():
-            if r.proc.poll() is None:
+            if r.state == "done":
                 try:
-                    os.killpg(r.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
+                    r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
                     pass
+        for r in self.ranks.values():
+            try:
+                os.killpg(r.proc.pid, signal.SIGKILL)  # also any child it started; a stopped one dies too
+            except (ProcessLookupError, PermissionError):
+                pass
         for r in self.ranks.values():
             try:
                 r.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
                 pass
+            for stream in (r.proc.stdin, r.proc.stdout):
+                if stream is not None:
+                    try:
+                        stream.close()
+                    except OSError:
+                        pass
             r.log.close()
+
+
+def _min_groups(groups: int) -> int:
+    """The quorum: one replica group may carry on alone when the job has at most two."""
+    return 1 if groups <= 2 else 2
 
 
 def _log_tail(path: Path, n: int = 15) -> str:
@@ -149,131 +316,186 @@ def _log_tail(path: Path, n: int = 15) -> str:
 
 
 def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run the demo end to end and return the summary (also written to ``<out>/summary.json``)."""
+    """Run the demo end to end and return the summary (also written to ``<out>/summary.json``).
+
+    Raises:
+        ValueError: a bad configuration (:meth:`DemoConfig.validate`).
+        DemoError: a rank crashed unexpectedly, or the demo did not finish within ``cfg.timeout_s``.
+    """
     from torchnext.ft import Coordinator, CoordinatorConfig, MembershipConfig
 
-    if cfg.ranks < 2:
-        raise ValueError(f"the demo needs at least 2 ranks, got {cfg.ranks}")
-    if cfg.steps < 1:
-        raise ValueError(f"steps must be >= 1, got {cfg.steps}")
-    target = cfg.kill_rank if cfg.kill_rank is not None else cfg.hang_rank
-    if cfg.kill_rank is not None and cfg.hang_rank is not None:
-        raise ValueError("choose either a kill or a hang (--kill-rank / --hang-rank), not both")
-    if target is not None and not 0 <= target < cfg.ranks:
-        raise ValueError(f"the rank to fail must be in [0, {cfg.ranks}), got {target}")
-    if target is not None and not 0 < cfg.kill_step < cfg.steps:
-        raise ValueError(f"the failure step must be in (0, {cfg.steps}), got {cfg.kill_step}")
+    cfg.validate()
+    if cfg.parallel == "diloco":
+        _require_diloco()
     emit = on_event or (lambda ev: None)
     out = Path(cfg.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
+    for old in ("fr", "fr_shard"):
+        shutil.rmtree(out / old, ignore_errors=True)
     (out / "fr").mkdir(parents=True, exist_ok=True)
-    for old in (out / "fr").iterdir():
-        old.unlink()
     t_start = time.monotonic()
-    launcher = _Launcher(cfg, emit)
-    coord = Coordinator(CoordinatorConfig(membership=MembershipConfig(min_size=2, initial_size=cfg.ranks)))
+    faults = sorted(cfg.faults, key=lambda f: f.step)
+    groups = cfg.groups
+    coord = Coordinator(CoordinatorConfig(membership=MembershipConfig(min_size=_min_groups(groups),
+                                                                      initial_size=groups)))
     coord.start()
-    fault_at: float | None = None
-    fault_done = False
+    launcher = _Launcher(cfg, emit, coord.address, coord.token, coord.store_port)
     error: BaseException | None = None
+    history: list[dict[str, Any]] = []
     try:
-        for m in range(cfg.ranks):
-            launcher.spawn(m, coord.address, coord.token)
-        spare = cfg.ranks if cfg.rejoin else None
-        if spare is not None:  # a warm spare: imports and model built now, joins when the failure happens
-            launcher.spawn(spare, coord.address, coord.token, standby=True)
-        emit({"event": "launched", "ranks": cfg.ranks, "coordinator": coord.address})
+        for slot in range(cfg.ranks):
+            launcher.spawn(slot, 0)
+        spares: list[list[int]] = []  # per fault: the standby processes that restart its replica group
+        if cfg.rejoin:
+            restarts: dict[int, int] = {}
+            for f in faults:
+                g = launcher.group_of(f.rank)
+                restarts[g] = restarts.get(g, 0) + 1
+                spares.append([launcher.spawn(s, restarts[g], standby=True) for s in cfg._ranks_of(g)])
+        emit({"event": "launched", "ranks": cfg.ranks, "groups": groups, "coordinator": coord.address})
+        pending = list(range(len(faults)))
         deadline = t_start + cfg.timeout_s
         while True:
-            live = [r for r in launcher.ranks.values() if r.state == "running"]
-            if live and all(m in launcher.done for m in (r.member for r in live)):
-                break
+            if not any(r.state in ("running", "hung") for r in launcher.ranks.values()):
+                if launcher.done:
+                    break
+                raise DemoError("no rank is left training (every replica group failed or was removed)")
             if time.monotonic() > deadline:
-                raise DemoError(f"the demo did not finish within {cfg.timeout_s:.0f} s")
+                raise DemoError(f"the demo did not finish within {cfg.timeout_s:.0f} s (--timeout)")
             try:
                 ev = launcher.events.get(timeout=0.2)
             except queue.Empty:
                 continue
             kind, member = ev["event"], ev["_member"]
-            if kind == "step":
+            rank = launcher.ranks[member]
+            if kind == "joined":
+                rank.joined = True
+            elif kind == "step":
                 step = int(ev["step"])
                 launcher.losses.setdefault(step, float(ev["loss"]))
                 if not launcher.sizes or launcher.sizes[-1][1] != ev["size"]:
                     launcher.sizes.append((step, int(ev["size"])))
-                if target is not None and not fault_done and step >= cfg.kill_step:
-                    victim = launcher.ranks[target]
-                    fault_at = time.monotonic()
-                    if cfg.kill_rank is not None:
-                        os.killpg(victim.proc.pid, signal.SIGKILL)
-                        victim.state = "killed"
-                    else:
-                        os.killpg(victim.proc.pid, signal.SIGSTOP)
-                        victim.state = "hung"
-                    fault_done = True
-                    if spare is not None:
-                        launcher.wake(spare)
-                        emit({"event": "rejoin_started", "member": spare})
-                    emit({"event": "fault", "kind": "kill" if cfg.kill_rank is not None else "hang",
-                          "rank": target, "step": step})
+                for i in list(pending):
+                    f = faults[i]
+                    victim = launcher.current(f.rank)
+                    if step < f.step or victim is None or not victim.joined:
+                        continue  # not yet, or its group is still (re)starting: fire when it is back
+                    pending.remove(i)
+                    _inject(launcher, f, victim, spares[i] if cfg.rejoin else [], step, emit)
             elif kind == "reconfigured":
                 launcher.reconfigs.append(ev)
-                if cfg.hang_rank is not None:
-                    victim = launcher.ranks[cfg.hang_rank]
-                    if victim.state == "hung":  # removed: let it run again, it must be refused
-                        os.killpg(victim.proc.pid, signal.SIGCONT)
-                        victim.state = "removed"
+                now_members = set(ev["members"])
+                for inj in launcher.injected:
+                    if not inj.woken and not now_members & set(inj.group_members):
+                        # the failed group is out of the generation: let a hung rank run again (it must be
+                        # refused), and restart the group from its warm spares
+                        for m in inj.group_members:
+                            r = launcher.ranks[m]
+                            if r.state == "hung":
+                                os.killpg(r.proc.pid, signal.SIGCONT)
+                                r.state = "removed"
+                        inj.woken = True
+                        for m in inj.standby:
+                            launcher.wake(m)
+                        if inj.standby:
+                            emit({"event": "rejoin_started", "members": inj.standby,
+                                  "group": launcher.group_of(inj.fault.rank)})
+            elif kind == "removed":
+                launcher.removed[member] = ev
+                if rank.state in ("running", "removed"):
+                    rank.state = "removed"
             elif kind == "done":
                 launcher.done[member] = ev
+                rank.state = "done" if rank.state == "running" else rank.state
             elif kind == "exit":
-                r = launcher.ranks[member]
-                if r.state in ("running", "standby") and member not in launcher.done:
-                    r.state = "failed"
-                    raise DemoError(f"member {member} exited unexpectedly (code {ev['code']}); its log:\n"
-                                    + _log_tail(out / "logs" / f"member_{member}.log"))
+                if rank.state in ("running", "standby") and member not in launcher.done:
+                    rank.state = "failed"
+                    raise DemoError(f"member {member} (rank {rank.slot}) exited unexpectedly (code {ev['code']}); "
+                                    "its log:\n" + _log_tail(out / "logs" / f"member_{member}.log"))
             emit(ev)
     except BaseException as exc:
         error = exc
         raise
     finally:
-        history = coord.history()
-        launcher.cleanup()
-        coord.stop()
-        summary = _summarize(cfg, launcher, history, fault_at, target, time.monotonic() - t_start, error)
+        try:
+            history = coord.history()
+        finally:
+            launcher.cleanup(grace_s=5.0 if error is None else 0.0)
+            coord.stop()
+        summary = _summarize(cfg, launcher, history, time.monotonic() - t_start, error)
     return summary
 
 
-def _summarize(cfg: DemoConfig, launcher: _Launcher, history: list[dict[str, Any]], fault_at: float | None,
-               target: int | None, wall: float, error: BaseException | None = None) -> dict[str, Any]:
+def _require_diloco() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("torchnext.ft.diloco") is None:
+        raise ValueError("--parallel diloco is not available in this build (torchnext.ft.diloco is missing); use "
+                         "--parallel hsdp or --parallel ddp")
+
+
+def _inject(launcher: _Launcher, f: Fault, victim: _Rank, standby: list[int], step: int,
+            emit: Callable[[dict[str, Any]], None]) -> None:
+    group = launcher.group_of(f.rank)
+    siblings = [r.member for r in launcher.ranks.values()
+                if r.state == "running" and launcher.group_of(r.slot) == group and r.incarnation == victim.incarnation]
+    at = time.monotonic()
+    if f.kind == "kill":
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+        victim.state = "killed"
+    else:
+        os.killpg(victim.proc.pid, signal.SIGSTOP)
+        victim.state = "hung"
+    launcher.injected.append(_Injected(f, at, victim.member, sorted(siblings), standby))
+    emit({"event": "fault", "kind": f.kind, "rank": f.rank, "member": victim.member, "group": group, "step": step})
+
+
+def _summarize(cfg: DemoConfig, launcher: _Launcher, history: list[dict[str, Any]], wall: float,
+               error: BaseException | None = None) -> dict[str, Any]:
     out = Path(cfg.out)
     failures: list[dict[str, Any]] = []
-    if fault_at is not None and target is not None:
-        detected = next((h for h in history if h["event"] == "failure" and h.get("member") == target), None)
-        gen = next((h for h in history if h["event"] == "generation" and detected is not None
-                    and h["at"] >= detected["at"]), None)
-        built = [ev["timings"].get("built") for ev in launcher.reconfigs
+    for inj in launcher.injected:
+        group = set(inj.group_members)
+        detected = next((h for h in history if h["at"] >= inj.at and (
+            (h["event"] in ("failure", "group_failure") and h.get("member") in group) or h["event"] == "report")),
+            None)
+        gen = next((h for h in history if detected is not None and h["event"] == "generation"
+                    and h["at"] >= detected["at"] and not group & set(h["members"])), None)
+        built = [ev["timings"]["built"] for ev in launcher.reconfigs
                  if gen is not None and ev.get("generation") == gen["gen"] and ev["timings"].get("built")]
         failures.append({
-            "kind": "kill" if cfg.kill_rank is not None else "hang",
-            "rank": target,
-            "step": cfg.kill_step,
-            "detect_s": None if detected is None else round(detected["at"] - fault_at, 4),
+            "kind": inj.fault.kind,
+            "rank": inj.fault.rank,
+            "member": inj.member,
+            "group": launcher.group_of(inj.fault.rank),
+            "step": inj.fault.step,
+            "detect_s": None if detected is None else round(detected["at"] - inj.at, 4),
             "agree_s": None if detected is None or gen is None else round(gen["at"] - detected["at"], 4),
             "rebuild_s": None if gen is None or not built else round(max(built) - gen["at"], 4),
         })
-    digests = {m: d["digest"] for m, d in launcher.done.items()}
+    by_group_rank: dict[int, set[str]] = {}
+    for m, d in launcher.done.items():
+        by_group_rank.setdefault(launcher.ranks[m].slot % cfg.group_size, set()).add(d["digest"])
     losses = [launcher.losses[s] for s in sorted(launcher.losses)]
+    final_groups = sorted({launcher.group_of(launcher.ranks[m].slot) for m in launcher.done})
     summary = {
+        "parallel": cfg.parallel,
         "steps_completed": max(launcher.losses) if launcher.losses else 0,
         "initial_loss": losses[0] if losses else None,
         "final_loss": losses[-1] if losses else None,
-        "world_size_history": [{"step": s, "size": n} for s, n in launcher.sizes],
+        "world_size_history": [{"step": s, "size": n, "ranks": n * cfg.group_size} for s, n in launcher.sizes],
         "failures": failures,
-        "params_equal_across_ranks": len(set(digests.values())) == 1 and len(digests) >= 1,
-        "final_members": sorted(digests),
+        # every rank holds the same local state (parameter shards + optimizer state) as its counterpart -- the
+        # same group rank -- in every other live replica group
+        "params_equal_across_ranks": bool(launcher.done) and all(len(d) == 1 for d in by_group_rank.values()),
+        "final_members": sorted(launcher.done),
+        "digests": {str(m): d["digest"] for m, d in sorted(launcher.done.items())},
+        "final_groups": final_groups,
+        "removed_members": sorted(launcher.removed),
         "precision": cfg.precision,
         "wall_s": round(wall, 2),
         "error": None if error is None else f"{type(error).__name__}: {error}",
-        "config": asdict(cfg),
+        "config": {**asdict(cfg), "faults": [str(f) for f in cfg.faults]},
     }
     (out / "coordinator_history.json").write_text(json.dumps(history, indent=1, default=str))
     (out / "loss.json").write_text(json.dumps({str(s): launcher.losses[s] for s in sorted(launcher.losses)}))

@@ -1,38 +1,55 @@
-"""One rank of the demo: fault-tolerant data-parallel training of the MoE language model.
+"""One rank of the demo: fault-tolerant training of the MoE language model with torch's FSDP2 or DDP.
 
 Run by ``torchnext demo`` (which launches the ranks and hosts the coordinator), or by hand / torchrun against a
-separately started coordinator::
+separately started coordinator -- one torchrun job per replica group (HSDP: the group's ranks shard the model)::
 
-    torchnext coordinator --host 127.0.0.1 --port 29400 &      # prints the job token to use
-    TORCHNEXT_FT_COORDINATOR=127.0.0.1:29400 TORCHNEXT_FT_TOKEN=<token> \\
-        torchrun --nproc-per-node 4 -m torchnext.demo.train --steps 60 --out ./torchnext-demo
+    torchnext coordinator --host 127.0.0.1 --port 29400 --min-size 1 --initial-size 2 &   # prints the job token
+    export TORCHNEXT_FT_COORDINATOR=127.0.0.1:29400 TORCHNEXT_FT_TOKEN=<token>
+    TORCHNEXT_FT_REPLICA_GROUP=0 torchrun --nproc-per-node 2 --master-port 29501 -m torchnext.demo.train &
+    TORCHNEXT_FT_REPLICA_GROUP=1 torchrun --nproc-per-node 2 --master-port 29502 -m torchnext.demo.train
 
-Every process runs the same loop. A step is: forward/backward on this rank's data shard, one all_reduce (AVG) of
-the flattened gradients through the fault-tolerant Communicator, a two-phase commit, then the optimizer step — only
-when every current member finished the step. A member that dies makes the step fail on the survivors
-(``PeerFailure``/``CommAborted``): the group reconfigures in place and the loop retries the step. Data sharding
-follows the member's rank in the current generation, so the global batch stays deterministic per step.
+Parallelism (``--parallel``):
 
-Progress goes to stdout as JSON lines (``{"event": ..., ...}``) that the launcher reads; the final line carries a
-checksum of the parameters so the launcher can check that every survivor holds the same model.
+* ``hsdp`` (default): FSDP2 ``fully_shard`` over :func:`torchnext.ft.device_mesh` -- parameters, gradients and
+  AdamW state sharded inside the replica group (its own ``init_process_group(backend="torchnext")``), gradient
+  shards averaged across the live replica groups by the fault-tolerant process group. A joining group heals shard
+  by shard from a live group.
+* ``ddp``: :class:`torchnext.ft.DistributedDataParallel` -- every rank its own replica group.
+* ``diloco``: see :mod:`torchnext.ft.diloco` when present (inner steps inside the group, outer sync across groups).
+
+A step is forward/backward on this rank's data shard (the global batch is deterministic per step: shard
+``group_index * group_size + group_rank`` of ``groups * group_size``), then a two-phase commit, then the optimizer
+step -- only when every current member finished the step. A failed collective inside DDP's or FSDP's hooks is
+recorded by the fault-tolerant group, never raised out of backward: the step does not commit, the group
+reconfigures, the loop retries. Progress goes to stdout as JSON lines that the launcher reads; the final line
+carries a checksum of this rank's parameter shards (counterparts in every replica group must match).
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import hashlib
 import json
 import os
 import sys
 import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["TrainConfig", "main", "train", "param_digest"]
+__all__ = ["Parallel", "TrainConfig", "main", "state_digest", "train"]
 
-from dataclasses import asdict, dataclass
+
+class Parallel(str, enum.Enum):
+    """How the demo parallelizes (module docstring)."""
+
+    HSDP = "hsdp"
+    DDP = "ddp"
+    DILOCO = "diloco"
 
 
 @dataclass(kw_only=True)
@@ -53,14 +70,47 @@ class TrainConfig:
     """Seed of the model initialisation and of the data stream."""
     out: str = "./torchnext-demo"
     """Output folder (Flight Recorder dumps go to ``<out>/fr``)."""
-    min_size: int = 2
-    """Smallest group the job accepts."""
+    min_size: int = 1
+    """Fewest replica groups the job accepts."""
     member_id: int | None = None
     """Stable member id to ask the coordinator for (None: assigned)."""
     lowp_backend: str = "eager"
     """``torchnext.lowp.mm.scaled_mm`` backend."""
     standby: bool = False
     """Warm spare: build everything, then wait for a line on stdin before joining the group."""
+    parallel: str = "hsdp"
+    """``hsdp``, ``ddp`` or ``diloco`` (:class:`Parallel`)."""
+    replica_group: int | None = None
+    """hsdp/diloco: this rank's replica group (None: ``TORCHNEXT_FT_REPLICA_GROUP``). ddp: unused (every rank is
+    its own replica group)."""
+    group_rank: int | None = None
+    """hsdp/diloco: rank inside the replica group (None: torchrun's ``RANK``)."""
+    group_size: int | None = None
+    """hsdp/diloco: ranks per replica group (None: torchrun's ``WORLD_SIZE``)."""
+    incarnation: int = 0
+    """hsdp/diloco: how many times this replica group was restarted (its process group rendezvous under a fresh
+    store prefix each time)."""
+    store: str | None = None
+    """hsdp/diloco: ``host:port`` of a TCPStore (the coordinator's) where the replica group's own process group
+    rendezvous under ``demo/g<group>/i<incarnation>``; None: torchrun's ``env://`` rendezvous."""
+    sync_every: int = 10
+    """diloco: inner steps between outer synchronizations."""
+
+    def __post_init__(self) -> None:
+        try:
+            self.parallel = Parallel(self.parallel).value
+        except ValueError:
+            raise ValueError(f"TrainConfig.parallel must be one of {[p.value for p in Parallel]}, got "
+                             f"{self.parallel!r}") from None
+        for name, low in (("steps", 1), ("batch_size", 1), ("seq_len", 1), ("min_size", 1), ("sync_every", 1),
+                          ("incarnation", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"TrainConfig.{name} must be an int >= {low}, got {v!r}")
+        if self.store is not None:
+            host, _, port = self.store.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"TrainConfig.store must be host:port, got {self.store!r}")
 
 
 def _emit(event: str, **fields: Any) -> None:
@@ -68,123 +118,225 @@ def _emit(event: str, **fields: Any) -> None:
     sys.stdout.flush()
 
 
-def param_digest(model: torch.nn.Module) -> str:
-    """SHA-256 of every parameter's bytes, in state_dict order (equal digests ⇔ bitwise-equal parameters)."""
+def state_digest(state: dict[str, Any]) -> str:
+    """SHA-256 of a :func:`~torchnext.ft.state.sharded_state` -- this rank's parameter and buffer shards and its
+    optimizer state, names included -- so equal digests mean bitwise-equal local state."""
     h = hashlib.sha256()
-    for name, t in model.state_dict().items():
+    for name, t in state["model"].items():
         h.update(name.encode())
-        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())  # 0-d buffers too
+        h.update(_bytes(t))
+    for i, per_param in enumerate(state["optim"]):
+        for j, entries in enumerate(per_param):
+            for key in sorted(entries):
+                v = entries[key]
+                h.update(f"optim{i}.{j}.{key}".encode())
+                h.update(_bytes(v) if isinstance(v, torch.Tensor) else repr(v).encode())
     return h.hexdigest()
 
 
-def _flatten_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
-    """Copy every gradient into ``flat`` (zeros for a parameter without one, e.g. an expert no sequence chose)."""
-    off = 0
-    for p in params:
-        n = p.numel()
-        if p.grad is None:
-            flat[off:off + n].zero_()
-        else:
-            flat[off:off + n].copy_(p.grad.reshape(-1))
-        off += n
+def _bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous().reshape(-1)  # 0-d tensors too
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
-def _unflatten_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
-    off = 0
-    for p in params:
-        n = p.numel()
-        p.grad = flat[off:off + n].view_as(p).clone()
-        off += n
+def _shard_group(cfg: TrainConfig) -> tuple[int, int, int]:
+    """hsdp/diloco: join this replica group's own torchnext process group; returns (replica group, rank, size)."""
+    import torch.distributed as dist
+
+    from torchnext._config import env_config
+
+    group = cfg.replica_group if cfg.replica_group is not None else env_config().ft_replica_group
+    if group < 0:
+        raise ValueError(f"--parallel {cfg.parallel}: no replica group: pass --replica-group or set "
+                         "TORCHNEXT_FT_REPLICA_GROUP (one torchrun job per replica group)")
+    timeout = timedelta(seconds=60)
+    if cfg.store is None:
+        dist.init_process_group("torchnext", timeout=timeout)  # torchrun's env:// rendezvous
+    else:
+        if cfg.group_rank is None or cfg.group_size is None:
+            raise ValueError("--store needs --group-rank and --group-size")
+        if not 0 <= cfg.group_rank < cfg.group_size:
+            raise ValueError(f"--group-rank {cfg.group_rank} must be in [0, --group-size {cfg.group_size})")
+        host, _, port = cfg.store.rpartition(":")
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        dist.init_process_group("torchnext", store=dist.PrefixStore(f"demo/g{group}/i{cfg.incarnation}", store),
+                                rank=cfg.group_rank, world_size=cfg.group_size, timeout=timeout)
+    return group, dist.get_rank(), dist.get_world_size()
+
+
+def _shard_communicator() -> Any:
+    """The Communicator behind the default (shard) process group, or None."""
+    import torch.distributed as dist
+
+    from torchnext.comms.process_group import TorchnextProcessGroup
+
+    world = dist.group.WORLD
+    return world.communicator("cpu") if isinstance(world, TorchnextProcessGroup) else None
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Train until ``cfg.steps`` steps are committed; return this rank's final report."""
+    """Train until ``cfg.steps`` steps are committed; return this rank's final report. A rank whose replica group
+    was removed (a sibling died or hung) emits ``removed`` and returns (``"removed": True``)."""
+    import torch.distributed as dist
+
     from torchnext.comms import FlightRecorder, ReduceOp
     from torchnext.demo.data import VOCAB, batch_for_step
     from torchnext.demo.model import ModelConfig, MoETransformerLM, Precision
-    from torchnext.ft import FaultTolerant, FaultTolerantConfig
+    from torchnext.ft import FaultTolerant, FaultTolerantConfig, MembershipError, Reconfiguration
+    from torchnext.ft.state import load_sharded_state, sharded_state
 
+    parallel = Parallel(cfg.parallel)
+    if parallel is Parallel.DILOCO:
+        raise NotImplementedError("--parallel diloco is not available in this build (torchnext.ft.diloco is "
+                                  "missing); use --parallel hsdp or ddp")
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1)
     model = MoETransformerLM(
         ModelConfig(vocab_size=len(VOCAB), precision=Precision(cfg.precision), lowp_backend=cfg.lowp_backend,
                     max_seq_len=max(128, cfg.seq_len))
     )
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def state_dict() -> dict[str, Any]:
-        return {"model": model.state_dict(), "optim": opt.state_dict()}
-
-    def load_state_dict(s: dict[str, Any]) -> None:
-        model.load_state_dict(s["model"])
-        opt.load_state_dict(s["optim"])
-
     fr_dir = Path(cfg.out) / "fr"
     fr_dir.mkdir(parents=True, exist_ok=True)
+    sharded = parallel is Parallel.HSDP
+    # a warm spare rendezvous with its group's other spares now: only joining the job waits for the wake-up
+    group, group_rank, group_size = _shard_group(cfg) if sharded else (None, 0, 1)
     if cfg.standby:
         _emit("standby", member=cfg.member_id, pid=os.getpid())
         if not sys.stdin.readline():
             _emit("standby_cancelled", member=cfg.member_id)
+            _destroy(sharded)
             return {"member": cfg.member_id, "steps": 0, "cancelled": True}
-    ft = FaultTolerant(
-        FaultTolerantConfig(min_size=cfg.min_size, member_id=cfg.member_id),
-        state_dict=state_dict,
-        load_state_dict=load_state_dict,
-    )
-    recorder = FlightRecorder.attach(ft.comm, capacity=2000, dump_dir=fr_dir, generation=ft.generation)
+    opts: list[torch.optim.Optimizer] = []  # created after sharding (FSDP2 swaps in DTensor parameters)
+    ft: Any = None
+    recorder: list[FlightRecorder] = []
+    report: dict[str, Any] = {"member": cfg.member_id, "group": group, "group_rank": group_rank}
+    try:
+        ft = FaultTolerant(
+            FaultTolerantConfig(min_size=cfg.min_size, member_id=cfg.member_id, replica_group=group,
+                                group_rank=group_rank if sharded else None,
+                                group_size=group_size if sharded else None),
+            state_dict=lambda: sharded_state(model, *opts),
+            load_state_dict=lambda s: load_sharded_state(s, model, *opts),
+            join=False,
+        )
+        report["member"] = ft.member_id
 
-    def on_reconfigure(r: Any) -> None:
-        recorder.add_communicator(ft.comm, generation=r.generation)
-        _emit("reconfigured", member=ft.member_id, generation=r.generation, members=list(r.members), size=r.size,
-              step=r.step, reason=r.reason, joiners=list(r.joiners), timings=r.timings,
-              healed=None if r.healed is None else asdict(r.healed))
+        def on_reconfigure(r: Reconfiguration) -> None:
+            if not recorder:
+                recorder.append(FlightRecorder.attach(ft.comm, capacity=2000, dump_dir=fr_dir,
+                                                      generation=r.generation))
+            else:
+                recorder[0].add_communicator(ft.comm, generation=r.generation)
+            _emit("reconfigured", member=ft.member_id, generation=r.generation, members=list(r.members),
+                  groups=[list(g) for g in r.groups], size=r.size, step=r.step, reason=r.reason,
+                  joiners=list(r.joiners), timings=r.timings, healed=None if r.healed is None else asdict(r.healed))
 
-    ft.on_reconfigure(on_reconfigure)
-    first = ft.reconfigurations[-1] if ft.reconfigurations else None
-    healed = None if first is None or first.healed is None else asdict(first.healed)
-    _emit("joined", member=ft.member_id, generation=ft.generation, size=ft.size, step=ft.step_count, pid=os.getpid(),
-          healed=healed)
+        ft.on_reconfigure(on_reconfigure)
+        if sharded:
+            net = _fully_shard(model, ft)
+        else:
+            from torchnext.ft import DistributedDataParallel
 
-    flat = torch.zeros(sum(p.numel() for p in params))
-    t_start = time.monotonic()
-    tokens = 0
-    while ft.step_count < cfg.steps:
-        step_no = ft.step_count
-        t0 = time.monotonic()
-        with ft.step() as step:
-            x, y = batch_for_step(step_no, seed=cfg.seed, shard=ft.rank, num_shards=ft.size,
-                                  batch_size=cfg.batch_size, seq_len=cfg.seq_len)
-            loss, lm = model.loss(x, y, step=step_no)
-            opt.zero_grad(set_to_none=False)
-            loss.backward()
-            _flatten_grads(params, flat)
-            local_lm = torch.tensor([lm])
-            ft.all_reduce(flat, ReduceOp.AVG)
-            ft.all_reduce(local_lm, ReduceOp.AVG)
-            if step.commit():
-                _unflatten_grads(params, flat)
-                opt.step()
-                tokens += cfg.batch_size * cfg.seq_len * ft.size
-                _emit("step", member=ft.member_id, step=ft.step_count, loss=float(local_lm), size=ft.size,
-                      generation=ft.generation, step_s=time.monotonic() - t0,
-                      tokens_per_s=tokens / max(time.monotonic() - t_start, 1e-9))
-        if step.error is not None:
-            _emit("step_failed", member=ft.member_id, step=step_no, error=f"{type(step.error).__name__}: {step.error}")
-    recorder.dump(fr_dir, format="json", reason="end")
-    recorder.dump(fr_dir, format="pickle", reason="end")
-    recorder.detach()  # the end dumps stand: finishing closes (aborts) the communicator, which is not a failure
-    report = {"member": ft.member_id, "rank": ft.rank, "generation": ft.generation, "steps": ft.step_count,
-              "digest": param_digest(model), "wall_s": time.monotonic() - t_start}
+            net = DistributedDataParallel(model, ft, find_unused_parameters=True)  # top-1 routing: unused experts
+        opts.append(torch.optim.AdamW(model.parameters(), lr=cfg.lr))
+        ft.join()
+        first = ft.reconfigurations[-1] if ft.reconfigurations else None
+        _emit("joined", member=ft.member_id, group=ft.replica_group, group_rank=group_rank,
+              generation=ft.generation, size=ft.size, step=ft.step_count, pid=os.getpid(),
+              healed=None if first is None or first.healed is None else asdict(first.healed))
+        shard_pg = dist.group.WORLD if sharded and group_size > 1 else None
+        opt = opts[0]
+        t_start = time.monotonic()
+        tokens = 0
+        while ft.step_count < cfg.steps:
+            step_no = ft.step_count
+            t0 = time.monotonic()
+            with ft.step() as step:
+                x, y = batch_for_step(step_no, seed=cfg.seed, shard=ft.rank * group_size + group_rank,
+                                      num_shards=ft.size * group_size, batch_size=cfg.batch_size,
+                                      seq_len=cfg.seq_len)
+                opt.zero_grad(set_to_none=True)  # every attempt: a failed one may have left gradients
+                loss, lm = model.loss(x, y, step=step_no, forward=net)
+                loss.backward()
+                stat = torch.tensor([lm])
+                if shard_pg is not None:
+                    dist.all_reduce(stat, op=dist.ReduceOp.AVG, group=shard_pg)
+                ft.all_reduce(stat, ReduceOp.AVG)  # the mean over every rank of every live replica group
+                if step.commit():
+                    opt.step()
+                    tokens += cfg.batch_size * cfg.seq_len * ft.size * group_size
+                    _emit("step", member=ft.member_id, step=ft.step_count, loss=float(stat), size=ft.size,
+                          generation=ft.generation, step_s=time.monotonic() - t0,
+                          tokens_per_s=tokens / max(time.monotonic() - t_start, 1e-9))
+            if step.error is not None:
+                _emit("step_failed", member=ft.member_id, step=step_no,
+                      error=f"{type(step.error).__name__}: {step.error}")
+    except MembershipError as exc:  # this replica group is out (a sibling died or hung, or this rank hung)
+        _emit("removed", member=report["member"], group=group, error=f"{type(exc).__name__}: {exc}")
+        report.update(removed=True, error=f"{type(exc).__name__}: {exc}")
+        if ft is not None:
+            ft.close()
+        _destroy(sharded)
+        return report
+    except BaseException:
+        if ft is not None:
+            ft.close()
+        _destroy(sharded)
+        raise
+    if recorder:
+        recorder[0].dump(fr_dir, format="json", reason="end")
+        recorder[0].dump(fr_dir, format="pickle", reason="end")
+        recorder[0].detach()  # the end dumps stand: finishing closes (aborts) the communicator, not a failure
+    if sharded:
+        _dump_shard_group(Path(cfg.out) / "fr_shard" / f"g{group}.i{cfg.incarnation}")
+    report.update(member=ft.member_id, rank=ft.rank, group=ft.replica_group, group_rank=group_rank,
+                  generation=ft.generation, steps=ft.step_count, digest=state_digest(sharded_state(model, *opts)),
+                  wall_s=time.monotonic() - t_start)
     _emit("done", **report)
     # Every member committed the last step. finish() tells the coordinator the job is over, so members leave in any
     # order and no departure is taken for a failure (no final barrier needed).
     ft.finish()
+    _destroy(sharded)
     return report
 
 
+def _fully_shard(model: torch.nn.Module, ft: Any) -> torch.nn.Module:
+    """FSDP2 HSDP: each block, then the root, over ``ft``'s mesh (replicate = the fault-tolerant group, shard = this
+    replica group's process group)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from torchnext.ft import device_mesh
+
+    mesh = device_mesh(ft, ("replicate", "shard"))
+    for block in model.blocks:  # type: ignore[union-attr]
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert isinstance(model, FSDPModule)
+    # Top-1 routing leaves experts unused on some ranks: without this, FSDP2 leaves their gradients out of the
+    # block's reduce-scatter, whose sizes would then differ between ranks (a mismatched collective).
+    model.set_reduce_scatter_unused_params(True)
+    return model
+
+
+def _dump_shard_group(folder: Path) -> None:
+    """Write the shard group's Flight Recorder (the process recorder torch's groups use) to ``folder``."""
+    comm = _shard_communicator()
+    rec = None if comm is None else comm.extensions.get("flight_recorder")
+    if rec is None:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    rec.dump(folder, format="json", reason="end")
+
+
+def _destroy(sharded: bool) -> None:
+    import torch.distributed as dist
+
+    if sharded and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m torchnext.demo.train", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m torchnext.demo.train", description=(__doc__ or "").split("\n\n")[0])
     d = TrainConfig()
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--precision", choices=["nvfp4", "mxfp8", "bf16", "fp32"], default=d.precision)
@@ -197,12 +349,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--member-id", type=int, default=None)
     p.add_argument("--lowp-backend", default=d.lowp_backend)
     p.add_argument("--standby", action="store_true", help="warm spare: join when a line arrives on stdin")
+    p.add_argument("--parallel", choices=[x.value for x in Parallel], default=d.parallel)
+    p.add_argument("--replica-group", type=int, default=None)
+    p.add_argument("--group-rank", type=int, default=None)
+    p.add_argument("--group-size", type=int, default=None)
+    p.add_argument("--incarnation", type=int, default=d.incarnation)
+    p.add_argument("--store", default=None, help="host:port of the TCPStore the replica group rendezvous at")
+    p.add_argument("--sync-every", type=int, default=d.sync_every)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items()})
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = TrainConfig(**vars(args))
+    except ValueError as exc:
+        parser.error(str(exc))
     train(cfg)
     return 0
 
