@@ -9,8 +9,11 @@
   backward;
 * DDP's own construction-time collectives (parameter-shape check, parameter broadcast) run on a one-rank group of
   this process, because a replica group that joins later builds its DDP while the others train: the state comes
-  from healing instead. ``find_unused_parameters=True`` by default, which also keeps DDP from rebuilding its buckets
-  after the first step -- a recovering replica must bucket exactly like the others.
+  from healing instead. After construction that group's one remaining collective -- the all-reduce with which
+  ``find_unused_parameters`` tells which parameters some rank used -- runs on ``ft.process_group``: a parameter
+  unused here but used by another replica group (mixture-of-experts routing) must still receive the average, not
+  be skipped as "globally unused". ``find_unused_parameters=True`` by default, which also keeps DDP from rebuilding
+  its buckets after the first step -- a recovering replica must bucket exactly like the others.
 
 Semantics of one backward, per bucket ``b``::
 
@@ -26,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchnext.comms.communicator import Communicator
+from torchnext.comms.process_group import TorchnextProcessGroup
 
 if TYPE_CHECKING:
     from torchnext.ft.fault_tolerant import FaultTolerant
@@ -44,10 +48,30 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             raise ValueError("torchnext.ft.DistributedDataParallel: process_group is ft.process_group; do not pass one")
         kwargs.setdefault("find_unused_parameters", True)
         local = Communicator(dist.HashStore(), 0, 1, name=f"ft-ddp-local-{next(_LOCAL)}")
-        super().__init__(module, process_group=local.as_process_group(), **kwargs)
+        group = _DDPGroup(local, ft.process_group)
+        super().__init__(module, process_group=group, **kwargs)
+        group.constructed = True
         self._ft_local = local
         self._ft_group = ft.process_group
         self.register_comm_hook(_HookState(self._ft_group), _average_over_live_groups)
+
+
+class _DDPGroup(TorchnextProcessGroup):
+    """The process group torch's DDP is given: a one-rank group of this process while DDP is built (its parameter
+    shape check and broadcast; a joining replica gets its state from healing); once ``constructed``, all-reduces --
+    DDP issues exactly one on its own group, the used-parameter map of ``find_unused_parameters``, after every
+    bucket -- go to the live replica groups (``ft.process_group``: a failure there is recorded, not raised).
+    Buckets never come here: the comm hook sends them to ``ft.process_group`` itself."""
+
+    def __init__(self, local: Communicator, ft_group: Any) -> None:
+        super().__init__({local.device.type: local}, description=local.name)
+        self._ft_group = ft_group
+        self.constructed = False
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
+        if self.constructed:
+            return self._ft_group.allreduce(tensors, opts) if opts is not None else self._ft_group.allreduce(tensors)
+        return super().allreduce(tensors, opts)
 
 
 _AVG = dist.AllreduceOptions()
