@@ -87,3 +87,27 @@ def test_the_timeline_marks_failures_and_generations(dumps: Path, tmp_path: Path
     pytest.importorskip("matplotlib")
     png = render_timeline(report, tmp_path / "t.png")
     assert png.stat().st_size > 5000
+
+
+def test_each_generation_continues_in_its_own_lineage() -> None:
+    """Replica groups of two ranks keep one replicate communicator per group rank (``ft.g<g>.r0``, ``ft.g<g>.r1``):
+    generation 1's r0 communicator is followed by generation 2's r0, not by whichever was added first."""
+    from torchnext.comms.flight_recorder.generations import generation_ends
+    from torchnext.comms.flight_recorder.loader import GroupInfo, RankDump
+
+    def group(name: str, gen: int, ranks: list[int], added: int) -> GroupInfo:
+        return GroupInfo(key=f"{name}@g{gen}", desc=name, ranks=ranks, generation=gen, time_added_ns=added)
+
+    groups = {g.key: g for g in (group("ft.g1.r0", 1, [0, 2], 1), group("ft.g1.r1", 1, [1, 3], 2),
+                                  group("ft.g2.r1", 2, [1], 5), group("ft.g2.r0", 2, [0], 6))}
+    dumps = []
+    for rank, mine in ((0, ("ft.g1.r0@g1", "ft.g2.r0@g2")), (1, ("ft.g1.r1@g1", "ft.g2.r1@g2"))):
+        entry = {"op": "all_reduce", "pg": mine[0], "state": "completed", "is_p2p": False, "seq_id": 1,
+                 "time_created_ns": 10, "collective_seq_id": 1}
+        abort = {"pg": mine[0], "kind": "abort", "time_ns": 20, "reason": "generation 2 announced", "in_flight": []}
+        dumps.append(RankDump(path=f"r{rank}", source="torchnext-json", rank=rank, version="x", entries=[entry],
+                              groups={k: groups[k] for k in mine}, events=[abort]))
+    ends = {e.pg: e for e in generation_ends(dumps, groups)}
+    assert ends["ft.g1.r0@g1"].next_pg == "ft.g2.r0@g2" and ends["ft.g1.r0@g1"].vanished == [2]
+    assert ends["ft.g1.r1@g1"].next_pg == "ft.g2.r1@g2" and ends["ft.g1.r1@g1"].vanished == [3]
+    assert ends["ft.g1.r0@g1"].joined == [] and ends["ft.g1.r1@g1"].joined == []

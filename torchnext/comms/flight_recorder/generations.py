@@ -7,7 +7,9 @@ generation=g)``): each has its own ``pg_config`` key, members, and the time it w
         aborts  = the "abort" events noted for K (time, reason, op_ids in flight)
         failed  = K's entries that ended in error / timed_out / aborted, or were still in flight at the dump
         if no abort and nothing failed: K did not end (or ended cleanly): nothing to tell
-        next    = the communicator of the smallest generation > g (members, time added)
+        next    = the communicator of the smallest generation > g (members, time added) -- of K's lineage when
+                  there is one: the name without its generation token (``ft.g1.r0`` continues as ``ft.g2.r0``;
+                  replica groups keep one communicator per group rank)
         vanished = members(K) - members(next); joined = members(next) - members(K)
         outcome = "failure"      when something failed or a member vanished
                   "reconfigured" when only members joined
@@ -20,6 +22,7 @@ Times are seconds since the first recorded op of any dump (the timeline's origin
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +34,12 @@ _FAILED = ("error", "timed_out", "aborted", "started", "scheduled")
 _STATE_WORDS = {"error": "failed", "timed_out": "timed out", "aborted": "aborted", "started": "still running",
                 "scheduled": "not started"}
 _REASON_CHARS = 240
+_GEN_TOKEN = re.compile(r"\.g\d+(?=\.|$)")
+
+
+def _lineage(group: GroupInfo) -> str:
+    """A communicator's name without its generation token: ``ft.g3.r1`` -> ``ft.r1`` (``job.g0`` -> ``job``)."""
+    return _GEN_TOKEN.sub("", group.desc or group.key.split("@")[0])
 
 
 @dataclass(kw_only=True)
@@ -106,7 +115,8 @@ def generation_ends(dumps: list[RankDump], groups: dict[str, GroupInfo]) -> list
         if not aborts and not failed:
             continue
         later = [k for k in order if groups[k].generation > group.generation]
-        nxt = later[0] if later else None
+        kin = [k for k in later if _lineage(groups[k]) == _lineage(group)]
+        nxt = kin[0] if kin else later[0] if later else None
         members = sorted(group.ranks)
         next_members = sorted(groups[nxt].ranks) if nxt is not None else None
         vanished = sorted(set(members) - set(next_members)) if next_members is not None else []
