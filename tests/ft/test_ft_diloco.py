@@ -147,15 +147,10 @@ def _member(ctx: RankContext, addr: str, token: str, spec: dict[str, Any]) -> di
     statuses: list[str] = []
     while algos[0].outer_steps < steps:
         k, h = algos[0].outer_steps, algos[0].inner_steps
-        if kill and member == kill["member"] and k == kill["outer"]:
-            if kill["where"] == "idle" and h == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
-            if h == h_max - 1 and kill["where"] == "inside":  # dies inside the outer all-reduce: peers are in it
-                ft.register_pre_hook(lambda info: os.kill(os.getpid(), signal.SIGKILL) if info.op == "all_reduce" else None)
-            if h == h_max - 1 and kill["where"] == "before_commit":  # its all-reduce completed; it never votes
-                ft.register_post_hook(_die_after_all_reduce)
-        if kill and member != kill["member"] and k == kill["outer"] and h == h_max - 1:  # how the survivors' op ended
-            ft.register_post_hook(lambda a: statuses.append(a.status.name) if a.info.op == "all_reduce" else None)
+        if kill and k == kill["outer"] and h == 1 and kill["where"] == "idle" and member == kill["member"]:
+            os.kill(os.getpid(), signal.SIGKILL)  # between inner steps
+        if kill and k == kill["outer"] and h == h_max - 1 and kill["where"] != "idle":  # before this outer sync
+            _arm_kill(ctx, ft, kill, member, [m for m in range(groups) if m != kill["member"]], statuses)
         if member == 0 and spec.get("rejoin") and k == 2 and h == 0 and not waited:
             waited = True  # outer step 1 committed without group 1: let the replacement start
             ctx.store.set("down", "1")
@@ -177,12 +172,59 @@ def _member(ctx: RankContext, addr: str, token: str, spec: dict[str, Any]) -> di
     return out
 
 
-def _die_after_all_reduce(args: Any) -> None:
-    """Post hook: once this member's all-reduce completed, give the others time to complete theirs, then die
-    before voting."""
-    if args.info.op == "all_reduce" and args.status.name == "COMPLETED":
-        time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGKILL)
+def _arm_kill(ctx: RankContext, ft: FaultTolerant, kill: dict[str, Any], member: int, survivors: list[int],
+              statuses: list[str]) -> None:
+    """Hooks on this generation's communicator for the coming outer synchronization (one all-reduce per dtype).
+
+    Survivors record how each all-reduce ended, and tell the store when they have issued their all-reduces
+    (``in/<m>``) and when those completed (``done/<m>``). The doomed member is SIGKILLed
+    ``inside``: from the pre hook of its first all-reduce, once every survivor has issued its own (they are blocked
+    in it: it cannot complete without the doomed member's data); ``before_commit``: from the post hook of its last
+    all-reduce, once every survivor's all-reduces completed too (they hold the full average) and before its vote.
+    A survivor that never gets there makes the store wait raise inside the hook: the run fails, it cannot pass."""
+    n_ops = len(set(DTYPES))
+    issued: list[int] = []
+    done: list[int] = []
+
+    def wait(prefix: str) -> None:
+        ctx.store.wait([f"{prefix}/{m}" for m in survivors], timedelta(seconds=30))
+
+    if member != kill["member"]:
+        def pre(info: Any) -> None:
+            if info.op == "all_reduce":
+                issued.append(info.op_id)
+                if len(issued) == n_ops:
+                    ctx.store.set(f"in/{member}", "1")
+
+        def post(a: Any) -> None:
+            if a.info.op == "all_reduce":
+                statuses.append(a.status.name)
+                if a.status.name == "COMPLETED":
+                    done.append(a.info.op_id)
+                    if len(done) == n_ops:
+                        ctx.store.set(f"done/{member}", "1")
+
+        ft.register_pre_hook(pre)
+        ft.register_post_hook(post)
+    elif kill["where"] == "inside":
+        def die_inside(info: Any) -> None:
+            if info.op == "all_reduce":
+                wait("in")
+                time.sleep(0.05)  # the survivors' issue calls return and they block in wait()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        ft.register_pre_hook(die_inside)
+    elif kill["where"] == "before_commit":
+        def die_before_vote(a: Any) -> None:
+            if a.info.op == "all_reduce" and a.status.name == "COMPLETED":
+                done.append(a.info.op_id)
+                if len(done) == n_ops:
+                    wait("done")
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        ft.register_post_hook(die_before_vote)
+    else:
+        raise ValueError(f"unknown kill point {kill['where']!r}")
 
 
 def _record(s: Any) -> tuple[Any, ...]:
@@ -206,6 +248,7 @@ def _run(groups: int, spec: dict[str, Any], *, extra: int = 0, allow_exit: tuple
 
 
 # ------------------------------------------------------------------------------------------------------ tests
+@pytest.mark.slow
 def test_diloco_matches_the_reference_on_three_groups() -> None:
     steps, h = 3, 2
     res = _run(3, {"steps": steps, "sync_every": h, "algos": ["diloco"]})
@@ -217,6 +260,7 @@ def test_diloco_matches_the_reference_on_three_groups() -> None:
         assert _equal(r["params"][0], want), f"member {r['member']}: local parameters are not the global copy"
 
 
+@pytest.mark.slow
 def test_local_sgd_averages_the_parameters_and_equals_diloco_with_plain_sgd_lr1() -> None:
     steps, h = 3, 2
     res = _run(2, {"steps": steps, "sync_every": h, "algos": ["localsgd", "diloco_lr1"]})
@@ -235,6 +279,7 @@ def test_local_sgd_averages_the_parameters_and_equals_diloco_with_plain_sgd_lr1(
             np.testing.assert_allclose(got, m.numpy(), rtol=0, atol=4 * float(torch.finfo(m.dtype).eps))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["inside", "before_commit"])
 def test_failure_during_the_outer_sync_is_redone_with_the_live_groups(where: str) -> None:
     """Member 2 is SIGKILLed inside outer step 1's all-reduce (pre hook: the others are blocked in it) or after it
@@ -248,7 +293,12 @@ def test_failure_during_the_outer_sync_is_redone_with_the_live_groups(where: str
     for r in res[:2]:
         # inside: the survivors' all-reduce was cut short; before_commit: it completed with all three groups'
         # pseudo-gradients -- a full average that must still not be applied, because the step did not commit
-        assert (r["statuses"][0] == "COMPLETED") == (where == "before_commit"), r["statuses"]
+        n_ops = len(set(DTYPES))  # one all-reduce per dtype; the hooks saw the first attempt only
+        assert len(r["statuses"]) == n_ops, r["statuses"]
+        if where == "inside":
+            assert "COMPLETED" not in r["statuses"], r["statuses"]
+        else:
+            assert r["statuses"] == ["COMPLETED"] * n_ops, r["statuses"]
         syncs = r["syncs"][0]
         assert [s[0] for s in syncs] == list(range(steps))
         assert syncs[0][3] == 3 and syncs[0][4] == 1
@@ -257,6 +307,7 @@ def test_failure_during_the_outer_sync_is_redone_with_the_live_groups(where: str
         assert _equal(r["globals"][0], want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["mid_sync", "boundary"])
 def test_rejoining_group_receives_the_global_copy_and_outer_state(mode: str) -> None:
     """Group 1 dies during the inner steps of outer step 1; group 0 goes on alone; a replacement group (member 2)
@@ -302,17 +353,19 @@ class _Sharded(nn.Module):
         return self.a(cs[0]) + self.b(cs[1])
 
 
-def _fsdp_member(ctx: RankContext, addr: str, token: str, steps: int, h_max: int) -> dict[str, Any]:
+def _fsdp_member(ctx: RankContext, addr: str, token: str, steps: int, h_max: int,
+                 kill: dict[str, Any] | None) -> dict[str, Any]:
     """2 replica groups x 2 ranks: FSDP2 shards each group's model over its own two ranks; DiLoCo synchronizes
-    the shards across the groups."""
+    the shards across the groups (rank r of each group all-reduces its shards with rank r of the other)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from torchnext.ft import device_mesh
+    from torchnext.ft import MembershipError, device_mesh
 
     gid, rank = divmod(ctx.rank, 2)
-    dist.init_process_group("torchnext", store=dist.PrefixStore(f"group{gid}", ctx.store), rank=rank, world_size=2)
+    dist.init_process_group("torchnext", store=dist.PrefixStore(f"group{gid}", ctx.store), rank=rank, world_size=2,
+                            timeout=timedelta(seconds=30))
     model = _Sharded()
     mesh = init_device_mesh("cpu", (2,))  # the replica group's own ranks: no traffic across groups in inner steps
     fully_shard(model.a, mesh=mesh)
@@ -320,8 +373,8 @@ def _fsdp_member(ctx: RankContext, addr: str, token: str, steps: int, h_max: int
     fully_shard(model, mesh=mesh)
     inner = torch.optim.SGD(model.parameters(), lr=LR_IN)
     algo: list[DiLoCo] = []
-    ft = FaultTolerant(FaultTolerantConfig(coordinator=addr, token=token, timeout_s=20.0, replica_group=gid,
-                                           group_rank=rank, group_size=2),
+    ft = FaultTolerant(FaultTolerantConfig(coordinator=addr, token=token, member_id=ctx.rank, timeout_s=20.0,
+                                           replica_group=gid, group_rank=rank, group_size=2),
                        state_dict=lambda: algo[0].state_dict(), load_state_dict=lambda s: algo[0].load_state_dict(s),
                        join=False)
     ft.register_local_group(dist.group.WORLD)
@@ -335,30 +388,73 @@ def _fsdp_member(ctx: RankContext, addr: str, token: str, steps: int, h_max: int
     algo.append(DiLoCo(ft, model, DiLoCoConfig(sync_every=h_max)))
     algo[0].join()
     d = algo[0]
-    while d.outer_steps < steps:
-        model([_coef(ctx.rank, d.outer_steps, d.inner_steps, j) for j in range(len(SHAPES))]).backward()
-        inner.step()
-        inner.zero_grad()
-        d.step()
+    statuses: list[str] = []
+    syncs: list[tuple[Any, ...]] = []
+    try:
+        while d.outer_steps < steps:
+            if kill and d.outer_steps == kill["outer"] and d.inner_steps == h_max - 1:
+                # the doomed rank's counterpart in the other group shares its replicate communicator
+                _arm_kill(ctx, ft, kill, ctx.rank, [kill["member"] ^ 2], statuses)
+            model([_coef(ctx.rank, d.outer_steps, d.inner_steps, j) for j in range(len(SHAPES))]).backward()
+            inner.step()
+            inner.zero_grad()
+            if d.step():
+                assert d.last_sync is not None
+                syncs.append(_record(d.last_sync))
+    except MembershipError as exc:  # the doomed rank's sibling: its replica group was removed with it
+        ft.close()
+        return {"removed": f"{type(exc).__name__}: {exc}", "syncs": syncs}
     full = [p.detach().full_tensor().numpy().copy() for p in model.parameters()]
     ft.finish()
     dist.destroy_process_group()
-    return {"params": full, "refused": refused, "local": [p.to_local().shape for p in model.parameters()]}
+    return {"params": full, "refused": refused, "local": [p.to_local().shape for p in model.parameters()],
+            "syncs": syncs, "statuses": statuses, "removed": None}
 
 
+def _group_grad(m: int, k: int, i: int, j: int) -> torch.Tensor:
+    """Replica group ``m``'s gradient: FSDP2 averages its two ranks' (exact: multiples of 1/16)."""
+    return (_coef(2 * m, k, i, j) + _coef(2 * m + 1, k, i, j)) / 2
+
+
+def _fsdp_run(steps: int, h: int, kill: dict[str, Any] | None = None) -> list[Any]:
+    cfg = MembershipConfig(min_size=1, initial_size=2, **_PATIENT)
+    with Coordinator(CoordinatorConfig(membership=cfg)) as coord:
+        return run_ranks(_fsdp_member, 4, args=(coord.address, coord.token, steps, h, kill), timeout=90,
+                         allow_exit=() if kill is None else (kill["member"],))
+
+
+@pytest.mark.slow
 def test_diloco_with_fsdp2_shards_inside_each_replica_group() -> None:
     steps, h = 3, 2
-    with Coordinator(CoordinatorConfig(membership=MembershipConfig(min_size=1, initial_size=2, **_PATIENT))) as coord:
-        res = run_ranks(_fsdp_member, 4, args=(coord.address, coord.token, steps, h), timeout=90)
-
-    def group_grad(m: int, k: int, i: int, j: int) -> torch.Tensor:  # FSDP2 averages the group's two ranks
-        return (_coef(2 * m, k, i, j) + _coef(2 * m + 1, k, i, j)) / 2
-
-    want = reference([[0, 1]] * steps, sync_every=h, grads=group_grad)
+    res = _fsdp_run(steps, h)
+    want = reference([[0, 1]] * steps, sync_every=h, grads=_group_grad)
     for i, r in enumerate(res):
         assert "mesh that contains ft.process_group" in r["refused"], r["refused"]
         assert r["local"] == ([(2, 4), (3,)] if i % 2 == 0 else [(1, 4), (2,)])  # uneven shards: FSDP2 pads
+        assert [s[3] for s in r["syncs"]] == [2] * steps
         assert _equal(r["params"], want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["inside", "before_commit"])
+def test_fsdp2_rank_killed_during_the_outer_sync(where: str) -> None:
+    """Rank 1 of replica group 1 (member 3) is SIGKILLed inside outer step 1's all-reduce of its shards, or after
+    it completed but before its vote. Its sibling (member 2) shares its fate: removed. Group 0 -- whose rank 0 may
+    well have completed its shard all-reduce with member 2, half a synchronization -- applies none of it and redoes
+    the outer step alone; both of its ranks end on the reference's shards."""
+    steps, h = 3, 2
+    res = _fsdp_run(steps, h, {"member": 3, "outer": 1, "where": where})
+    assert isinstance(res[3], RankExited)
+    assert res[2]["removed"] and "removed" in res[2]["removed"], res[2]["removed"]
+    want = reference([[0, 1], [0], [0]], sync_every=h, grads=_group_grad)
+    for r in res[:2]:
+        assert r["removed"] is None
+        assert [s[0] for s in r["syncs"]] == list(range(steps)) and r["syncs"][0][3] == 2
+        assert r["syncs"][1][3] == 1 and r["syncs"][1][4] >= 2 and r["syncs"][1][2] == [[0, 1]], r["syncs"][1]
+        assert _equal(r["params"], want), "group 0 applied (part of) the failed synchronization"
+    got = res[1]["statuses"]  # member 1 shares the doomed member's replicate communicator
+    assert len(got) == len(set(DTYPES)) and (("COMPLETED" not in got) if where == "inside"
+                                             else got == ["COMPLETED"] * len(got)), got
 
 
 # ---------------------------------------------------------------------------------------------------- errors

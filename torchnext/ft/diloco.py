@@ -267,7 +267,7 @@ class _OuterSynchronizer:
     def _sync(self) -> OuterSync:
         ft = self._ft
         pg = ft.process_group
-        contributing = True
+        contributing = self._inner > 0  # a group fresh from the global copy (a joiner) has nothing to average
         t0 = time.monotonic()
         attempts = 0
         record: OuterSync | None = None
