@@ -101,13 +101,18 @@ def _equal(got: list[np.ndarray], want: list[torch.Tensor]) -> bool:
 # ---------------------------------------------------------------------------------------------- one member process
 def _member(ctx: RankContext, addr: str, token: str, spec: dict[str, Any]) -> dict[str, Any]:
     """One replica group of one rank. ``spec``: groups, steps (outer), sync_every, algos (list of "diloco",
-    "diloco_lr1", "localsgd"), kill ({"member", "outer", "where": idle|inside|before_commit}), rejoin (mode)."""
+    "diloco_lr1", "localsgd"), scramble (members but 0 start from garbage), kill ({"member", "outer", "where": idle|inside|before_commit}), rejoin (mode)."""
     groups, steps, h_max = spec["groups"], spec["steps"], spec["sync_every"]
     member = ctx.rank
     joiner = ctx.rank >= groups
     if joiner:  # the replacement group: starts once the survivors run without the killed group
         ctx.store.wait(["down"], timedelta(seconds=60))
     models = [_Model() for _ in spec["algos"]]
+    if spec.get("scramble") and member != 0:  # only the donor of the first generation starts from the true init
+        with torch.no_grad():
+            for m in models:
+                for p in m.parameters():
+                    p.fill_(12345.0)
     inners = [torch.optim.SGD(m.parameters(), lr=LR_IN) for m in models]
     algos: list[Any] = []
     ft = FaultTolerant(
@@ -250,8 +255,10 @@ def _run(groups: int, spec: dict[str, Any], *, extra: int = 0, allow_exit: tuple
 # ------------------------------------------------------------------------------------------------------ tests
 @pytest.mark.slow
 def test_diloco_matches_the_reference_on_three_groups() -> None:
+    """Groups 1 and 2 start from garbage: forming the first generation heals them from group 0 (global copy and
+    local parameters), as a real job whose replicas were initialized with different seeds."""
     steps, h = 3, 2
-    res = _run(3, {"steps": steps, "sync_every": h, "algos": ["diloco"]})
+    res = _run(3, {"steps": steps, "sync_every": h, "algos": ["diloco"], "scramble": True})
     want = reference([[0, 1, 2]] * steps, sync_every=h)
     for r in res:
         assert r["step_count"] == steps and r["generation"] == 1
@@ -521,6 +528,12 @@ def test_bad_arguments_name_what_is_wrong() -> None:
             d.join()
             assert d.step() is False and d.step() is True and d.outer_steps == 1 and ft.step_count == 1
             assert d.last_sync is not None and d.last_sync.contributors == 1
+            d._synced_at = time.monotonic() - 31.0  # as if 31 s of inner steps had passed: > half of 60 s
+            with pytest.warns(RuntimeWarning, match=r"31\.\d+s of inner steps .* FaultTolerantConfig\.join_timeout_s=60\.0s"):
+                assert d.step() is False and d.step() is True
+            with ft.step():
+                with pytest.raises(RuntimeError, match=r"DiLoCo\.sync\(\) inside `with ft\.step\(\)`"):
+                    d.sync()
             with pytest.raises(ValueError, match="ft has already joined"):
                 DiLoCo(ft, _Model(), cfg)
             ft.finish()

@@ -60,13 +60,23 @@ all-reduces gradients across the groups every inner step (HSDP), which DiLoCo ex
 ``ValueError``; so is a module wrapped in :class:`~torchnext.ft.DistributedDataParallel`). DTensor parameters are
 handled through their local shards: rank ``r`` of every group all-reduces its shard on its replicate
 communicator, and its global copy and outer optimizer state are shards too. Replicated parameters inside a group
-(DDP over the group's ranks) are synchronized by every rank of the group identically.
+(DDP over the group's ranks) are synchronized by every rank of the group identically. Build the DiLoCo *after*
+``fully_shard`` (it holds the parameters FSDP2 swapped in) and ``ft.register_local_group(group)`` the group's own
+process group, so that a rank blocked on a dead sibling is released when its group is removed.
+
+Timing: a joining group is admitted at the next synchronization (the survivors enter a new generation only inside
+a fault-tolerant step), so it waits up to one interval (``sync_every`` inner steps) in :meth:`join`. Keep
+``FaultTolerantConfig.join_timeout_s`` and ``timeout_s`` (a generation's Communicator waits that long for every
+member) above the interval on every member; the synchronization warns once (``RuntimeWarning``) when an interval
+exceeds half of the smaller. Traffic: one all-reduce of one copy of the parameters (this rank's shards, in their
+dtype) per ``sync_every`` inner steps, against one of the gradients per step for DDP.
 """
 
 from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -207,6 +217,8 @@ class _OuterSynchronizer:
         self._in_sync = False
         self._catch_up = False
         self._loaded = False
+        self._synced_at: float | None = None
+        self._warned = False
         self.last_sync: OuterSync | None = None
         """The last committed synchronization on this member."""
 
@@ -235,6 +247,8 @@ class _OuterSynchronizer:
         """
         ft = self._ft
         ft.join()
+        if self._synced_at is None:
+            self._synced_at = time.monotonic()
         me = ft.member_id
         if not self._loaded and any(me in r.joiners and r.healed is not None for r in ft.reconfigurations):
             raise RuntimeError(f"{type(self).__name__}: member {me} was healed, but its load_state_dict did not call "
@@ -266,6 +280,7 @@ class _OuterSynchronizer:
 
     def _sync(self) -> OuterSync:
         ft = self._ft
+        self._check_interval()
         pg = ft.process_group
         contributing = self._inner > 0  # a group fresh from the global copy (a joiner) has nothing to average
         t0 = time.monotonic()
@@ -289,7 +304,25 @@ class _OuterSynchronizer:
                     self._in_sync = False  # before the step's end: a joiner healed there starts from here
             # not committed: the step's end entered the next generation; redo with its live groups
         self.last_sync = record
+        self._synced_at = time.monotonic()
         return record
+
+    def _check_interval(self) -> None:
+        """Warn (once) when the interval between synchronizations nears the FT timeouts: a joiner is admitted only
+        at a synchronization and gives up after its ``join_timeout_s``; a generation's Communicator waits at most
+        ``timeout_s`` for every member to arrive."""
+        if self._synced_at is None or self._warned:
+            return
+        interval = time.monotonic() - self._synced_at
+        cfg = self._ft.config
+        name, limit = min((("join_timeout_s", cfg.join_timeout_s), ("timeout_s", cfg.timeout_s)), key=lambda x: x[1])
+        if interval > 0.5 * limit:
+            self._warned = True
+            warnings.warn(f"{type(self).__name__}: {interval:.1f}s of inner steps since the last synchronization "
+                          f"(sync_every={self.sync_every}) is more than half of FaultTolerantConfig.{name}={limit}s; "
+                          "a joining group waits for the next synchronization to be admitted and gives up after "
+                          f"that long: raise {name} (on every member) above the interval, or lower sync_every",
+                          RuntimeWarning, stacklevel=4)
 
     def state_dict(self) -> dict[str, Any]:
         """What a joiner heals (see the module docstring): the global copy (the tensors themselves, so healing
@@ -343,6 +376,9 @@ class _OuterSynchronizer:
         if not self._ft.members:
             raise RuntimeError(f"{name}.{op}() before {name.lower()}.join(): join first (before the first inner "
                                "step), so that a joining group is healed and takes part in a synchronization under way")
+        if self._ft._in_step:
+            raise RuntimeError(f"{name}.{op}() inside `with ft.step()`: the synchronization is a fault-tolerant step "
+                               "of its own; call it outside any other step")
         if self._catch_up:
             raise RuntimeError(f"{name}.{op}(): member {self._ft.member_id} was healed in the middle of a "
                                f"synchronization and has not taken part in it: call {name.lower()}.join() (not "
