@@ -160,9 +160,15 @@ def _member(ctx: RankContext, addr: str, token: str, spec: dict[str, Any]) -> di
             waited = True  # outer step 1 committed without group 1: let the replacement start
             ctx.store.set("down", "1")
             ctx.store.wait(["registered"], timedelta(seconds=60))
-            # mid_sync: idle past grow_timeout_s, so the coordinator grows now and the joiner heals when this
-            # member enters its next synchronization; boundary: it grows at the next commit decision instead.
-            time.sleep(1.0 if spec["rejoin"] == "mid_sync" else 0.3)
+            # mid_sync: idle past grow_timeout_s, so the coordinator announces a grown generation now (wait for the
+            # notice: no timing luck) and the joiner heals when this member enters its next synchronization;
+            # boundary: with a long grow_timeout_s it grows at the next commit decision instead.
+            if spec["rejoin"] == "mid_sync":
+                deadline = time.monotonic() + 30
+                while ft._newest_gen <= ft.generation:  # the heartbeat thread got the announcement
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("no grown generation announced within 30 s")
+                    time.sleep(0.01)
         for a, model, inner, s in zip(algos, models, inners, syncs, strict=True):
             model([_coef(member, a.outer_steps, a.inner_steps, j) for j in range(len(SHAPES))]).backward()
             inner.step()
