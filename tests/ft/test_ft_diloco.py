@@ -25,12 +25,14 @@ from torchnext.ft import (
     CoordinatorConfig,
     DiLoCo,
     DiLoCoConfig,
+    DistributedDataParallel,
     FaultTolerant,
     FaultTolerantConfig,
     LocalSGD,
     LocalSGDConfig,
     MembershipConfig,
 )
+from torchnext.ft.state import local
 from torchnext.testing import RankContext, RankExited, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -367,9 +369,10 @@ class _Sharded(nn.Module):
 
 
 def _fsdp_member(ctx: RankContext, addr: str, token: str, steps: int, h_max: int,
-                 kill: dict[str, Any] | None) -> dict[str, Any]:
-    """2 replica groups x 2 ranks: FSDP2 shards each group's model over its own two ranks; DiLoCo synchronizes
-    the shards across the groups (rank r of each group all-reduces its shards with rank r of the other)."""
+                 kill: dict[str, Any] | None, inner_kind: str = "fsdp") -> dict[str, Any]:
+    """2 replica groups x 2 ranks: FSDP2 shards each group's model over its own two ranks (or torch's DDP
+    replicates it over them, ``inner_kind="ddp"``); DiLoCo synchronizes the shards across the groups (rank r of
+    each group all-reduces its shards -- DDP: its full replica -- with rank r of the other)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -380,10 +383,14 @@ def _fsdp_member(ctx: RankContext, addr: str, token: str, steps: int, h_max: int
     dist.init_process_group("torchnext", store=dist.PrefixStore(f"group{gid}", ctx.store), rank=rank, world_size=2,
                             timeout=timedelta(seconds=30))
     model = _Sharded()
-    mesh = init_device_mesh("cpu", (2,))  # the replica group's own ranks: no traffic across groups in inner steps
-    fully_shard(model.a, mesh=mesh)
-    fully_shard(model.b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    net: nn.Module = model
+    if inner_kind == "fsdp":
+        mesh = init_device_mesh("cpu", (2,))  # the replica group's own ranks: no traffic across groups in inner steps
+        fully_shard(model.a, mesh=mesh)
+        fully_shard(model.b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        net = nn.parallel.DistributedDataParallel(model, process_group=dist.group.WORLD)
     inner = torch.optim.SGD(model.parameters(), lr=LR_IN)
     algo: list[DiLoCo] = []
     ft = FaultTolerant(FaultTolerantConfig(coordinator=addr, token=token, member_id=ctx.rank, timeout_s=20.0,
@@ -398,7 +405,7 @@ def _fsdp_member(ctx: RankContext, addr: str, token: str, steps: int, h_max: int
         refused = ""
     except ValueError as exc:
         refused = str(exc)
-    algo.append(DiLoCo(ft, model, DiLoCoConfig(sync_every=h_max)))
+    algo.append(DiLoCo(ft, net, DiLoCoConfig(sync_every=h_max)))  # torch's DDP inside the group is accepted
     algo[0].join()
     d = algo[0]
     statuses: list[str] = []
@@ -408,7 +415,7 @@ def _fsdp_member(ctx: RankContext, addr: str, token: str, steps: int, h_max: int
             if kill and d.outer_steps == kill["outer"] and d.inner_steps == h_max - 1:
                 # the doomed rank's counterpart in the other group shares its replicate communicator
                 _arm_kill(ctx, ft, kill, ctx.rank, [kill["member"] ^ 2], statuses)
-            model([_coef(ctx.rank, d.outer_steps, d.inner_steps, j) for j in range(len(SHAPES))]).backward()
+            net([_coef(ctx.rank, d.outer_steps, d.inner_steps, j) for j in range(len(SHAPES))]).backward()
             inner.step()
             inner.zero_grad()
             if d.step():
@@ -417,10 +424,11 @@ def _fsdp_member(ctx: RankContext, addr: str, token: str, steps: int, h_max: int
     except MembershipError as exc:  # the doomed rank's sibling: its replica group was removed with it
         ft.close()
         return {"removed": f"{type(exc).__name__}: {exc}", "syncs": syncs}
-    full = [p.detach().full_tensor().numpy().copy() for p in model.parameters()]
+    full = [(p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()).numpy().copy()
+            for p in model.parameters()]
     ft.finish()
     dist.destroy_process_group()
-    return {"params": full, "refused": refused, "local": [p.to_local().shape for p in model.parameters()],
+    return {"params": full, "refused": refused, "local": [local(p).shape for p in model.parameters()],
             "syncs": syncs, "statuses": statuses, "removed": None}
 
 
@@ -429,21 +437,23 @@ def _group_grad(m: int, k: int, i: int, j: int) -> torch.Tensor:
     return (_coef(2 * m, k, i, j) + _coef(2 * m + 1, k, i, j)) / 2
 
 
-def _fsdp_run(steps: int, h: int, kill: dict[str, Any] | None = None) -> list[Any]:
+def _fsdp_run(steps: int, h: int, kill: dict[str, Any] | None = None, inner_kind: str = "fsdp") -> list[Any]:
     cfg = MembershipConfig(min_size=1, initial_size=2, **_PATIENT)
     with Coordinator(CoordinatorConfig(membership=cfg)) as coord:
-        return run_ranks(_fsdp_member, 4, args=(coord.address, coord.token, steps, h, kill), timeout=90,
+        return run_ranks(_fsdp_member, 4, args=(coord.address, coord.token, steps, h, kill, inner_kind), timeout=90,
                          allow_exit=() if kill is None else (kill["member"],))
 
 
 @pytest.mark.slow
-def test_diloco_with_fsdp2_shards_inside_each_replica_group() -> None:
+@pytest.mark.parametrize("inner_kind", ["fsdp", "ddp"])
+def test_diloco_with_fsdp2_or_ddp_inside_each_replica_group(inner_kind: str) -> None:
     steps, h = 3, 2
-    res = _fsdp_run(steps, h)
+    res = _fsdp_run(steps, h, inner_kind=inner_kind)
     want = reference([[0, 1]] * steps, sync_every=h, grads=_group_grad)
     for i, r in enumerate(res):
         assert "mesh that contains ft.process_group" in r["refused"], r["refused"]
-        assert r["local"] == ([(2, 4), (3,)] if i % 2 == 0 else [(1, 4), (2,)])  # uneven shards: FSDP2 pads
+        shards = [(2, 4), (3,)] if i % 2 == 0 else [(1, 4), (2,)]  # uneven shards: FSDP2 pads
+        assert r["local"] == (shards if inner_kind == "fsdp" else list(SHAPES))
         assert [s[3] for s in r["syncs"]] == [2] * steps
         assert _equal(r["params"], want)
 
@@ -517,6 +527,8 @@ def test_bad_arguments_name_what_is_wrong() -> None:
                 DiLoCo(ft, [model.a, model.a], cfg)
             with pytest.raises(ValueError, match=r"parameter 0 has dtype torch\.int64"):
                 DiLoCo(ft, [torch.zeros(2, dtype=torch.int64)], cfg)
+            with pytest.raises(ValueError, match=r"wrapped in torchnext\.ft\.DistributedDataParallel"):
+                DiLoCo(ft, DistributedDataParallel(_Model(), ft), cfg)
             with pytest.raises(TypeError, match="not a single tensor"):
                 DiLoCo(ft, model.a, cfg)
             with pytest.raises(ValueError, match="must optimize exactly the tensors it is given"):
