@@ -31,6 +31,7 @@ from torchnext.ft import (
     LocalSGD,
     LocalSGDConfig,
     MembershipConfig,
+    MembershipError,
 )
 from torchnext.ft.state import local
 from torchnext.testing import RankContext, RankExited, run_ranks
@@ -175,9 +176,18 @@ def _member(ctx: RankContext, addr: str, token: str, spec: dict[str, Any]) -> di
             model([_coef(member, a.outer_steps, a.inner_steps, j) for j in range(len(SHAPES))]).backward()
             inner.step()
             inner.zero_grad()
-            if a.step():
+            try:
+                synced = a.step()
+            except MembershipError as exc:  # the hung member, resumed: the others went on without it
+                ft.close()
+                out.update(removed=f"{type(exc).__name__}: {exc}", outer_steps=a.outer_steps,
+                           params=[[p.detach().numpy().copy() for p in m.parameters()] for m in models])
+                return out
+            if synced:
                 assert a.last_sync is not None
                 s.append(_record(a.last_sync))
+                if kill and kill["where"] == "hang" and member == 0 and a.last_sync.outer_step == kill["outer"]:
+                    os.kill(int(ctx.store.get("hung_pid")), signal.SIGCONT)  # redone and committed: resume it
     ft.finish()
     out.update(params=[[p.detach().numpy().copy() for p in m.parameters()] for m in models],
                globals=[[g.numpy().copy() for g in a.global_params] for a in algos], syncs=syncs,
@@ -192,7 +202,8 @@ def _arm_kill(ctx: RankContext, ft: FaultTolerant, kill: dict[str, Any], member:
     Survivors record how each all-reduce ended, and tell the store when they have issued their all-reduces
     (``in/<m>``) and when those completed (``done/<m>``). The doomed member is SIGKILLed
     ``inside``: from the pre hook of its first all-reduce, once every survivor has issued its own (they are blocked
-    in it: it cannot complete without the doomed member's data); ``before_commit``: from the post hook of its last
+    in it: it cannot complete without the doomed member's data) -- or SIGSTOPped there (``hang``: removed after the
+    heartbeat timeout, resumed by member 0 once the redone synchronization committed); ``before_commit``: from the post hook of its last
     all-reduce, once every survivor's all-reduces completed too (they hold the full average) and before its vote.
     A survivor that never gets there makes the store wait raise inside the hook: the run fails, it cannot pass."""
     n_ops = len(set(DTYPES))
@@ -227,6 +238,16 @@ def _arm_kill(ctx: RankContext, ft: FaultTolerant, kill: dict[str, Any], member:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         ft.register_pre_hook(die_inside)
+    elif kill["where"] == "hang":
+        def hang_inside(info: Any) -> None:
+            if info.op == "all_reduce" and not issued:
+                issued.append(info.op_id)
+                wait("in")
+                ctx.store.set("hung_pid", str(os.getpid()))
+                time.sleep(0.05)
+                os.kill(os.getpid(), signal.SIGSTOP)  # until a survivor committed the redone synchronization
+
+        ft.register_pre_hook(hang_inside)
     elif kill["where"] == "before_commit":
         def die_before_vote(a: Any) -> None:
             if a.info.op == "all_reduce" and a.status.name == "COMPLETED":
@@ -295,25 +316,29 @@ def test_local_sgd_averages_the_parameters_and_equals_diloco_with_plain_sgd_lr1(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["inside", "before_commit"])
+@pytest.mark.parametrize("where", ["inside", "before_commit", "hang"])
 def test_failure_during_the_outer_sync_is_redone_with_the_live_groups(where: str) -> None:
     """Member 2 is SIGKILLed inside outer step 1's all-reduce (pre hook: the others are blocked in it) or after it
-    completed everywhere but before its vote (post hook: the others hold the full three-group average) -- either
-    way the step cannot commit; the survivors apply nothing of it and redo it with the two live groups."""
+    completed everywhere but before its vote (post hook: the others hold the full three-group average), or hangs
+    (SIGSTOP) inside the all-reduce -- either way the step cannot commit; the survivors apply nothing of it and redo
+    it with the two live groups. The hung member, resumed afterwards, learns it was removed and changed nothing."""
     steps, h = 4, 2
     res = _run(3, {"steps": steps, "sync_every": h, "algos": ["diloco"],
                    "kill": {"member": 2, "outer": 1, "where": where}}, allow_exit=(2,))
-    assert isinstance(res[2], RankExited)
+    if where == "hang":
+        assert "removed" in res[2]["removed"] and res[2]["outer_steps"] == 1, res[2]
+    else:
+        assert isinstance(res[2], RankExited)
     want = reference([[0, 1, 2], [0, 1], [0, 1], [0, 1]], sync_every=h)
     for r in res[:2]:
-        # inside: the survivors' all-reduce was cut short; before_commit: it completed with all three groups'
+        # inside, hang: the survivors' all-reduce was cut short; before_commit: it completed with all three groups'
         # pseudo-gradients -- a full average that must still not be applied, because the step did not commit
         n_ops = len(set(DTYPES))  # one all-reduce per dtype; the hooks saw the first attempt only
         assert len(r["statuses"]) == n_ops, r["statuses"]
-        if where == "inside":
-            assert "COMPLETED" not in r["statuses"], r["statuses"]
-        else:
+        if where == "before_commit":
             assert r["statuses"] == ["COMPLETED"] * n_ops, r["statuses"]
+        else:
+            assert "COMPLETED" not in r["statuses"], r["statuses"]
         syncs = r["syncs"][0]
         assert [s[0] for s in syncs] == list(range(steps))
         assert syncs[0][3] == 3 and syncs[0][4] == 1
