@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = _config(args)
         if cfg.parallel == "diloco":
-            from torchnext.demo.launcher import _require_diloco
+            from torchnext.demo.train import _require_diloco
 
             _require_diloco()
     except ValueError as exc:

@@ -326,6 +326,8 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
 
     cfg.validate()
     if cfg.parallel == "diloco":
+        from torchnext.demo.train import _require_diloco
+
         _require_diloco()
     emit = on_event or (lambda ev: None)
     out = Path(cfg.out)
@@ -424,14 +426,6 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
             coord.stop()
         summary = _summarize(cfg, launcher, history, time.monotonic() - t_start, error)
     return summary
-
-
-def _require_diloco() -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("torchnext.ft.diloco") is None:
-        raise ValueError("--parallel diloco is not available in this build (torchnext.ft.diloco is missing); use "
-                         "--parallel hsdp or --parallel ddp")
 
 
 def _inject(launcher: _Launcher, f: Fault, victim: _Rank, standby: list[int], step: int,

@@ -118,22 +118,6 @@ def _emit(event: str, **fields: Any) -> None:
     sys.stdout.flush()
 
 
-def state_digest(state: dict[str, Any]) -> str:
-    """SHA-256 of a :func:`~torchnext.ft.state.sharded_state` -- this rank's parameter and buffer shards and its
-    optimizer state, names included -- so equal digests mean bitwise-equal local state."""
-    h = hashlib.sha256()
-    for name, t in state["model"].items():
-        h.update(name.encode())
-        h.update(_bytes(t))
-    for i, per_param in enumerate(state["optim"]):
-        for j, entries in enumerate(per_param):
-            for key in sorted(entries):
-                v = entries[key]
-                h.update(f"optim{i}.{j}.{key}".encode())
-                h.update(_bytes(v) if isinstance(v, torch.Tensor) else repr(v).encode())
-    return h.hexdigest()
-
-
 def _bytes(t: torch.Tensor) -> bytes:
     t = t.detach().contiguous().reshape(-1)  # 0-d tensors too
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
@@ -179,16 +163,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     was removed (a sibling died or hung) emits ``removed`` and returns (``"removed": True``)."""
     import torch.distributed as dist
 
-    from torchnext.comms import FlightRecorder, ReduceOp
-    from torchnext.demo.data import VOCAB, batch_for_step
+    from torchnext.comms import CommError, FlightRecorder
+    from torchnext.demo.data import VOCAB
     from torchnext.demo.model import ModelConfig, MoETransformerLM, Precision
     from torchnext.ft import FaultTolerant, FaultTolerantConfig, MembershipError, Reconfiguration
     from torchnext.ft.state import load_sharded_state, sharded_state
 
     parallel = Parallel(cfg.parallel)
     if parallel is Parallel.DILOCO:
-        raise NotImplementedError("--parallel diloco is not available in this build (torchnext.ft.diloco is "
-                                  "missing); use --parallel hsdp or ddp")
+        _require_diloco()
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1)
     model = MoETransformerLM(
@@ -197,7 +180,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     )
     fr_dir = Path(cfg.out) / "fr"
     fr_dir.mkdir(parents=True, exist_ok=True)
-    sharded = parallel is Parallel.HSDP
+    sharded = parallel is not Parallel.DDP
     # a warm spare rendezvous with its group's other spares now: only joining the job waits for the wake-up
     group, group_rank, group_size = _shard_group(cfg) if sharded else (None, 0, 1)
     if cfg.standby:
@@ -207,17 +190,29 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             _destroy(sharded)
             return {"member": cfg.member_id, "steps": 0, "cancelled": True}
     opts: list[torch.optim.Optimizer] = []  # created after sharding (FSDP2 swaps in DTensor parameters)
+    outer: list[Any] = []  # diloco: the DiLoCo (built after sharding, before joining)
+
+    def state_dict() -> Any:
+        state = sharded_state(model, *opts)
+        return {"local": state, "diloco": outer[0].state_dict()} if outer else state
+
+    def load_state_dict(s: Any) -> None:
+        if outer:  # the inner state first: DiLoCo then sets the local parameters to the healed global copy
+            load_sharded_state(s["local"], model, *opts)
+            outer[0].load_state_dict(s["diloco"])
+        else:
+            load_sharded_state(s, model, *opts)
+
     ft: Any = None
     recorder: list[FlightRecorder] = []
     report: dict[str, Any] = {"member": cfg.member_id, "group": group, "group_rank": group_rank}
+    t_start = time.monotonic()
     try:
         ft = FaultTolerant(
             FaultTolerantConfig(min_size=cfg.min_size, member_id=cfg.member_id, replica_group=group,
                                 group_rank=group_rank if sharded else None,
                                 group_size=group_size if sharded else None),
-            state_dict=lambda: sharded_state(model, *opts),
-            load_state_dict=lambda s: load_sharded_state(s, model, *opts),
-            join=False,
+            state_dict=state_dict, load_state_dict=load_state_dict, join=False,
         )
         report["member"] = ft.member_id
 
@@ -232,46 +227,42 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                   joiners=list(r.joiners), timings=r.timings, healed=None if r.healed is None else asdict(r.healed))
 
         ft.on_reconfigure(on_reconfigure)
-        if sharded:
-            net = _fully_shard(model, ft)
+        if parallel is Parallel.HSDP:
+            from torchnext.ft import device_mesh
+
+            net = _fully_shard(model, device_mesh(ft, ("replicate", "shard")))
+        elif parallel is Parallel.DILOCO:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            # inner steps shard over this replica group's own ranks only (ft.device_mesh would all-reduce the
+            # gradients across the groups every step: HSDP, what DiLoCo exists to avoid)
+            net = _fully_shard(model, DeviceMesh.from_group(dist.group.WORLD, "cpu"))  # type: ignore[arg-type]
+            ft.register_local_group(dist.group.WORLD)  # a rank blocked on a dead sibling is released
         else:
             from torchnext.ft import DistributedDataParallel
 
             net = DistributedDataParallel(model, ft, find_unused_parameters=True)  # top-1 routing: unused experts
         opts.append(torch.optim.AdamW(model.parameters(), lr=cfg.lr))
-        ft.join()
+        loop = _Loop(cfg, ft, model, net, opts[0], group_rank, group_size)
+        if parallel is Parallel.DILOCO:
+            from torchnext.ft import DiLoCo, DiLoCoConfig
+
+            outer.append(DiLoCo(ft, model, DiLoCoConfig(sync_every=cfg.sync_every)))
+            outer[0].join()
+        else:
+            ft.join()
         first = ft.reconfigurations[-1] if ft.reconfigurations else None
         _emit("joined", member=ft.member_id, group=ft.replica_group, group_rank=group_rank,
-              generation=ft.generation, size=ft.size, step=ft.step_count, pid=os.getpid(),
+              generation=ft.generation, size=ft.size, step=loop.step_no(outer), pid=os.getpid(),
               healed=None if first is None or first.healed is None else asdict(first.healed))
-        shard_pg = dist.group.WORLD if sharded and group_size > 1 else None
-        opt = opts[0]
         t_start = time.monotonic()
-        tokens = 0
-        while ft.step_count < cfg.steps:
-            step_no = ft.step_count
-            t0 = time.monotonic()
-            with ft.step() as step:
-                x, y = batch_for_step(step_no, seed=cfg.seed, shard=ft.rank * group_size + group_rank,
-                                      num_shards=ft.size * group_size, batch_size=cfg.batch_size,
-                                      seq_len=cfg.seq_len)
-                opt.zero_grad(set_to_none=True)  # every attempt: a failed one may have left gradients
-                loss, lm = model.loss(x, y, step=step_no, forward=net)
-                loss.backward()
-                stat = torch.tensor([lm])
-                if shard_pg is not None:
-                    dist.all_reduce(stat, op=dist.ReduceOp.AVG, group=shard_pg)
-                ft.all_reduce(stat, ReduceOp.AVG)  # the mean over every rank of every live replica group
-                if step.commit():
-                    opt.step()
-                    tokens += cfg.batch_size * cfg.seq_len * ft.size * group_size
-                    _emit("step", member=ft.member_id, step=ft.step_count, loss=float(stat), size=ft.size,
-                          generation=ft.generation, step_s=time.monotonic() - t0,
-                          tokens_per_s=tokens / max(time.monotonic() - t_start, 1e-9))
-            if step.error is not None:
-                _emit("step_failed", member=ft.member_id, step=step_no,
-                      error=f"{type(step.error).__name__}: {step.error}")
-    except MembershipError as exc:  # this replica group is out (a sibling died or hung, or this rank hung)
+        if outer:
+            loop.run_diloco(outer[0])
+        else:
+            loop.run()
+    except (MembershipError, CommError) as exc:
+        # this replica group is out: a sibling died or hung (diloco: an inner step's collective on the group's own
+        # ranks failed -- the group cannot go on), or this rank hung and was removed
         _emit("removed", member=report["member"], group=group, error=f"{type(exc).__name__}: {exc}")
         report.update(removed=True, error=f"{type(exc).__name__}: {exc}")
         if ft is not None:
@@ -289,8 +280,16 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         recorder[0].detach()  # the end dumps stand: finishing closes (aborts) the communicator, not a failure
     if sharded:
         _dump_shard_group(Path(cfg.out) / "fr_shard" / f"g{group}.i{cfg.incarnation}")
+    # hsdp/ddp: parameters + AdamW state; diloco: what the groups share after a synchronization (parameters, the
+    # global copy, the outer optimizer) -- each group's inner AdamW state is its own
+    shared = state_dict() if not outer else {"model": sharded_state(model)["model"], "optim": [],
+                                             "diloco": outer[0].state_dict()}
+    # ``lowp_step`` counts this step's forward calls of a low-precision layer (set_lowp_step resets it at every
+    # step): an expert's count depends on how many of this rank's sequences chose it -- not state that persists
+    shared["model"] = {k: v for k, v in shared["model"].items() if not k.endswith(".lowp_step")}
     report.update(member=ft.member_id, rank=ft.rank, group=ft.replica_group, group_rank=group_rank,
-                  generation=ft.generation, steps=ft.step_count, digest=state_digest(sharded_state(model, *opts)),
+                  generation=ft.generation, steps=loop.step_no(outer), digest=state_digest(shared),
+                  digest_parts={k: state_digest(v) for k, v in shared.items()},
                   wall_s=time.monotonic() - t_start)
     _emit("done", **report)
     # Every member committed the last step. finish() tells the coordinator the job is over, so members leave in any
@@ -300,20 +299,126 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     return report
 
 
-def _fully_shard(model: torch.nn.Module, ft: Any) -> torch.nn.Module:
-    """FSDP2 HSDP: each block, then the root, over ``ft``'s mesh (replicate = the fault-tolerant group, shard = this
-    replica group's process group)."""
+class _Loop:
+    """The training loops: one fault-tolerant step per training step (hsdp, ddp), or inner steps with an outer
+    synchronization every ``sync_every`` (diloco)."""
+
+    def __init__(self, cfg: TrainConfig, ft: Any, model: Any, net: Any, opt: torch.optim.Optimizer, group_rank: int,
+                 group_size: int) -> None:
+        import torch.distributed as dist
+
+        self.cfg, self.ft, self.model, self.net, self.opt = cfg, ft, model, net, opt
+        self.group_rank, self.group_size = group_rank, group_size
+        self.shard_pg = dist.group.WORLD if dist.is_initialized() and group_size > 1 else None
+        self.t_start = time.monotonic()
+        self.tokens = 0
+
+    def step_no(self, outer: list[Any]) -> int:
+        """Training steps done: committed steps, or (diloco) synchronizations x sync_every + inner steps since."""
+        if outer:
+            return int(outer[0].outer_steps * self.cfg.sync_every + outer[0].inner_steps)
+        return int(self.ft.step_count)
+
+    def _forward_backward(self, step_no: int) -> torch.Tensor:
+        """This rank's loss at ``step_no`` (backward done); returns the LM loss averaged over the replica group."""
+        import torch.distributed as dist
+
+        from torchnext.demo.data import batch_for_step
+
+        ft, cfg = self.ft, self.cfg
+        x, y = batch_for_step(step_no, seed=cfg.seed, shard=ft.rank * self.group_size + self.group_rank,
+                              num_shards=ft.size * self.group_size, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+        self.opt.zero_grad(set_to_none=True)  # every attempt: a failed one may have left gradients
+        loss, lm = self.model.loss(x, y, step=step_no, forward=self.net)
+        loss.backward()
+        stat = torch.tensor([lm])
+        if self.shard_pg is not None:
+            dist.all_reduce(stat, op=dist.ReduceOp.AVG, group=self.shard_pg)
+        return stat
+
+    def _emit_step(self, step: int, loss: float, t0: float, **extra: Any) -> None:
+        ft = self.ft
+        self.tokens += self.cfg.batch_size * self.cfg.seq_len * ft.size * self.group_size
+        _emit("step", member=ft.member_id, step=step, loss=loss, size=ft.size, generation=ft.generation,
+              step_s=time.monotonic() - t0, tokens_per_s=self.tokens / max(time.monotonic() - self.t_start, 1e-9),
+              **extra)
+
+    def run(self) -> None:
+        from torchnext.comms import ReduceOp
+
+        ft = self.ft
+        while ft.step_count < self.cfg.steps:
+            step_no = ft.step_count
+            t0 = time.monotonic()
+            with ft.step() as step:
+                stat = self._forward_backward(step_no)
+                ft.all_reduce(stat, ReduceOp.AVG)  # the mean over every rank of every live replica group
+                if step.commit():
+                    self.opt.step()
+                    self._emit_step(ft.step_count, float(stat), t0)
+            if step.error is not None:
+                _emit("step_failed", member=ft.member_id, step=step_no,
+                      error=f"{type(step.error).__name__}: {step.error}")
+
+    def run_diloco(self, algo: Any) -> None:
+        """Inner steps (the reported loss is this replica group's: inner steps do not talk across groups); every
+        ``sync_every``-th ends with the outer synchronization, and the last partial interval is synchronized too,
+        so that every group ends on the same global copy."""
+        while (step_no := self.step_no([algo])) < self.cfg.steps:
+            t0 = time.monotonic()
+            stat = self._forward_backward(step_no)
+            self.opt.step()
+            synced = algo.step()
+            if not synced and step_no + 1 == self.cfg.steps:
+                algo.sync()
+                synced = True
+            self._emit_step(step_no + 1, float(stat), t0, synced=synced, outer_steps=algo.outer_steps)
+
+
+def _require_diloco() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("torchnext.ft.diloco") is None:
+        raise ValueError("--parallel diloco is not available in this build (torchnext.ft.diloco is missing); use "
+                         "--parallel hsdp or --parallel ddp")
+
+
+def state_digest(obj: Any) -> str:
+    """SHA-256 of a state -- nested dicts/lists of tensors and plain values (a
+    :func:`~torchnext.ft.state.sharded_state`: this rank's shards and optimizer state), dict keys sorted, tensors by
+    their bytes -- so equal digests mean bitwise-equal local state."""
+    h = hashlib.sha256()
+
+    def walk(o: Any, path: str) -> None:
+        if isinstance(o, torch.Tensor):
+            h.update(path.encode())
+            h.update(_bytes(o))
+        elif isinstance(o, dict):
+            for k in sorted(o, key=str):
+                walk(o[k], f"{path}.{k}")
+        elif isinstance(o, (list, tuple)):
+            for i, v in enumerate(o):
+                walk(v, f"{path}[{i}]")
+        else:
+            h.update(f"{path}={o!r}".encode())
+
+    walk(obj, "")
+    return h.hexdigest()
+
+
+def _fully_shard(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """FSDP2 over ``mesh``: each block, then the root (hsdp: ``ft.device_mesh`` -- replicate = the fault-tolerant
+    group, shard = this replica group's process group; diloco: the replica group's own ranks)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from torchnext.ft import device_mesh
-
-    mesh = device_mesh(ft, ("replicate", "shard"))
     for block in model.blocks:  # type: ignore[union-attr]
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    assert isinstance(model, FSDPModule)
-    # Top-1 routing leaves experts unused on some ranks: without this, FSDP2 leaves their gradients out of the
-    # block's reduce-scatter, whose sizes would then differ between ranks (a mismatched collective).
+    if not isinstance(model, FSDPModule):  # pragma: no cover - fully_shard always swaps the class
+        raise TypeError("fully_shard did not make the model an FSDPModule")
+    # Top-1 routing leaves experts unused on some ranks: without this FSDP2 leaves their gradients out of the
+    # block's reduce-scatter, whose sizes then differ between the ranks (gloo aborts the process: "Received data
+    # size doesn't match expected size").
     model.set_reduce_scatter_unused_params(True)
     return model
 
