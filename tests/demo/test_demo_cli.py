@@ -42,6 +42,8 @@ def test_bad_fault_strings_are_refused_by_the_parser(text: str, message: str, ca
     (["--fault", "kill:0@5", "--fault", "kill:2@9"], "take down every replica group"),
     (["--fault", "kill:2@5", "--fault", "hang:3@9"], "replica group 1 (ranks [2, 3]) already failed"),
     (["--shard-size", "0"], "--shard-size must be >= 1"),
+    (["--parallel", "diloco", "--sync-every", "0"], "--sync-every must be >= 1"),
+    (["--timeout", "0"], "--timeout must be positive"),
 ])
 def test_bad_flag_combinations_are_clear_errors(args: list[str], message: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:

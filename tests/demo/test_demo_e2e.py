@@ -1,6 +1,6 @@
 """`torchnext demo` end to end: FSDP2 HSDP (2 replica groups x 2 shards) on the torchnext process group, a rank
 SIGKILLed mid-training (its group leaves, the other trains on), the group restarted from warm spares (healed shard by
-shard), and FT-DDP with two faults in sequence (a kill, then a hang)."""
+shard), FT-DDP with two faults in sequence (a kill, then a hang), and DiLoCo with a kill and a rejoin."""
 
 from __future__ import annotations
 
@@ -101,3 +101,20 @@ def test_ddp_two_faults_a_kill_then_a_hang(tmp_path: Path) -> None:
     assert [h["size"] for h in summary["world_size_history"]] == [4, 3, 2]
     assert summary["params_equal_across_ranks"] is True and len(set(summary["digests"].values())) == 1
     assert summary["final_loss"] < summary["initial_loss"] - 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_diloco_kill_and_rejoin_groups_end_on_the_same_global_copy(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    summary = _run(["--parallel", "diloco", "--steps", "40", "--sync-every", "5", "--fault", "kill:3@12", "--rejoin"],
+                   out, timeout=220)
+    assert summary["parallel"] == "diloco" and summary["steps_completed"] == 40
+    assert summary["removed_members"] == [2]  # rank 3's sibling: its inner FSDP2 collective failed
+    assert summary["final_members"] == [0, 1, 6, 7]
+    d = summary["digests"]  # parameters, global copy, outer optimizer: shard by shard after the last sync
+    assert d["6"] == d["0"] and d["7"] == d["1"] and d["0"] != d["1"], d
+    assert summary["params_equal_across_ranks"] is True
+    (failure,) = summary["failures"]
+    _check_failure(failure, "kill", 3, 1, 12)
+    assert summary["final_loss"] < summary["initial_loss"] - 0.8
