@@ -115,6 +115,10 @@ class DemoConfig:
     """Output folder."""
     timeout_s: float = 600.0
     """Give up (DemoError) after this long."""
+    heartbeat_timeout_s: float = 2.0
+    """The coordinator declares a silent rank hung after this long (the library's default is 0.6 s). The demo runs
+    4+ training processes (and the warm spares' start-up) on a few cores: on a loaded 2-core machine a rank was
+    seen unscheduled for 0.6 s, which removed its healthy group. A ``hang`` fault is detected after this long."""
     lowp_backend: str = "eager"
     """torchnext.lowp.mm.scaled_mm backend for the block-scaled layers."""
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -154,6 +158,8 @@ class DemoConfig:
             raise ValueError(f"--sync-every must be >= 1, got {self.sync_every}")
         if self.timeout_s <= 0:
             raise ValueError(f"--timeout must be positive, got {self.timeout_s}")
+        if self.heartbeat_timeout_s <= 0:
+            raise ValueError(f"DemoConfig.heartbeat_timeout_s must be positive, got {self.heartbeat_timeout_s}")
         hit: set[int] = set()
         for f in self.faults:
             if not 0 <= f.rank < self.ranks:
@@ -338,8 +344,8 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
     t_start = time.monotonic()
     faults = sorted(cfg.faults, key=lambda f: f.step)
     groups = cfg.groups
-    coord = Coordinator(CoordinatorConfig(membership=MembershipConfig(min_size=_min_groups(groups),
-                                                                      initial_size=groups)))
+    coord = Coordinator(CoordinatorConfig(membership=MembershipConfig(
+        min_size=_min_groups(groups), initial_size=groups, heartbeat_timeout_s=cfg.heartbeat_timeout_s)))
     coord.start()
     launcher = _Launcher(cfg, emit, coord.address, coord.token, coord.store_port)
     error: BaseException | None = None
