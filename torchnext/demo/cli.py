@@ -170,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
                       f"agree {f['agree_s']} s, rebuild {f['rebuild_s']} s")
     console.print(f"loss {summary['initial_loss']:.3f} → {summary['final_loss']:.3f} over "
                   f"{summary['steps_completed']} steps; every shard equals its counterparts in the other replica groups: "
-                  f"{summary['params_equal_across_ranks']}; wall {summary['wall_s']} s")
+                  f"{summary['params_equal_across_ranks']} ({summary['replica_groups_compared']} replica group(s) "
+                  f"finished); wall {summary['wall_s']} s")
     plot = "loss.png" if (out / "loss.png").exists() else "loss.svg"
     console.print(f"wrote {out}/summary.json, {plot}, fr/, fr_report.txt (analyzer exit {rc}), {timeline.name}")
     if not args.quiet:

@@ -491,6 +491,7 @@ def _summarize(cfg: DemoConfig, launcher: _Launcher, history: list[dict[str, Any
         "final_members": sorted(launcher.done),
         "digests": {str(m): d["digest"] for m, d in sorted(launcher.done.items())},
         "final_groups": final_groups,
+        "replica_groups_compared": len(final_groups),  # 1: nothing to compare (the others failed)
         "removed_members": sorted(launcher.removed),
         "precision": cfg.precision,
         "wall_s": round(wall, 2),
