@@ -15,14 +15,18 @@ Parallelism (``--parallel``):
   shards averaged across the live replica groups by the fault-tolerant process group. A joining group heals shard
   by shard from a live group.
 * ``ddp``: :class:`torchnext.ft.DistributedDataParallel` -- every rank its own replica group.
-* ``diloco``: see :mod:`torchnext.ft.diloco` when present (inner steps inside the group, outer sync across groups).
+* ``diloco``: :class:`torchnext.ft.DiLoCo` -- inner FSDP2 steps over the replica group's own ranks (no traffic
+  across groups), an outer synchronization across the live groups every ``--sync-every`` steps (the reported
+  loss between synchronizations is the group's own). The healed state is the inner shards plus DiLoCo's.
 
 A step is forward/backward on this rank's data shard (the global batch is deterministic per step: shard
 ``group_index * group_size + group_rank`` of ``groups * group_size``), then a two-phase commit, then the optimizer
 step -- only when every current member finished the step. A failed collective inside DDP's or FSDP's hooks is
 recorded by the fault-tolerant group, never raised out of backward: the step does not commit, the group
-reconfigures, the loop retries. Progress goes to stdout as JSON lines that the launcher reads; the final line
-carries a checksum of this rank's parameter shards (counterparts in every replica group must match).
+reconfigures, the loop retries. A rank whose replica group was removed (a sibling died or hung) reports
+``removed`` and exits cleanly. Progress goes to stdout as JSON lines that the launcher reads; the final line
+carries a checksum of this rank's shards and optimizer state (diloco: of what the groups share after a
+synchronization) -- counterparts in every replica group must match.
 """
 
 from __future__ import annotations
@@ -184,6 +188,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     # a warm spare rendezvous with its group's other spares now: only joining the job waits for the wake-up
     group, group_rank, group_size = _shard_group(cfg) if sharded else (None, 0, 1)
     if cfg.standby:
+        _warm_up(model, parallel)  # what joining would otherwise spend seconds on, before the wake-up
         _emit("standby", member=cfg.member_id, pid=os.getpid())
         if not sys.stdin.readline():
             _emit("standby_cancelled", member=cfg.member_id)
@@ -261,8 +266,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         else:
             loop.run()
     except (MembershipError, CommError) as exc:
-        # this replica group is out: a sibling died or hung (diloco: an inner step's collective on the group's own
-        # ranks failed -- the group cannot go on), or this rank hung and was removed
+        # this replica group is out: a sibling died or hung, or this rank hung and was removed; diloco: an inner
+        # step's collective on the group's own ranks failed (inner steps run outside any ft.step()) -- the group
+        # cannot go on. Elsewhere a CommError outside ft.step() is unexpected: let it crash the rank.
+        if isinstance(exc, CommError) and not isinstance(exc, MembershipError) and not outer:
+            if ft is not None:
+                ft.close()
+            _destroy(sharded)
+            raise
         _emit("removed", member=report["member"], group=group, error=f"{type(exc).__name__}: {exc}")
         report.update(removed=True, error=f"{type(exc).__name__}: {exc}")
         if ft is not None:
@@ -373,6 +384,23 @@ class _Loop:
                 algo.sync()
                 synced = True
             self._emit_step(step_no + 1, float(stat), t0, synced=synced, outer_steps=algo.outer_steps)
+
+
+def _warm_up(model: torch.nn.Module, parallel: Parallel) -> None:
+    """A warm spare's preparation: the imports FaultTolerant, FSDP2, DiLoCo and the optimizer make on first use
+    (``torch._dynamo`` alone takes seconds on a loaded machine) and one forward of the model (the low-precision
+    kernels' first-use work), so that a woken spare reaches the coordinator, and its first step, at once."""
+    import torch._dynamo
+    import torch.distributed.fsdp
+    import torch.distributed.tensor
+
+    import torchnext.ft
+
+    if parallel is Parallel.DILOCO:
+        import torchnext.ft.diloco  # noqa: F401
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]).step()  # the optimizer's lazy imports
+    with torch.no_grad():
+        model(torch.zeros(1, 8, dtype=torch.int64))
 
 
 def _require_diloco() -> None:
