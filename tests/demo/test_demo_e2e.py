@@ -69,8 +69,8 @@ def test_hsdp_kill_one_rank_its_group_leaves_the_other_trains_on(tmp_path: Path)
 @pytest.mark.timeout(240)
 def test_hsdp_rejoin_the_restarted_group_heals_shard_by_shard(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    summary = _run(["--steps", "40", "--fault", "kill:2@10", "--rejoin"], out, timeout=220)
-    assert summary["steps_completed"] == 40
+    summary = _run(["--steps", "30", "--fault", "kill:2@8", "--rejoin"], out, timeout=220)
+    assert summary["steps_completed"] == 30
     # group 1 came back as members 6, 7 (slot + 4 * incarnation 1) and finished with group 0
     assert summary["final_members"] == [0, 1, 6, 7] and summary["final_groups"] == [0, 1]
     d = summary["digests"]
@@ -80,7 +80,7 @@ def test_hsdp_rejoin_the_restarted_group_heals_shard_by_shard(tmp_path: Path) ->
     sizes = [h["size"] for h in summary["world_size_history"]]
     assert sizes[0] == 2 and sizes[-1] == 2, sizes  # (a step alone in between: likely, not certain -- fast spares)
     (failure,) = summary["failures"]
-    _check_failure(failure, "kill", 2, 1, 10)
+    _check_failure(failure, "kill", 2, 1, 8)
     assert summary["final_loss"] < summary["initial_loss"] - 0.8
     report = (out / "fr_report.txt").read_text()
     assert "rank 6 joined" in report and "rank 7 joined" in report, report
@@ -90,14 +90,14 @@ def test_hsdp_rejoin_the_restarted_group_heals_shard_by_shard(tmp_path: Path) ->
 @pytest.mark.timeout(240)
 def test_ddp_two_faults_a_kill_then_a_hang(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    summary = _run(["--parallel", "ddp", "--steps", "20", "--fault", "kill:1@5", "--fault", "hang:3@10"], out,
+    summary = _run(["--parallel", "ddp", "--steps", "16", "--fault", "kill:1@4", "--fault", "hang:3@8"], out,
                    timeout=220)
-    assert summary["parallel"] == "ddp" and summary["steps_completed"] == 20
+    assert summary["parallel"] == "ddp" and summary["steps_completed"] == 16
     assert summary["final_members"] == [0, 2]
     assert summary["removed_members"] == [3]  # resumed after its removal, it was told so and left
     kill, hang = summary["failures"]
-    _check_failure(kill, "kill", 1, 1, 5)
-    _check_failure(hang, "hang", 3, 3, 10)
+    _check_failure(kill, "kill", 1, 1, 4)
+    _check_failure(hang, "hang", 3, 3, 8)
     assert [h["size"] for h in summary["world_size_history"]] == [4, 3, 2]
     assert summary["params_equal_across_ranks"] is True and len(set(summary["digests"].values())) == 1
     assert summary["final_loss"] < summary["initial_loss"] - 0.5
@@ -107,14 +107,14 @@ def test_ddp_two_faults_a_kill_then_a_hang(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_diloco_kill_and_rejoin_groups_end_on_the_same_global_copy(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    summary = _run(["--parallel", "diloco", "--steps", "40", "--sync-every", "5", "--fault", "kill:3@12", "--rejoin"],
+    summary = _run(["--parallel", "diloco", "--steps", "30", "--sync-every", "5", "--fault", "kill:3@8", "--rejoin"],
                    out, timeout=220)
-    assert summary["parallel"] == "diloco" and summary["steps_completed"] == 40
+    assert summary["parallel"] == "diloco" and summary["steps_completed"] == 30
     assert summary["removed_members"] == [2]  # rank 3's sibling: its inner FSDP2 collective failed
     assert summary["final_members"] == [0, 1, 6, 7]
     d = summary["digests"]  # parameters, global copy, outer optimizer: shard by shard after the last sync
     assert d["6"] == d["0"] and d["7"] == d["1"] and d["0"] != d["1"], d
     assert summary["params_equal_across_ranks"] is True
     (failure,) = summary["failures"]
-    _check_failure(failure, "kill", 3, 1, 12)
+    _check_failure(failure, "kill", 3, 1, 8)
     assert summary["final_loss"] < summary["initial_loss"] - 0.8
