@@ -568,6 +568,8 @@ def test_bad_arguments_name_what_is_wrong() -> None:
             with pytest.raises(ValueError, match=r"global tensor 0 is \(2,\) torch.float32, the parameter's local "
                                                  r"shard is \(3, 4\) torch.float64"):
                 d.load_state_dict(bad)
+            with pytest.raises(ValueError, match=r"DiLoCo\.sync_every must be an int >= 1 .* got 0"):
+                d.sync_every = 0
             d.join()
             assert d.step() is False and d.step() is True and d.outer_steps == 1 and ft.step_count == 1
             assert d.last_sync is not None and d.last_sync.contributors == 1

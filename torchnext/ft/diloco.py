@@ -224,6 +224,17 @@ class _OuterSynchronizer:
 
     # ------------------------------------------------------------------------------------------------ public
     @property
+    def sync_every(self) -> int:
+        """H: inner steps between synchronizations (settable, e.g. for a schedule; keep it the same on every
+        group -- a synchronization is a collective across them)."""
+        return self._sync_every
+
+    @sync_every.setter
+    def sync_every(self, value: int) -> None:
+        _check_sync_every(type(self).__name__, value)
+        self._sync_every = value
+
+    @property
     def inner_steps(self) -> int:
         """Inner steps since the last synchronization (``step()`` calls)."""
         return self._inner
