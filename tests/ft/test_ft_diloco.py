@@ -104,7 +104,8 @@ def _equal(got: list[np.ndarray], want: list[torch.Tensor]) -> bool:
 # ---------------------------------------------------------------------------------------------- one member process
 def _member(ctx: RankContext, addr: str, token: str, spec: dict[str, Any]) -> dict[str, Any]:
     """One replica group of one rank. ``spec``: groups, steps (outer), sync_every, algos (list of "diloco",
-    "diloco_lr1", "localsgd"), scramble (members but 0 start from garbage), kill ({"member", "outer", "where": idle|inside|before_commit}), rejoin (mode)."""
+    "diloco_lr1", "localsgd"), scramble (members but 0 start from garbage), kill ({"member", "outer", "where":
+    idle|inside|hang|before_commit}, see :func:`_arm_kill`), rejoin ("mid_sync" or "boundary")."""
     groups, steps, h_max = spec["groups"], spec["steps"], spec["sync_every"]
     member = ctx.rank
     joiner = ctx.rank >= groups
