@@ -104,7 +104,8 @@ def _equal(got: list[np.ndarray], want: list[torch.Tensor]) -> bool:
 # ---------------------------------------------------------------------------------------------- one member process
 def _member(ctx: RankContext, addr: str, token: str, spec: dict[str, Any]) -> dict[str, Any]:
     """One replica group of one rank. ``spec``: groups, steps (outer), sync_every, algos (list of "diloco",
-    "diloco_lr1", "localsgd"), scramble (members but 0 start from garbage), kill ({"member", "outer", "where": idle|inside|before_commit}), rejoin (mode)."""
+    "diloco_lr1", "localsgd"), scramble (members but 0 start from garbage), kill ({"member", "outer", "where":
+    idle|inside|hang|before_commit}, see :func:`_arm_kill`), rejoin ("mid_sync" or "boundary")."""
     groups, steps, h_max = spec["groups"], spec["steps"], spec["sync_every"]
     member = ctx.rank
     joiner = ctx.rank >= groups
@@ -568,6 +569,8 @@ def test_bad_arguments_name_what_is_wrong() -> None:
             with pytest.raises(ValueError, match=r"global tensor 0 is \(2,\) torch.float32, the parameter's local "
                                                  r"shard is \(3, 4\) torch.float64"):
                 d.load_state_dict(bad)
+            with pytest.raises(ValueError, match=r"DiLoCo\.sync_every must be an int >= 1 .* got 0"):
+                d.sync_every = 0
             d.join()
             assert d.step() is False and d.step() is True and d.outer_steps == 1 and ft.step_count == 1
             assert d.last_sync is not None and d.last_sync.contributors == 1

@@ -224,6 +224,17 @@ class _OuterSynchronizer:
 
     # ------------------------------------------------------------------------------------------------ public
     @property
+    def sync_every(self) -> int:
+        """H: inner steps between synchronizations (settable, e.g. for a schedule; keep it the same on every
+        group -- a synchronization is a collective across them)."""
+        return self._sync_every
+
+    @sync_every.setter
+    def sync_every(self, value: int) -> None:
+        _check_sync_every(type(self).__name__, value)
+        self._sync_every = value
+
+    @property
     def inner_steps(self) -> int:
         """Inner steps since the last synchronization (``step()`` calls)."""
         return self._inner
@@ -260,7 +271,14 @@ class _OuterSynchronizer:
 
     def step(self) -> bool:
         """Count one inner step (call it after the inner optimizer's step); on every ``sync_every``-th, run the
-        outer synchronization (:meth:`sync`). Returns True when it synchronized."""
+        outer synchronization (:meth:`sync`). Returns True when it synchronized. Reference::
+
+            self.inner_steps += 1
+            if self.inner_steps == self.sync_every:
+                self.sync()                    # inner_steps = 0 once it committed
+                return True
+            return False
+        """
         self._check_joined("step")
         self._inner += 1
         if self._inner < self.sync_every:
@@ -270,7 +288,19 @@ class _OuterSynchronizer:
 
     def sync(self) -> OuterSync:
         """The outer synchronization now, as one fault-tolerant step, redone in each new generation until it
-        commits (see the module docstring). Local parameters change only when it commits.
+        commits (see the module docstring). Local parameters change only when it commits. Reference::
+
+            mine = self.inner_steps > 0                    # a group fresh from the global copy does not count
+            while True:
+                with ft.step() as st:                      # enters a pending generation (heals joiners) first
+                    delta = [g - p for g, p in zip(global_params, params)] if mine else zeros
+                    n = 1 if mine else 0
+                    all_reduce([*delta, n], SUM, group=ft.process_group)   # fresh buffers each attempt
+                    if st.commit():                        # every live group finished it
+                        if n: outer_step(global_params, grad=[d / n for d in delta])
+                        params[:] = global_params; inner_steps = 0; outer_steps += 1
+                        return OuterSync(...)
+                # not committed: nothing was written; the next attempt runs in the next generation
 
         Raises:
             MembershipError: membership ended (``RemovedFromGroup``, ``QuorumLost``, ...), from ``ft``.
