@@ -44,6 +44,8 @@ def test_bad_fault_strings_are_refused_by_the_parser(text: str, message: str, ca
     (["--shard-size", "0"], "--shard-size must be >= 1"),
     (["--parallel", "diloco", "--sync-every", "0"], "--sync-every must be >= 1"),
     (["--timeout", "0"], "--timeout must be positive"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--seq-len", "-4"], "--seq-len must be >= 1"),
 ])
 def test_bad_flag_combinations_are_clear_errors(args: list[str], message: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:

@@ -156,6 +156,9 @@ class DemoConfig:
                                  f"(--parallel {self.parallel} runs replica groups of --shard-size ranks)")
         if self.sync_every < 1:
             raise ValueError(f"--sync-every must be >= 1, got {self.sync_every}")
+        for flag, v in (("--batch-size", self.batch_size), ("--seq-len", self.seq_len)):
+            if v < 1:
+                raise ValueError(f"{flag} must be >= 1, got {v}")
         if self.timeout_s <= 0:
             raise ValueError(f"--timeout must be positive, got {self.timeout_s}")
         if self.heartbeat_timeout_s <= 0:
