@@ -118,3 +118,29 @@ def test_diloco_kill_and_rejoin_groups_end_on_the_same_global_copy(tmp_path: Pat
     (failure,) = summary["failures"]
     _check_failure(failure, "kill", 3, 1, 8)
     assert summary["final_loss"] < summary["initial_loss"] - 0.8
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmd:
+                pids.append(int(d.name))
+    return pids
+
+
+@pytest.mark.timeout(120)
+def test_a_timeout_is_a_clear_error_and_leaves_no_process_behind(tmp_path: Path) -> None:
+    out = tmp_path / "demo-timeout"
+    proc = subprocess.run([sys.executable, "-m", "torchnext", "demo", "--quiet", "--no-fault", "--rejoin", "--steps",
+                           "500", "--timeout", "6", "--out", str(out)], capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "did not finish within 6 s" in " ".join(proc.stdout.split()), proc.stdout
+    assert _processes_mentioning(str(out)) == []  # every rank (and spare) killed and reaped
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["error"] is not None and "did not finish" in summary["error"]
