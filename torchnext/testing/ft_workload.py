@@ -62,6 +62,7 @@ class WorkerSpec:
     """Extra float32 state (MiB) carried in the state_dict, to make healing move real bytes."""
     timeout_s: float = 30.0
     coordinator_timeout_s: float = 2.0
+    failover_timeout_s: float = 10.0
     step_sleep_s: float = 0.0
     """Sleep per step (lets a test act between steps without burning CPU)."""
     run_until_size: int = 0
@@ -168,7 +169,8 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         ft = FaultTolerant(
             FaultTolerantConfig(coordinator=spec.coordinator, token=spec.token, member_id=spec.member_id,
                                 min_size=spec.min_size, timeout_s=spec.timeout_s,
-                                coordinator_timeout_s=spec.coordinator_timeout_s),
+                                coordinator_timeout_s=spec.coordinator_timeout_s,
+                                failover_timeout_s=spec.failover_timeout_s),
             state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
             load_state_dict=lambda s: _load(model, opt, s),
         )
