@@ -27,7 +27,8 @@ import torch
 
 from torchnext.testing.faults import Fault, FaultInjector, FaultKind, FaultPoint
 
-__all__ = ["FTJob", "WorkerSpec", "expected_weights", "gradient", "overhead_worker", "run_worker"]
+__all__ = ["FTJob", "WorkerSpec", "check_commit_logs", "expected_weights", "gradient", "overhead_worker",
+           "run_worker"]
 
 DIM = 64
 
@@ -423,3 +424,49 @@ class FTJob:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_commit_logs(reports: dict[int, dict[str, Any]], *, survivors: Sequence[int] | None = None) -> list[int]:
+    """The oracle for runs whose coordinator changed (no single coordinator holds the whole record): the members'
+    own commit logs.
+
+    Checks: every survivor (a report without ``error``, or those named) agrees on the generation, its members, the
+    step count and the state digest, and ``applied == step``; no two members (survivors or not) recorded one step
+    as committed in different generations, nor one generation with different members; every survivor's log is
+    gap-free; and the survivors' ``w`` equals the exact replay of the committed steps (steps ``0 .. final - 1``
+    must all be covered by some log). Returns the survivors' ids. Raises ``AssertionError`` naming what differs.
+    """
+    ok = {m: r for m, r in reports.items() if (r["error"] is None if survivors is None else m in survivors)}
+    if not ok:
+        raise AssertionError(f"no survivor: { {m: r['error'] for m, r in reports.items()} }")
+    first = next(iter(ok.values()))
+    for m, r in ok.items():
+        for key in ("generation", "members", "step", "digest"):
+            if r[key] != first[key]:
+                raise AssertionError(f"member {m}'s {key} {r[key]!r} differs from member {first['member']}'s "
+                                     f"{first[key]!r}")
+        if r["applied"] != r["step"]:
+            raise AssertionError(f"member {m} applied {r['applied']} updates for {r['step']} committed steps")
+    gen_members: dict[int, list[int]] = {}
+    step_gen: dict[int, int] = {}
+    for m, r in reports.items():
+        for g, members in r["generations"].items():
+            g = int(g)
+            if gen_members.setdefault(g, list(members)) != list(members):
+                raise AssertionError(f"generation {g}: member {m} saw {members}, another {gen_members[g]}")
+        for g, s, _ in r["commits"]:
+            if step_gen.setdefault(s - 1, g) != g:
+                raise AssertionError(f"step {s - 1} committed in generation {g} (member {m}) and in generation "
+                                     f"{step_gen[s - 1]} (another member): split brain")
+    for m, r in ok.items():
+        steps = [s for _, s, _ in r["commits"]]
+        if steps and steps != list(range(steps[0], steps[0] + len(steps))):
+            raise AssertionError(f"member {m}: gap or duplicate in its committed steps {steps}")
+    final = first["step"]
+    missing = [s for s in range(final) if s not in step_gen or step_gen[s] not in gen_members]
+    if missing:
+        raise AssertionError(f"no member recorded the generation that committed steps {missing[:10]}")
+    replay = expected_weights([gen_members[step_gen[s]] for s in range(final)])
+    if not torch.equal(replay, torch.tensor(first["w"], dtype=torch.float64)):
+        raise AssertionError("the survivors' weights differ from the exact replay of the committed steps")
+    return sorted(ok)
