@@ -37,13 +37,13 @@ class CoordinatorProcess:
     """One ``torchnext coordinator`` process (see the module docstring). ``start()`` returns once it listens
     (``address``, ``pid``); ``kill()`` SIGKILLs it; ``close()`` (or ``with``) kills and reaps it."""
 
-    def __init__(self, token: str, *, host: str = "127.0.0.1", standby: bool = False, min_size: int = 1,
+    def __init__(self, token: str, *, host: str = "127.0.0.1", port: int = 0, standby: bool = False, min_size: int = 1,
                  initial_size: int | None = None, heartbeat_interval_s: float | None = None,
                  heartbeat_timeout_s: float | None = None, quorum_timeout_s: float | None = None,
                  prefix: Sequence[str] = (), extra: Sequence[str] = (), start_timeout_s: float = 60.0) -> None:
         if not token:
             raise ValueError("CoordinatorProcess needs the job token")
-        args = [sys.executable, "-m", "torchnext", "coordinator", "--host", host, "--port", "0", "--min-size",
+        args = [sys.executable, "-m", "torchnext", "coordinator", "--host", host, "--port", str(port), "--min-size",
                 str(min_size), "--no-exit-when-done"]
         if initial_size is not None:
             args += ["--initial-size", str(initial_size)]

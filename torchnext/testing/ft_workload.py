@@ -85,6 +85,13 @@ class WorkerSpec:
     die later."""
     split: bool = False
     """Make a split child of each generation and record that reconfiguration invalidates it."""
+    finish: bool = False
+    """End with ``ft.finish()`` (the job's end: later departures change nothing) instead of ``ft.close()``; members
+    that stop at different steps then end with ``JobFinished`` instead of reconfiguring each other."""
+    netns: str | None = None
+    """Run inside this network namespace (a host of a :class:`~torchnext.testing.netns.NetLab`)."""
+    gloo_ifname: str | None = None
+    """``GLOO_SOCKET_IFNAME`` for this member (the interface its Communicators bind to; None: torch's default)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -289,7 +296,10 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
                 w=model.w.detach().tolist(), applied=int(model.applied), digest=_digest(model),
                 attempts=attempts, started_at=t_start,
             )
-            ft.close()
+            if spec.finish and report["error"] is None:
+                ft.finish()
+            else:
+                ft.close()
     return report
 
 
@@ -338,6 +348,14 @@ def overhead_worker(spec: WorkerSpec) -> dict[str, Any]:
 def _child(spec: WorkerSpec, results: Any, fn: Callable[[WorkerSpec], Any] = run_worker) -> None:
     out: tuple[int, bool, Any]
     try:
+        netns = getattr(spec, "netns", None)
+        if netns:
+            from torchnext.testing.netns import enter
+
+            enter(netns)
+        ifname = getattr(spec, "gloo_ifname", None)
+        if ifname:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
         out = (spec.member_id, True, fn(spec))
     except BaseException:
         out = (spec.member_id, False, traceback.format_exc())
