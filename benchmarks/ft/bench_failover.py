@@ -55,14 +55,6 @@ def _row(name: str, xs: list[float]) -> str:
             f"{(max(ms) if ms else float('nan')):.1f} |")
 
 
-def _wait(pred: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.01)
-
-
 def _ended_well(r: dict[str, Any]) -> bool:
     """No error, or JobFinished (another member finished first: this one stopped at the finished step)."""
     return r["error"] is None or r["error"].startswith("JobFinished")
@@ -166,7 +158,7 @@ def partition(rounds: int) -> dict[str, Any]:
                 lab.isolate([host])
                 time.sleep(1.5)  # removed meanwhile (the figure comes from the survivors' marks)
                 lab.reconnect([host])
-                _wait(lambda v=victim: not job.procs[v].is_alive(), 30, f"cut-off member {victim} did not stop")
+                job.wait_exited([victim], 30)
                 job.launch(spec(next_id, host))
                 on_host[next_id] = host
                 next_id += 1

@@ -32,9 +32,10 @@ IDLE, COLL, RECONF, HEAL = FaultPoint.IDLE, FaultPoint.COLLECTIVE, FaultPoint.RE
 def _coordinators(initial_size: int) -> Iterator[tuple[CoordinatorProcess, Coordinator]]:
     """A primary coordinator process (in office, first generation of ``initial_size``) and an in-process
     standby."""
-    with CoordinatorProcess(TOKEN, initial_size=initial_size, min_size=1) as primary, \
+    with CoordinatorProcess(TOKEN, initial_size=initial_size, min_size=1).launch() as primary, \
             Coordinator(CoordinatorConfig(token=TOKEN, standby=True,
                                           membership=MembershipConfig(min_size=1))) as standby:
+        primary.wait_ready()
         yield primary, standby
 
 

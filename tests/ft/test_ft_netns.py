@@ -41,12 +41,14 @@ def lab() -> Iterator[NetLab]:
 
 def _coordinators(lab: NetLab) -> tuple[CoordinatorProcess, CoordinatorProcess]:
     primary = CoordinatorProcess(TOKEN, host=lab.address(PRIMARY), initial_size=4, min_size=1,
-                                 prefix=lab.prefix(PRIMARY)).start()
+                                 prefix=lab.prefix(PRIMARY)).launch()
+    standby = CoordinatorProcess(TOKEN, host=lab.address(STANDBY), standby=True, prefix=lab.prefix(STANDBY))
     try:
-        standby = CoordinatorProcess(TOKEN, host=lab.address(STANDBY), standby=True,
-                                     prefix=lab.prefix(STANDBY)).start()
+        standby.launch().wait_ready()
+        primary.wait_ready()
     except BaseException:
         primary.close()
+        standby.close()
         raise
     return primary, standby
 
@@ -59,6 +61,11 @@ def _spec(lab: NetLab, addresses: str, member: int, host: int, log: str, **kw: A
                       **base)
 
 
+def _events(path: str) -> list[dict[str, Any]]:
+    with open(path) as fh:
+        return [json.loads(x) for x in fh if x.strip()]
+
+
 def _wait_for_lines(path: str, n: int, timeout: float) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -69,13 +76,6 @@ def _wait_for_lines(path: str, n: int, timeout: float) -> list[dict[str, Any]]:
                 return lines
         time.sleep(0.02)
     raise AssertionError(f"{path}: fewer than {n} generation records within {timeout}s")
-
-
-def _wait_exit(job: FTJob, member: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while job.procs[member].is_alive():
-        assert time.monotonic() < deadline, f"member {member} did not stop within {timeout}s"
-        time.sleep(0.02)
 
 
 def test_isolated_host_is_removed_within_a_second_and_rejoins_by_healing(lab: NetLab, tmp_path: Any) -> None:
@@ -93,7 +93,7 @@ def test_isolated_host_is_removed_within_a_second_and_rejoins_by_healing(lab: Ne
         time.sleep(0.3)  # a few steps in generation 1
         cut = time.monotonic()
         lab.isolate([3])
-        _wait_exit(job, 3, 30)
+        job.wait_exited([3], 30)
         lab.reconnect([3])
         job.launch(_spec(lab, addresses, 103, 3, log, run_until_size=4))
         reports = job.wait([0, 1, 2, 3, 103], timeout=120)
@@ -101,7 +101,7 @@ def test_isolated_host_is_removed_within_a_second_and_rejoins_by_healing(lab: Ne
     err = reports[3]["error"] or ""
     assert err.startswith("CoordinatorLost"), err
     assert all(t <= cut + 0.05 for _, _, t in reports[3]["commits"]), "the isolated member committed after the cut"
-    assert check_commit_logs(reports, survivors=[0, 1, 2, 103]) == [0, 1, 2, 103]
+    assert check_commit_logs(reports, survivors=[0, 1, 2, 103], events=_events(log)) == [0, 1, 2, 103]
     assert check_commit_logs({m: r for m, r in reports.items() if m != 103}, survivors=[0, 1, 2])
     # removal: the generation without member 3 reached the survivors within 1 s of the cut
     without = [r for r in reports[0]["reconfigurations"] if 3 not in r["members"] and 103 not in r["members"]]
@@ -132,8 +132,8 @@ def test_even_split_never_lets_both_sides_commit_and_the_cut_side_rejoins(lab: N
         time.sleep(0.3)
         cut = time.monotonic()
         lab.partition([[0, 1, PRIMARY], [2, 3, STANDBY]])
-        _wait_exit(job, 2, 30)
-        _wait_exit(job, 3, 30)
+        job.wait_exited([2], 30)
+        job.wait_exited([3], 30)
         lab.heal()
         for m in (2, 3):
             job.launch(_spec(lab, addresses, 100 + m, m, log, run_until_size=4))
@@ -145,7 +145,7 @@ def test_even_split_never_lets_both_sides_commit_and_the_cut_side_rejoins(lab: N
         assert all(t <= cut + 0.05 for _, _, t in reports[m]["commits"]), f"member {m} committed after the split"
     assert "took office" not in standby_out, standby_out
     # one history: no step in two generations across all six logs; survivors bitwise equal to the replay
-    assert check_commit_logs(reports, survivors=[0, 1, 102, 103]) == [0, 1, 102, 103]
+    assert check_commit_logs(reports, survivors=[0, 1, 102, 103], events=_events(log)) == [0, 1, 102, 103]
     after = [(g, s) for g, s, t in reports[0]["commits"] if t > cut]
     assert after, "the coordinator's side did not go on"
     assert reports[0]["members"] == [0, 1, 102, 103]

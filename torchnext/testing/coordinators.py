@@ -61,12 +61,19 @@ class CoordinatorProcess:
         self.address = ""
         self._lines: list[str] = []
         self._reader: threading.Thread | None = None
+        self._ready = threading.Event()
 
     def start(self) -> CoordinatorProcess:
+        """Launch and wait until it listens (``launch()`` then ``wait_ready()``)."""
+        return self.launch().wait_ready()
+
+    def launch(self) -> CoordinatorProcess:
+        """Start the process without waiting (start several, then ``wait_ready`` each: they import torch in
+        parallel)."""
         env = {**os.environ, "TORCHNEXT_FT_TOKEN": self.token, "PYTHONPATH": _pythonpath()}
         self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=env, stdin=subprocess.DEVNULL)
-        ready = threading.Event()
+        self._ready = threading.Event()
 
         def read() -> None:
             assert self.proc is not None and self.proc.stdout is not None
@@ -74,12 +81,19 @@ class CoordinatorProcess:
                 self._lines.append(line)
                 if "listening on" in line and not self.address:
                     self.address = line.split("listening on ")[1].split()[0]
-                    ready.set()
-            ready.set()
+                    self._ready.set()
+            self._ready.set()
 
         self._reader = threading.Thread(target=read, name="coordinator-output", daemon=True)
         self._reader.start()
-        if not ready.wait(self.start_timeout_s) or not self.address:
+        return self
+
+    def wait_ready(self) -> CoordinatorProcess:
+        """Wait until the launched process listens (``address`` set); kills it and raises ``RuntimeError`` with
+        its output otherwise."""
+        if self.proc is None:
+            raise RuntimeError("CoordinatorProcess.wait_ready() before launch()")
+        if not self._ready.wait(self.start_timeout_s) or not self.address:
             out = self.output()
             self.close()
             raise RuntimeError(f"torchnext coordinator did not start within {self.start_timeout_s}s: {out[-2000:]}")

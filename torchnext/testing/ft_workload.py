@@ -13,6 +13,7 @@ step (a matmul loop) to emulate training compute.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import queue
@@ -80,9 +81,9 @@ class WorkerSpec:
     fault_log: str | None = None
     """Append ``"<time.monotonic()> <member>"`` here right before a self-inflicted kill (benchmarks time from it)."""
     event_log: str | None = None
-    """Append one JSON line per generation this member commits in: ``{"member", "gen", "built", "commit"}``
-    (``time.monotonic()`` marks: Communicator built, first commit) -- benchmarks read it even for members that
-    die later."""
+    """Append one JSON line per generation this member commits in: ``{"member", "gen", "members", "step", "built",
+    "commit"}`` (the generation's members, the step index of its first commit here, ``time.monotonic()`` marks:
+    Communicator built, first commit) -- benchmarks and tests read it even for members that die later."""
     split: bool = False
     """Make a split child of each generation and record that reconfiguration invalidates it."""
     finish: bool = False
@@ -267,6 +268,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
                         marks = ft.reconfigurations[-1].timings if ft.reconfigurations else {}
                         with open(spec.event_log, "a") as fh:
                             fh.write(json.dumps({"member": spec.member_id, "gen": logged_gen,
+                                                 "members": list(ft.members), "step": ft.step_count - 1,
                                                  "built": marks.get("built"), "commit": ft.commit_times[-1][2],
                                                  "healed": (ft.reconfigurations[-1].healed.__dict__
                                                             if ft.reconfigurations and ft.reconfigurations[-1].healed
@@ -412,6 +414,18 @@ class FTJob:
             raise RuntimeError("\n".join(f"--- member {m} ---\n{self.errors[m]}" for m in members if m in self.errors))
         return {m: self.reports[m] for m in members if m in self.reports}
 
+    def wait_exited(self, members: Sequence[int], timeout: float) -> None:
+        """Wait until each of ``members``' processes exited, reading their reports meanwhile (a child blocks on
+        exit until its report -- it can be large -- is read); ``TimeoutError`` naming those still running."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._collect(0.01)
+            running = [m for m in members if self.procs[m].is_alive()]
+            if not running:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"members {running} still running after {timeout}s")
+
     def _results_may_lag(self, m: int) -> bool:
         p = self.procs[m]
         if p.exitcode is None:
@@ -444,9 +458,12 @@ class FTJob:
         self.close()
 
 
-def check_commit_logs(reports: dict[int, dict[str, Any]], *, survivors: Sequence[int] | None = None) -> list[int]:
+def check_commit_logs(reports: dict[int, dict[str, Any]], *, survivors: Sequence[int] | None = None,
+                      events: Sequence[dict[str, Any]] = ()) -> list[int]:
     """The oracle for runs whose coordinator changed (no single coordinator holds the whole record): the members'
-    own commit logs.
+    own commit logs, plus ``events`` (the lines of a shared :attr:`WorkerSpec.event_log`, which also covers
+    members killed before they could report: step ``s`` was committed by the newest generation whose first commit
+    any member logged is ``<= s``).
 
     Checks: every survivor (a report without ``error``, or those named) agrees on the generation, its members, the
     step count and the state digest, and ``applied == step``; no two members (survivors or not) recorded one step
@@ -476,6 +493,26 @@ def check_commit_logs(reports: dict[int, dict[str, Any]], *, survivors: Sequence
             if step_gen.setdefault(s - 1, g) != g:
                 raise AssertionError(f"step {s - 1} committed in generation {g} (member {m}) and in generation "
                                      f"{step_gen[s - 1]} (another member): split brain")
+    firsts: dict[int, int] = {}
+    for ev in events:
+        g = int(ev["gen"])
+        if gen_members.setdefault(g, list(ev["members"])) != list(ev["members"]):
+            raise AssertionError(f"generation {g}: member {ev['member']} logged {ev['members']}, another "
+                                 f"{gen_members[g]}")
+        firsts[g] = min(firsts.get(g, 1 << 62), int(ev["step"]))
+    if firsts:
+        order = sorted(firsts.items(), key=lambda kv: kv[1])
+        for (g1, s1), (g2, s2) in itertools.pairwise(order):
+            if g2 < g1:
+                raise AssertionError(f"generation {g2} first committed step {s2}, after generation {g1} (step "
+                                     f"{s1})")
+        for s in range(max(firsts.values()) + 1):
+            g = max(g for g, f in firsts.items() if f <= s) if any(f <= s for f in firsts.values()) else None
+            if g is None:
+                continue
+            if step_gen.setdefault(s, g) != g:
+                raise AssertionError(f"step {s}: a member logged its commit in generation {step_gen[s]}, the event "
+                                     f"log says generation {g}")
     for m, r in ok.items():
         steps = [s for _, s, _ in r["commits"]]
         if steps and steps != list(range(steps[0], steps[0] + len(steps))):
