@@ -1,11 +1,11 @@
-"""Seeded chaos across network namespaces: 20 schedules mixing member kills, hangs (SIGSTOP), partitions (a host's
-link down) and coordinator kills, one long job. Members on hosts 0-3, coordinators on hosts 4 and 5 (one in
+"""Seeded chaos across network namespaces: 20 schedules -- five each of member kills, hangs (SIGSTOP), partitions
+(a host's link down) and coordinator kills, in a seeded order -- in one long job. Members on hosts 0-3, coordinators on hosts 4 and 5 (one in
 office, one standby; a killed coordinator is restarted as the standby at its address).
 
 After every schedule the job is back to four members (a replacement joins on the victim's host and heals). At the
 end: every member that ended well agrees on generation, members, step and state, equal to the exact replay of
 the members' commit logs; no step was recorded in two generations; every hung or cut-off member was told it was
-removed (or stopped for lack of a coordinator) and committed nothing after its fault.
+removed (or stopped for lack of a coordinator) and never entered or committed in a later generation.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_chaos_20_seeded_schedules_across_namespaces(tmp_path: Any) -> None:
     log = _Log(str(tmp_path / "events.jsonl"))
     stop = str(tmp_path / "stop")
     kinds: list[str] = []
-    faulted: dict[int, tuple[str, float]] = {}  # member -> (kind, when)
+    faulted: dict[int, tuple[str, int]] = {}  # member -> (kind, the generation it was in)
     with NetLab(6) as lab:
         coord_hosts = [4, 5]
         coords = {4: CoordinatorProcess(TOKEN, host=lab.address(4), initial_size=4, min_size=1,
@@ -97,41 +97,59 @@ def test_chaos_20_seeded_schedules_across_namespaces(tmp_path: Any) -> None:
                     launch(m, m)
                 gen, members = log.wait(lambda g, ms: len(ms) == 4, 120, "the job did not start")
                 next_id = 100
-                for _ in range(SCHEDULES):
-                    kind = rng.choice(["kill", "hang", "partition", "coordinator"])
-                    kinds.append(kind)
-                    time.sleep(rng.uniform(0.05, 0.3))
-                    before = gen
-                    if kind == "coordinator":
-                        coords[office].kill()
-                        gen, members = log.wait(lambda g, ms, b=before: g > b and len(ms) == 4, 60,
-                                                "no takeover by the standby")
-                        coords[office].close()
-                        coords[office] = CoordinatorProcess(TOKEN, host=lab.address(office), port=ports[office],
-                                                            standby=True, prefix=lab.prefix(office)).start()
-                        office = 5 if office == 4 else 4
-                        continue
-                    victim = rng.choice(sorted(members))
-                    host = host_of[victim]
-                    faulted[victim] = (kind, time.monotonic())
-                    if kind == "kill":
-                        os.kill(job.pid(victim), signal.SIGKILL)
-                    elif kind == "hang":
-                        os.kill(job.pid(victim), signal.SIGSTOP)
-                    else:
-                        lab.isolate([host])
-                    gen, _ = log.wait(lambda g, ms, b=before, v=victim: g > b and v not in ms and len(ms) == 3, 60,
-                                      f"member {victim} ({kind}) was not removed")
-                    if kind == "hang":
-                        os.kill(job.pid(victim), signal.SIGCONT)
-                    elif kind == "partition":
-                        lab.reconnect([host])
-                    job.wait_exited([victim], 30)
-                    launch(next_id, host)
-                    next_id += 1
-                    before = gen
-                    gen, members = log.wait(lambda g, ms, b=before: g > b and len(ms) == 4, 90,
-                                            "the replacement did not join")
+                plan = ["kill", "hang", "partition", "coordinator"] * (SCHEDULES // 4)
+                rng.shuffle(plan)  # five of each, in a seeded order
+                t_start = time.monotonic()
+                try:
+                    for kind in plan:
+                        kinds.append(kind)
+                        time.sleep(rng.uniform(0.05, 0.3))
+                        before = gen
+                        if kind == "coordinator":
+                            coords[office].kill()
+                            gen, members = log.wait(lambda g, ms, b=before: g > b and len(ms) == 4, 60,
+                                                    "no takeover by the standby")
+                            coords[office].close()
+                            coords[office] = CoordinatorProcess(TOKEN, host=lab.address(office), port=ports[office],
+                                                                standby=True, prefix=lab.prefix(office)).start()
+                            office = 5 if office == 4 else 4
+                            continue
+                        victim = rng.choice(sorted(members))
+                        host = host_of[victim]
+                        faulted[victim] = (kind, before)
+                        if kind == "kill":
+                            os.kill(job.pid(victim), signal.SIGKILL)
+                        elif kind == "hang":
+                            os.kill(job.pid(victim), signal.SIGSTOP)
+                        else:
+                            lab.isolate([host])
+                        gen, _ = log.wait(lambda g, ms, b=before, v=victim: g > b and v not in ms and len(ms) == 3, 60,
+                                          f"member {victim} ({kind}) was not removed")
+                        if kind == "hang":
+                            os.kill(job.pid(victim), signal.SIGCONT)
+                        elif kind == "partition":
+                            lab.reconnect([host])
+                        job.wait_exited([victim], 30)
+                        launch(next_id, host)
+                        next_id += 1
+                        before = gen
+                        gen, members = log.wait(lambda g, ms, b=before: g > b and len(ms) == 4, 90,
+                                                "the replacement did not join")
+                except AssertionError as exc:  # say what the members saw: their errors name the reason
+                    for m in job.procs:
+                        if job.procs[m].is_alive():
+                            os.kill(job.pid(m), signal.SIGCONT)
+                    with open(stop, "w") as fh:
+                        fh.write("0")
+                    try:
+                        job.wait(sorted(job.procs), timeout=30)
+                    except (TimeoutError, RuntimeError):
+                        pass
+                    errors = {m: (r["error"] or "")[:300] for m, r in job.reports.items() if r["error"]}
+                    outs = {h: c.output()[-1500:] for h, c in coords.items()}
+                    raise AssertionError(f"{exc}\nschedules so far: {kinds}\nmember errors: {errors}\n"
+                                         f"coordinators: {outs}") from exc
+                elapsed = time.monotonic() - t_start
                 with open(stop, "w") as fh:
                     fh.write("0")
                 reports = job.wait(sorted(job.procs), timeout=120)
@@ -141,11 +159,18 @@ def test_chaos_20_seeded_schedules_across_namespaces(tmp_path: Any) -> None:
     ok = [m for m, r in reports.items() if _ended_well(r)]
     assert len(ok) == 4, {m: r["error"] for m, r in reports.items()}
     assert check_commit_logs(reports, survivors=ok, events=log.events()) == sorted(ok)
-    for m, (kind, at) in faulted.items():
+    for m, (kind, gen_at_fault) in faulted.items():
         if kind == "kill":
             assert m not in reports
             continue
         err = reports[m]["error"] or ""
         assert err.startswith(("RemovedFromGroup", "CoordinatorLost")), (m, kind, err)
-        assert all(t <= at + 0.05 for _, _, t in reports[m]["commits"]), f"member {m} ({kind}) committed after"
-    assert set(kinds) == {"kill", "hang", "partition", "coordinator"}, kinds
+        # it may still apply a step decided in its generation (it voted before it hung; the decision waited in its
+        # socket) -- check_commit_logs proved those are the survivors' steps -- but it never entered or committed in
+        # a later generation
+        assert max(reports[m]["generations"]) <= gen_at_fault, (m, kind, reports[m]["generations"], gen_at_fault)
+        assert all(g <= gen_at_fault for g, _, _ in reports[m]["commits"]), (m, kind)
+    assert len(kinds) == SCHEDULES
+    final = reports[ok[0]]["step"]
+    print(f"chaos: {SCHEDULES} schedules ({', '.join(f'{k} x{kinds.count(k)}' for k in sorted(set(kinds)))}) in "
+          f"{elapsed:.1f} s, {final} steps committed, load average {os.getloadavg()[0]:.1f}")

@@ -81,7 +81,7 @@ def _wait_for_lines(path: str, n: int, timeout: float) -> list[dict[str, Any]]:
 def test_isolated_host_is_removed_within_a_second_and_rejoins_by_healing(lab: NetLab, tmp_path: Any) -> None:
     """Host 3's link goes down: the coordinator removes member 3 within 1 s (heartbeat_timeout_s=0.6 at the
     default settings), members 0-2 keep committing; member 3, cut off from both coordinators, stops with
-    CoordinatorLost and commits nothing after the cut. The link comes back; a replacement on host 3 joins through
+    CoordinatorLost, entering no later generation. The link comes back; a replacement on host 3 joins through
     the veth network and is healed to the survivors' exact state."""
     log = str(tmp_path / "events.jsonl")
     primary, standby = _coordinators(lab)
@@ -100,13 +100,15 @@ def test_isolated_host_is_removed_within_a_second_and_rejoins_by_healing(lab: Ne
         assert primary.alive() and standby.alive()
     err = reports[3]["error"] or ""
     assert err.startswith("CoordinatorLost"), err
-    assert all(t <= cut + 0.05 for _, _, t in reports[3]["commits"]), "the isolated member committed after the cut"
     assert check_commit_logs(reports, survivors=[0, 1, 2, 103], events=_events(log)) == [0, 1, 2, 103]
     assert check_commit_logs({m: r for m, r in reports.items() if m != 103}, survivors=[0, 1, 2])
     # removal: the generation without member 3 reached the survivors within 1 s of the cut
     without = [r for r in reports[0]["reconfigurations"] if 3 not in r["members"] and 103 not in r["members"]]
     assert without, reports[0]["reconfigurations"]
     gen = without[0]["gen"]
+    # the cut-off member never entered or committed in a generation after the cut (a step decided before it -- the
+    # decision waiting in its socket -- it may apply: check_commit_logs proved it is the survivors' step)
+    assert max(reports[3]["generations"]) < gen and all(g < gen for g, _, _ in reports[3]["commits"])
     removed_after = min(r["timings"]["interrupt"] for m in (0, 1, 2) for r in reports[m]["reconfigurations"]
                         if r["gen"] == gen) - cut
     assert 0.0 < removed_after < 1.0, removed_after
@@ -120,7 +122,7 @@ def test_isolated_host_is_removed_within_a_second_and_rejoins_by_healing(lab: Ne
 def test_even_split_never_lets_both_sides_commit_and_the_cut_side_rejoins(lab: NetLab, tmp_path: Any) -> None:
     """Split 2|2 with the coordinator on one side and the standby on the other: the coordinator's side goes on
     (half of the groups, rule 2b); the standby's side reports to the standby, which must not take office (2 of 4 is
-    no strict majority), so members 2 and 3 stop with CoordinatorLost and never commit after the split. The network
+    no strict majority), so members 2 and 3 stop with CoordinatorLost and never commit in a later generation. The network
     heals; replacements on hosts 2 and 3 rejoin by healing."""
     log = str(tmp_path / "events.jsonl")
     primary, standby = _coordinators(lab)
@@ -139,10 +141,12 @@ def test_even_split_never_lets_both_sides_commit_and_the_cut_side_rejoins(lab: N
             job.launch(_spec(lab, addresses, 100 + m, m, log, run_until_size=4))
         reports = job.wait([0, 1, 2, 3, 102, 103], timeout=120)
         standby_out = standby.output()
+    split_gen = min(r["gen"] for r in reports[0]["reconfigurations"] if 2 not in r["members"])
     for m in (2, 3):
         err = reports[m]["error"] or ""
         assert err.startswith("CoordinatorLost"), (m, err)
-        assert all(t <= cut + 0.05 for _, _, t in reports[m]["commits"]), f"member {m} committed after the split"
+        assert max(reports[m]["generations"]) < split_gen, (m, reports[m]["generations"], split_gen)
+        assert all(g < split_gen for g, _, _ in reports[m]["commits"]), f"member {m} committed after the split"
     assert "took office" not in standby_out, standby_out
     # one history: no step in two generations across all six logs; survivors bitwise equal to the replay
     assert check_commit_logs(reports, survivors=[0, 1, 102, 103], events=_events(log)) == [0, 1, 102, 103]

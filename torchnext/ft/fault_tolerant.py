@@ -108,6 +108,7 @@ class FaultTolerant:
         self._comm: Communicator | None = None
         self._children: list[Communicator] = []
         self._gen: dict[str, Any] | None = None
+        self._held: dict[str, Any] | None = None  # the newest generation fully entered (healed): reported on failover
         self._pending: dict[str, Any] | None = None
         self._newest_gen = 0
         self._wait_epoch = 0
@@ -382,8 +383,10 @@ class FaultTolerant:
 
     def _member_report(self) -> dict[str, Any]:
         """Heartbeat thread, on failover: what this member knows (see :mod:`torchnext.ft.election`)."""
+        # Only a generation this member fully entered counts: a joiner whose heal the coordinator's death interrupted
+        # does not hold the state yet (its step may even equal the committed one, e.g. resumed from a checkpoint).
         with self._lock:
-            gen, step, vote = self._gen, self._step, self._vote
+            gen, step, vote = self._held, self._step, self._vote
         entered = None if gen is None else {k: gen[k] for k in ("gen", "term", "groups", "quorum", "step", "joiners")}
         return {"step": step, "synced": gen is not None, "entered": entered, "vote": None if vote is None else dict(vote)}
 
@@ -489,6 +492,8 @@ class FaultTolerant:
             donor=donor, joiners=tuple(joiners), reason=str(msg.get("reason", "")), healed=healed, timings=marks,
             groups=tuple(tuple(g) for g in groups),
         )
+        with self._lock:
+            self._held = msg
         self.reconfigurations.append(info)
         for cb in self._callbacks.snapshot:
             cb(info)
