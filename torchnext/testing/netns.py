@@ -13,7 +13,8 @@ namespace ``<name>-h<i>`` whose ``eth0`` (address ``10.213.<net>.<i+1>/24``) is 
 end sits in ``<name>-br`` as a port of a bridge. Faults act on those bridge ports only: ``isolate`` sets them down
 (the host's ``eth0`` keeps its address and routes and loses its carrier, so traffic is silently dropped -- what a
 pulled cable looks like), ``partition`` moves each island's ports to a bridge of its own. Nothing is added to the
-root namespace except, for a moment, each veth pair before both ends are moved out.
+root namespace: each veth pair is created with its ends already in the two namespaces, so deleting the namespaces
+deletes everything.
 
 Everything the lab creates carries its unique name (``torchnext-<pid>-<random>``) and is removed by ``close()``,
 which ``with``, ``atexit`` and a failing constructor all call; processes started with :meth:`popen` are killed and
@@ -63,12 +64,12 @@ def available() -> tuple[bool, str]:
         made = _ip("netns", "add", name, check=False)
         if made.returncode != 0:
             return False, f"`ip netns add` failed: {made.stderr.strip()}"
-        a, b = f"tnp{secrets.token_hex(3)}", f"tnq{secrets.token_hex(3)}"
-        veth = _ip("link", "add", a, "type", "veth", "peer", "name", b, check=False)
+        veth = _ip("-n", name, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1", check=False)
         if veth.returncode != 0:
             return False, f"`ip link add ... type veth` failed: {veth.stderr.strip()}"
-        _ip("link", "set", a, "netns", name, check=False)
-        _ip("link", "del", b, check=False)
+        bridge = _ip("-n", name, "link", "add", "probe2", "type", "bridge", check=False)
+        if bridge.returncode != 0:
+            return False, f"`ip link add ... type bridge` failed: {bridge.stderr.strip()}"
         return True, ""
     except (OSError, subprocess.SubprocessError) as exc:
         return False, f"`ip` did not run: {exc}"
@@ -134,7 +135,6 @@ class NetLab:
             raise ValueError(f"NetLab: subnet must be in [0, 255], got {net}")
         self.hosts = hosts
         self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
-        self._tag = secrets.token_hex(3)  # interface names are at most 15 characters
         self._net = net
         self._made: list[str] = []
         self._procs: list[subprocess.Popen[Any]] = []
@@ -164,7 +164,7 @@ class NetLab:
         return f"10.213.{self._net}.{host + 1}"
 
     def _port(self, host: int) -> str:
-        return f"tn{self._tag}p{host}"
+        return f"port{host}"
 
     def _build(self) -> None:
         _ip("netns", "add", self.bridge_ns)
@@ -177,21 +177,13 @@ class NetLab:
             ns = self.netns(h)
             _ip("netns", "add", ns)
             self._made.append(ns)
-            inner, port = f"tn{self._tag}h{h}", self._port(h)
-            _ip("link", "add", inner, "type", "veth", "peer", "name", port)
-            try:
-                _ip("link", "set", inner, "netns", ns)
-                _ip("link", "set", port, "netns", br)
-            except BaseException:
-                _ip("link", "del", inner, check=False)
-                _ip("link", "del", port, check=False)
-                raise
-            _ip("-n", ns, "link", "set", inner, "name", "eth0")
+            # the pair is born in the two namespaces: nothing of the lab ever sits in the root namespace
+            _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", self._port(h), "netns", br)
             _ip("-n", ns, "addr", "add", f"{self.address(h)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("-n", ns, "link", "set", "eth0", "up")
-            _ip("-n", br, "link", "set", port, "master", "br0")
-            _ip("-n", br, "link", "set", port, "up")
+            _ip("-n", br, "link", "set", self._port(h), "master", "br0")
+            _ip("-n", br, "link", "set", self._port(h), "up")
 
     def _check(self, host: int) -> None:
         if not isinstance(host, int) or not 0 <= host < self.hosts:
@@ -265,11 +257,6 @@ class NetLab:
         for ns in reversed(self._made):
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 _ip("netns", "del", ns, check=False)
-        with contextlib.suppress(OSError, subprocess.SubprocessError):  # a pair stuck in the root namespace
-            for h in range(self.hosts):
-                for link in (f"tn{self._tag}h{h}", self._port(h)):
-                    if _ip("link", "show", link, check=False).returncode == 0:
-                        _ip("link", "del", link, check=False)
         atexit.unregister(self.close)
 
     def leftovers(self) -> list[str]:
