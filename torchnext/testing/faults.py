@@ -145,13 +145,16 @@ class FaultInjector:
 
 
 def drop_coordinator(target: Any) -> None:
-    """Kill the coordinator: a ``subprocess.Popen`` / pid of ``torchnext coordinator`` gets SIGKILL; an in-process
+    """Kill the coordinator: a ``subprocess.Popen`` / pid of ``torchnext coordinator`` or a
+    :class:`~torchnext.testing.coordinators.CoordinatorProcess` gets SIGKILL (and is reaped); an in-process
     :class:`~torchnext.ft.Coordinator` is stopped (its connections and store close at once)."""
     if isinstance(target, int):
         os.kill(target, signal.SIGKILL)
     elif isinstance(target, subprocess.Popen):
         target.kill()
         target.wait(timeout=30)
+    elif hasattr(target, "kill") and hasattr(target, "pid"):  # a testing.coordinators.CoordinatorProcess
+        target.kill()
     elif hasattr(target, "stop"):
         target.stop()
     else:
