@@ -54,10 +54,13 @@ class EnvConfig:
     """``TORCHNEXT_AUTOTUNE_CACHE``: path of the on-disk autotuner cache (JSON)."""
 
     ft_coordinator: str | None = None
-    """``TORCHNEXT_FT_COORDINATOR``: ``host:port`` of the fault-tolerance coordinator (``torchnext coordinator``)."""
+    """``TORCHNEXT_FT_COORDINATOR``: ``host:port`` of the fault-tolerance coordinator (``torchnext coordinator``), or
+    an ordered list ``host1:port1,host2:port2`` (the first in office is used; the others are standbys to fail over
+    to)."""
 
     ft_token: str | None = None
-    """``TORCHNEXT_FT_TOKEN``: the job token members present to the coordinator (a shared secret)."""
+    """``TORCHNEXT_FT_TOKEN``: the job token members present to the coordinator (a shared secret; a standby
+    coordinator reads it too)."""
 
     ft_replica_group: int = -1
     """``TORCHNEXT_FT_REPLICA_GROUP``: this process's replica group id (-1: none given, a group of its own)."""

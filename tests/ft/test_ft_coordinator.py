@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from torchnext.ft import Coordinator, CoordinatorConfig, CoordinatorLost, MembershipConfig, RemovedFromGroup
-from torchnext.ft._wire import LineReader, encode
+from torchnext.ft._wire import PROTOCOL_VERSION, LineReader, encode, mac
 from torchnext.ft.member import MemberClient, parse_address
 from torchnext.ft.membership import Rejected
 from torchnext.testing.ft_workload import FTJob, WorkerSpec
@@ -25,6 +26,15 @@ pytestmark = pytest.mark.timeout(180)
 def _client(address: str, token: str, member: int | None = None, timeout: float = 2.0) -> MemberClient:
     return MemberClient(address, token, member_id=member, step=0, connect_timeout_s=5.0,
                         coordinator_timeout_s=timeout, on_interrupt=lambda msg: None)
+
+
+def _read_to_eof(s: socket.socket) -> bytes:
+    out = b""
+    while True:
+        data = s.recv(1 << 16)
+        if not data:
+            return out
+        out += data
 
 
 def _listening(port: int) -> list[str]:
@@ -56,8 +66,11 @@ def test_wrong_token_and_garbage_are_rejected() -> None:
         with socket.create_connection(("127.0.0.1", coord.port), timeout=5) as s:
             s.sendall(b"\x80\x04\x95pickle\n")
             s.settimeout(5)
-            assert s.recv(100) == b""
-        assert coord.members == ()
+            got = _read_to_eof(s)
+        lines = [json.loads(x) for x in got.splitlines()]
+        assert [m["t"] for m in lines] == ["challenge", "reject"] and lines[1]["code"] == "bad_request"
+        assert "not JSON" in lines[1]["reason"]
+        assert coord.members == () and coord.serving()
 
 
 def test_removed_member_cannot_rejoin_with_its_id() -> None:
@@ -76,28 +89,38 @@ def test_removed_member_cannot_rejoin_with_its_id() -> None:
 
 
 def test_silent_coordinator_is_detected_within_timeout() -> None:
-    """A coordinator that stops answering (hung) -> CoordinatorLost after coordinator_timeout_s."""
+    """A coordinator that stops answering (hung) -> the member is interrupted after coordinator_timeout_s, looks for
+    another coordinator in office for failover_timeout_s, then stops with CoordinatorLost."""
     srv = socket.create_server(("127.0.0.1", 0))
     port = srv.getsockname()[1]
+    token = "t"
 
     def fake() -> None:
         conn, _ = srv.accept()
+        conn.sendall(encode({"t": "challenge", "nonce": "n0", "proto": PROTOCOL_VERSION}))
         r = LineReader()
-        while not r.feed(conn.recv(4096)):
-            pass
-        conn.sendall(encode({"t": "welcome", "member": 0, "store_port": 1, "proto": 1,
+        msgs: list[dict[str, Any]] = []
+        while not msgs:
+            msgs = r.feed(conn.recv(4096))
+        conn.sendall(encode({"t": "welcome", "member": 0, "store_port": 1, "proto": PROTOCOL_VERSION, "term": 1,
+                             "role": "office", "proof": mac(token, "coordinator", msgs[0]["nonce"], "n0"),
                              "heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 0.6}))
         time.sleep(5)  # then silence
         conn.close()
 
     threading.Thread(target=fake, daemon=True).start()
     lost = threading.Event()
-    client = MemberClient(f"127.0.0.1:{port}", "t", member_id=None, step=0, connect_timeout_s=5,
-                          coordinator_timeout_s=0.5, on_interrupt=lambda msg: lost.set())
+    client = MemberClient(f"127.0.0.1:{port}", token, member_id=None, step=0, connect_timeout_s=5,
+                          coordinator_timeout_s=0.5, failover_timeout_s=0.8, on_interrupt=lambda msg: lost.set())
     t0 = time.monotonic()
     assert lost.wait(3)
     assert 0.4 < time.monotonic() - t0 < 1.5
-    assert isinstance(client.fatal, CoordinatorLost) and "no message from the coordinator" in str(client.fatal)
+    deadline = time.monotonic() + 5
+    while client.fatal is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert isinstance(client.fatal, CoordinatorLost), client.fatal
+    assert "no message from the coordinator" in str(client.fatal) and "failover_timeout_s=0.8" in str(client.fatal)
+    assert time.monotonic() - t0 < 3.0
     client.close()
     srv.close()
 
@@ -136,7 +159,8 @@ def test_coordinator_process_death_stops_every_member_with_a_clear_error(tmp_pat
         with FTJob() as job:
             for m in range(2):
                 job.launch(WorkerSpec(coordinator=address, token=token, member_id=m, steps=10**9,
-                                      step_sleep_s=0.01, coordinator_timeout_s=2.0, stop_file=str(tmp_path / "never")))
+                                      step_sleep_s=0.01, coordinator_timeout_s=2.0, failover_timeout_s=1.0,
+                                      stop_file=str(tmp_path / "never")))
             time.sleep(1.5)  # training
             killed_at = time.monotonic()
             proc.send_signal(signal.SIGKILL)
@@ -149,7 +173,9 @@ def test_coordinator_process_death_stops_every_member_with_a_clear_error(tmp_pat
     for r in reports.values():
         assert r["error"] and r["error"].startswith("CoordinatorLost"), r["error"]
         assert r["step"] > 0
-        assert r["ended_at"] - killed_at < 2.0, r["ended_at"] - killed_at
+        # a crash is seen at once (EOF); then failover_timeout_s of looking for a coordinator in office
+        assert 0.9 < r["ended_at"] - killed_at < 2.5, r["ended_at"] - killed_at
+        assert "found none in office" in r["error"], r["error"]
 
 
 @pytest.mark.parametrize("ending", ["finished", "failed"])

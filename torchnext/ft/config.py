@@ -14,7 +14,9 @@ class FaultTolerantConfig:
     """How a member reaches the coordinator and builds each generation's Communicator."""
 
     coordinator: str | None = None
-    """``host:port`` of the coordinator (None: ``TORCHNEXT_FT_COORDINATOR``)."""
+    """``host:port`` of the coordinator, or an ordered list ``host1:port1,host2:port2`` for failover (the first in
+    office is used; on its loss the member tries them in order, see :mod:`torchnext.ft.member`). None:
+    ``TORCHNEXT_FT_COORDINATOR``."""
     token: str | None = None
     """Job token (None: ``TORCHNEXT_FT_TOKEN``)."""
     member_id: int | None = None
@@ -32,7 +34,11 @@ class FaultTolerantConfig:
     """Wait at most this long for the next generation after a failure."""
     connect_timeout_s: float = 10.0
     coordinator_timeout_s: float = 2.0
-    """Silence from the coordinator (it pings every heartbeat interval) after which ``CoordinatorLost`` is raised."""
+    """Silence from the coordinator (it pings every heartbeat interval) after which it counts as lost (the member
+    fails over)."""
+    failover_timeout_s: float = 10.0
+    """After losing its coordinator, look this long for one in office (a standby that takes over, a restarted one)
+    before ``CoordinatorLost``: a member cut off from the majority stops after this."""
     heal_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     name: str = "ft"
     """Communicator name prefix; generation g is named ``<name>.g<g>`` (``<name>.g<g>.r<rank>`` in replica groups
@@ -47,7 +53,8 @@ class FaultTolerantConfig:
     set, else 1)."""
 
     def __post_init__(self) -> None:
-        for f in ("timeout_s", "join_timeout_s", "reconfigure_timeout_s", "connect_timeout_s", "coordinator_timeout_s"):
+        for f in ("timeout_s", "join_timeout_s", "reconfigure_timeout_s", "connect_timeout_s", "coordinator_timeout_s",
+                  "failover_timeout_s"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"FaultTolerantConfig.{f} must be a positive number of seconds, got {v!r}")
@@ -68,6 +75,7 @@ class FaultTolerantConfig:
         Each rule names the two values it compares::
 
             coordinator_timeout_s  >  2 * heartbeat_interval_s   # one late ping never ends membership
+            failover_timeout_s     >  heartbeat_timeout_s         # outwait a standby's wait for the last reports
             timeout_s              >  heartbeat_timeout_s         # a hang is removed before an op times out on it
             reconfigure_timeout_s  >= quorum_timeout_s            # members outwait the coordinator's quorum wait
             join_timeout_s         >  grow_timeout_s              # a joiner outwaits the coordinator's forced grow
@@ -78,6 +86,8 @@ class FaultTolerantConfig:
         rules = [
             ("coordinator_timeout_s", self.coordinator_timeout_s, ">", "2 * heartbeat_interval_s",
              2 * heartbeat_interval_s, "the member would declare the coordinator lost after one late ping"),
+            ("failover_timeout_s", self.failover_timeout_s, ">", "heartbeat_timeout_s", heartbeat_timeout_s,
+             "a standby waits up to heartbeat_timeout_s for the last members' reports before taking office"),
             ("timeout_s", self.timeout_s, ">", "heartbeat_timeout_s", heartbeat_timeout_s,
              "a hung member must be removed before the survivors' ops time out on it"),
         ]

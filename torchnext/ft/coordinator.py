@@ -9,23 +9,28 @@ What it does:
 
 * binds **only** to ``host`` (default 127.0.0.1): the membership port and the store port (c10d ``TCPStore``, on a
   listening socket we bind ourselves and hand to it, because ``TCPStore`` alone would listen on every interface);
-* authenticates every member with the job token (a shared secret, compared in constant time) -- JSON lines only,
-  no pickle on the wire; the store itself has no authentication (keep it on a trusted network);
+* authenticates every member with the job token (a shared secret; challenge and response both ways, the token
+  never crosses the wire) -- JSON lines only, schema-checked, no pickle (:mod:`~torchnext.ft.service`);
 * keeps one persistent connection per member: a crash closes it (seen in ~1 ms); a member that stops sending
   heartbeats is declared failed after ``heartbeat_timeout_s``; the decisions are :class:`~.membership.Membership`'s;
-* pings every member each heartbeat interval so members notice a dead or hung coordinator (``CoordinatorLost``).
+* pings every member each heartbeat interval so members notice a dead or hung coordinator.
 
-Single point of failure, honestly: if the coordinator dies, the store and the membership service die with it and
-every member stops with ``CoordinatorLost`` within ``coordinator_timeout_s`` (a crash: at once). It is not
-restartable without losing the job; a process supervisor can restart the job from a checkpoint.
+Failover: give members several addresses (``TORCHNEXT_FT_COORDINATOR=host1:port1,host2:port2``) and run a
+**standby** at the others (``torchnext coordinator --standby``, same ``TORCHNEXT_FT_TOKEN``). A standby is not in
+office: it refuses new members and waits for members that lost their coordinator; once their reports satisfy the
+takeover rule (:mod:`~torchnext.ft.election`) it takes office with a higher term, rebuilds the job's state from
+the reports and serves the next generations from its own store. A restarted coordinator must be started as a
+standby too (a plain start begins a new job and refuses to resume one).
+
+Trust boundary: the store (torch's ``TCPStore``) has no authentication. Anyone who can reach its port can read and
+write the keys of every generation. It is bound to ``host`` only; keep that interface on the job's private network.
+Secrets never go through it: the job token is only used in HMAC proofs on the membership port.
 """
 
 from __future__ import annotations
 
 import argparse
-import hmac
 import secrets
-import selectors
 import signal
 import socket
 import threading
@@ -35,11 +40,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from torchnext.ft._wire import PROTOCOL_VERSION, LineReader, ProtocolError, encode, tune_socket
-from torchnext.ft.membership import Membership, MembershipConfig, Rejected
+from torchnext.ft.membership import MembershipConfig
+from torchnext.ft.service import MembershipService
 
 __all__ = ["Coordinator", "CoordinatorConfig", "add_arguments", "run"]
-_HELLO_TIMEOUT_S = 10.0
 
 
 @dataclass(kw_only=True)
@@ -53,25 +57,25 @@ class CoordinatorConfig:
     store_port: int = 0
     """TCPStore port (0: a free port; members learn it from the coordinator)."""
     token: str | None = None
-    """Job token members must present (None: a random one, see ``Coordinator.token``)."""
+    """Job token members must present (None: a random one, see ``Coordinator.token``; a standby needs the job's)."""
+    standby: bool = False
+    """Start as a standby: not in office until members that lost their coordinator report (see the module
+    docstring)."""
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     """Failure detection and quorum policy."""
 
-
-@dataclass
-class _Conn:
-    sock: socket.socket
-    reader: LineReader
-    opened: float
-    member: int | None = None
-    fenced_until: float | None = None
-    fence_msg: dict[str, Any] | None = None
+    def __post_init__(self) -> None:
+        if self.standby and not self.token:
+            raise ValueError("CoordinatorConfig(standby=True) needs the job's token (the members' TORCHNEXT_FT_TOKEN)")
+        if self.token is not None and (not isinstance(self.token, str) or not self.token):
+            raise ValueError("CoordinatorConfig.token must be a non-empty string")
 
 
 class Coordinator:
     """In-process coordinator: ``start()`` (or ``with``) launches its thread; ``stop()`` closes everything.
 
-    Read-only views (thread-safe snapshots): ``generation``, ``members``, ``step``, ``history()``.
+    Read-only views (thread-safe snapshots): ``in_office``, ``term``, ``generation``, ``members``, ``step``,
+    ``history()``.
     """
 
     def __init__(self, config: CoordinatorConfig | None = None) -> None:
@@ -79,59 +83,40 @@ class Coordinator:
         if not isinstance(self.config, CoordinatorConfig):
             raise TypeError(f"config must be a CoordinatorConfig, got {type(self.config).__name__}")
         self.token = self.config.token or secrets.token_hex(16)
-        self._lock = threading.Lock()
-        self._state = Membership(self.config.membership)
-        self._conns: dict[socket.socket, _Conn] = {}
-        self._by_member: dict[int, _Conn] = {}
-        self._sel: selectors.BaseSelector | None = None
-        self._listener: socket.socket | None = None
+        self._service: MembershipService | None = None
         self._store: Any = None
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._wake_r, self._wake_w = socket.socketpair()
+        self._stopped = False
         self.port = 0
         self.store_port = 0
-        self.stalls = 0
-        """How many times the coordinator's own loop ran late and forgave missed heartbeats."""
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     def start(self) -> Coordinator:
         import torch.distributed as dist
 
         cfg = self.config
-        listener = socket.create_server((cfg.host, cfg.port), backlog=256, reuse_port=False)
         store_listener = socket.create_server((cfg.host, cfg.store_port), backlog=1024)
-        self.port = listener.getsockname()[1]
         self.store_port = store_listener.getsockname()[1]
         self._store = dist.TCPStore(
             cfg.host, self.store_port, None, True, timeout=timedelta(seconds=60), wait_for_workers=False,
             master_listen_fd=store_listener.detach(), use_libuv=True,
         )
-        listener.setblocking(False)
-        self._listener = listener
-        sel = selectors.DefaultSelector()
-        sel.register(listener, selectors.EVENT_READ, "accept")
-        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._sel = sel
-        self._thread = threading.Thread(target=self._run, name="torchnext-coordinator", daemon=True)
-        self._thread.start()
+        self._service = MembershipService(host=cfg.host, port=cfg.port, token=self.token, store_port=self.store_port,
+                                          membership=cfg.membership, standby=cfg.standby)
+        self.port = self._service.port
+        self._service.start()
         return self
 
     def stop(self) -> None:
-        """Close every connection and the store (members see ``CoordinatorLost``). Idempotent."""
-        if self._stop.is_set():
+        """Close every connection and the store (members fail over, or see ``CoordinatorLost``). Idempotent."""
+        if self._stopped:
             return
-        self._stop.set()
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        self._stopped = True
+        if self._service is not None:
+            self._service.stop()
         self._store = None
 
     def __enter__(self) -> Coordinator:
-        return self.start() if self._thread is None else self
+        return self.start() if self._service is None else self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -139,24 +124,62 @@ class Coordinator:
     @property
     def address(self) -> str:
         """``host:port`` of the membership service (what members are given)."""
-        return f"{self.config.host}:{self.port}"
+        host = self.config.host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    def serving(self) -> bool:
+        """The service thread is alive (it is, unless stopped: no input ends it)."""
+        return self._service is not None and self._service.alive()
+
+    @property
+    def stalls(self) -> int:
+        """How many times the coordinator's own loop ran late and forgave missed heartbeats."""
+        return 0 if self._service is None else self._service.stalls
+
+    def _view(self, fn: Callable[[Any], Any], default: Any) -> Any:
+        svc = self._service
+        if svc is None:
+            return default
+        with svc.lock:
+            return default if svc.state is None else fn(svc.state)
+
+    @property
+    def in_office(self) -> bool:
+        """False for a standby until it took office."""
+        return bool(self._view(lambda st: True, False))
+
+    @property
+    def term(self) -> int:
+        """Term of office (0 while standing by)."""
+        return int(self._view(lambda st: st.term, 0))
 
     @property
     def generation(self) -> int:
-        with self._lock:
-            return self._state.gen
+        return int(self._view(lambda st: st.gen, 0))
 
     @property
     def members(self) -> tuple[int, ...]:
-        with self._lock:
-            return self._state.members
+        return tuple(self._view(lambda st: st.members, ()))
+
+    @property
+    def step(self) -> int:
+        """Committed steps."""
+        return int(self._view(lambda st: st.step, 0))
+
+    @property
+    def finished_step(self) -> int | None:
+        """The committed step at which the job finished (a member called ``FaultTolerant.finish``), else None."""
+        return self._view(lambda st: st.finished_step, None)
 
     def outcome(self) -> str | None:
         """None while the job runs or members are still connected; else ``"finished at step S"`` or ``"failed:
         <reason>"`` (the job is over and every member left)."""
-        with self._lock:
-            st = self._state
-            if st.live or self._by_member:
+        svc = self._service
+        if svc is None:
+            return None
+        with svc.lock:
+            st = svc.state
+            if st is None or st.live or svc._by_member:
                 return None
             if st.finished_step is not None:
                 return f"finished at step {st.finished_step}"
@@ -164,22 +187,10 @@ class Coordinator:
                 return f"failed: {st.fatal}"
             return None
 
-    @property
-    def finished_step(self) -> int | None:
-        """The committed step at which the job finished (a member called ``FaultTolerant.finish``), else None."""
-        with self._lock:
-            return self._state.finished_step
-
-    @property
-    def step(self) -> int:
-        """Committed steps."""
-        with self._lock:
-            return self._state.step
-
     def history(self) -> list[dict[str, Any]]:
-        """Joins, failures, generations, in order, with monotonic timestamps (``time.monotonic``)."""
-        with self._lock:
-            return [dict(h) for h in self._state.history]
+        """Reports, takeover, joins, failures, generations, in order, with monotonic timestamps
+        (``time.monotonic``)."""
+        return [] if self._service is None else self._service.history()
 
     def wait_until(self, predicate: Callable[[Coordinator], bool], timeout: float) -> bool:
         """Poll ``predicate(self)`` until true (returns True) or ``timeout`` seconds pass (returns False)."""
@@ -189,205 +200,6 @@ class Coordinator:
                 return True
             time.sleep(0.005)
         return predicate(self)
-
-    # ------------------------------------------------------------------------------------------------ the loop
-    def _run(self) -> None:
-        assert self._sel is not None
-        cfg = self.config.membership
-        tick = min(cfg.heartbeat_interval_s / 4, 0.025)
-        last_loop = time.monotonic()
-        next_ping = last_loop
-        try:
-            while not self._stop.is_set():
-                with self._lock:
-                    due = self._state.next_deadline()
-                wait = tick if due is None else max(0.0, min(tick, due - time.monotonic()))
-                for key, _ in self._sel.select(timeout=wait):
-                    if key.data == "accept":
-                        self._accept()
-                    elif key.data == "wake":
-                        self._wake_r.recv(64)
-                    else:
-                        self._readable(key.data)
-                now = time.monotonic()
-                with self._lock:
-                    if now - last_loop > cfg.heartbeat_interval_s * 2:
-                        # We ran late (CPU starvation, GC, SIGSTOP of the coordinator): members' silence may be ours.
-                        self.stalls += 1
-                        self._state.forgive(now)
-                    last_loop = now
-                    self._state.tick(now)
-                    self._flush(now)
-                if now >= next_ping:
-                    next_ping = now + cfg.heartbeat_interval_s
-                    self._ping(now)
-        finally:
-            self._shutdown()
-
-    def _accept(self) -> None:
-        assert self._listener is not None and self._sel is not None
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            tune_socket(sock)
-            sock.settimeout(1.0)  # sends only; reads happen when the selector says readable
-            conn = _Conn(sock, LineReader(), time.monotonic())
-            self._conns[sock] = conn
-            self._sel.register(sock, selectors.EVENT_READ, conn)
-
-    def _readable(self, conn: _Conn) -> None:
-        try:
-            data = conn.sock.recv(1 << 16)
-        except OSError:
-            data = b""
-        now = time.monotonic()
-        if not data:
-            self._drop(conn, now, "connection closed (process exited or crashed)")
-            return
-        try:
-            msgs = conn.reader.feed(data)
-        except ProtocolError as exc:
-            self._drop(conn, now, f"protocol error: {exc}")
-            return
-        for msg in msgs:
-            if conn.sock not in self._conns:
-                return
-            self._handle(conn, msg, now)
-
-    def _handle(self, conn: _Conn, msg: dict[str, Any], now: float) -> None:
-        kind = msg["t"]
-        if conn.fence_msg is not None:  # a removed member speaks again: tell it (again) that it was removed
-            self._send(conn, conn.fence_msg)
-            return
-        if conn.member is None:
-            self._hello(conn, msg, now)
-            return
-        mid = conn.member
-        with self._lock:
-            st = self._state
-            if kind == "hb":
-                st.heartbeat(mid, now)
-            elif kind == "vote":
-                st.heartbeat(mid, now)
-                st.vote(mid, int(msg.get("gen", -1)), int(msg.get("step", -1)), now)
-            elif kind == "fail":
-                st.report_failure(mid, int(msg.get("gen", -1)), str(msg.get("reason", ""))[:500], now)
-            elif kind == "bye":
-                if msg.get("done") is True:
-                    st.finish(mid, now)
-                else:
-                    st.leave(mid, now)
-            elif kind == "event":  # timing marks from members (benchmarks): recorded as they are
-                st.history.append({"event": "member_event", "member": mid, "at": now,
-                                   **{k: v for k, v in msg.items() if k != "t" and isinstance(v, (int, float, str))}})
-            self._flush(now)
-
-    def _hello(self, conn: _Conn, msg: dict[str, Any], now: float) -> None:
-        token = msg.get("token")
-        if msg.get("t") != "hello" or not isinstance(token, str):
-            self._reject(conn, "bad_request", "the first message must be a hello with a token")
-            return
-        if not hmac.compare_digest(token.encode(), self.token.encode()):
-            self._reject(conn, "auth", "wrong job token")
-            return
-        if msg.get("proto") != PROTOCOL_VERSION:
-            self._reject(conn, "bad_request", f"protocol version {msg.get('proto')!r}, expected {PROTOCOL_VERSION}")
-            return
-        with self._lock:
-            try:
-                step = msg.get("step", 0)
-                mid = self._state.join(msg.get("member"), step if isinstance(step, int) else -1, now,
-                                       group=msg.get("group"), group_rank=msg.get("group_rank", 0),
-                                       group_size=msg.get("group_size", 1))
-            except Rejected as exc:
-                self._reject(conn, exc.code, exc.reason)
-                return
-            conn.member = mid
-            self._by_member[mid] = conn
-            cfg = self.config.membership
-            self._send(conn, {
-                "t": "welcome", "member": mid, "store_port": self.store_port, "proto": PROTOCOL_VERSION,
-                "heartbeat_interval_s": cfg.heartbeat_interval_s, "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
-                "quorum_timeout_s": cfg.quorum_timeout_s, "grow_timeout_s": cfg.grow_timeout_s,
-            })
-            self._flush(now)
-
-    def _reject(self, conn: _Conn, code: str, reason: str) -> None:
-        self._send(conn, {"t": "reject", "code": code, "reason": reason})
-        self._close(conn)
-
-    def _drop(self, conn: _Conn, now: float, why: str) -> None:
-        mid = conn.member
-        self._close(conn)
-        if mid is not None and conn.fence_msg is None:
-            with self._lock:
-                self._state.failure(mid, now, why, hung=False)
-                self._flush(now)
-
-    def _flush(self, now: float) -> None:
-        """Deliver what the state machine decided (caller holds the lock). Order: messages, fences, closes."""
-        st = self._state
-        outbox, st.outbox = st.outbox, []
-        for mid, msg in outbox:
-            conn = self._by_member.get(mid)
-            if conn is not None:
-                self._send(conn, msg)
-        fences, st.to_fence = st.to_fence, []
-        for mid, msg in fences:
-            conn = self._by_member.pop(mid, None)
-            if conn is not None:
-                conn.fence_msg = msg
-                conn.fenced_until = now + self.config.membership.fence_linger_s
-                self._send(conn, msg)
-        closes, st.to_close = st.to_close, []
-        for mid in closes:
-            conn = self._by_member.pop(mid, None)
-            if conn is not None:
-                self._close(conn)
-
-    def _ping(self, now: float) -> None:
-        ping = {"t": "ping"}
-        for conn in list(self._conns.values()):
-            if conn.fenced_until is not None:
-                if now > conn.fenced_until:
-                    self._close(conn)
-            elif conn.member is not None:
-                self._send(conn, ping)
-            elif now - conn.opened > _HELLO_TIMEOUT_S:
-                self._close(conn)
-
-    def _send(self, conn: _Conn, msg: dict[str, Any]) -> None:
-        try:
-            conn.sock.sendall(encode(msg))
-        except OSError:
-            pass  # a broken connection is noticed by the reader (EOF) and handled there
-
-    def _close(self, conn: _Conn) -> None:
-        if self._conns.pop(conn.sock, None) is None:
-            return
-        if conn.member is not None and self._by_member.get(conn.member) is conn:
-            del self._by_member[conn.member]
-        try:
-            assert self._sel is not None
-            self._sel.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
-        try:
-            conn.sock.close()
-        except OSError:
-            pass
-
-    def _shutdown(self) -> None:
-        for conn in list(self._conns.values()):
-            self._close(conn)
-        if self._listener is not None:
-            self._listener.close()
-        if self._sel is not None:
-            self._sel.close()
-        self._wake_r.close()
-        self._wake_w.close()
 
 
 # ----------------------------------------------------------------------------------------------------- the CLI
@@ -401,6 +213,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s, help="seconds")
     parser.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s, help="seconds")
     parser.add_argument("--quorum-timeout", type=float, default=d.quorum_timeout_s, help="seconds")
+    parser.add_argument("--standby", action="store_true",
+                        help="start as a standby: take office only when members that lost their coordinator report "
+                             "to it (needs TORCHNEXT_FT_TOKEN, the job's token)")
     parser.add_argument("--exit-when-done", action=argparse.BooleanOptionalAction, default=True,
                         help="exit once the job is over and every member left: 0 after FaultTolerant.finish(), 1 "
                              "after the job failed (default: on)")
@@ -421,13 +236,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"torchnext coordinator: {exc}")
         return 2
     token = env_config().ft_token
-    coord = Coordinator(CoordinatorConfig(host=args.host, port=args.port, store_port=args.store_port, token=token,
-                                          membership=membership))
+    try:
+        coord = Coordinator(CoordinatorConfig(host=args.host, port=args.port, store_port=args.store_port, token=token,
+                                              membership=membership, standby=args.standby))
+    except ValueError as exc:
+        print(f"torchnext coordinator: {exc}")
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     coord.start()
-    print(f"torchnext coordinator listening on {coord.address} (store port {coord.store_port})", flush=True)
+    role = "standby" if args.standby else "in office"
+    print(f"torchnext coordinator listening on {coord.address} (store port {coord.store_port}, {role})", flush=True)
     if token is None:
         print(f"job token: {coord.token} (set TORCHNEXT_FT_TOKEN on the members)", flush=True)
     rc = 0

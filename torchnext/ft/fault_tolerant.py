@@ -108,6 +108,7 @@ class FaultTolerant:
         self._comm: Communicator | None = None
         self._children: list[Communicator] = []
         self._gen: dict[str, Any] | None = None
+        self._held: dict[str, Any] | None = None  # the newest generation fully entered (healed): reported on failover
         self._pending: dict[str, Any] | None = None
         self._newest_gen = 0
         self._wait_epoch = 0
@@ -128,11 +129,13 @@ class FaultTolerant:
         self.replica_group, self.group_rank, self.group_size = _replica_group(cfg, env.ft_replica_group)
         self._local_groups: list[Any] = []  # aborted when this member's group is removed (see register_local_group)
         self._process_group: Any = None
+        self._vote: dict[str, int] | None = None  # a vote sent and not yet decided (reported on failover)
         _preload_gil_heavy_imports()
         self._client = MemberClient(
             address, token, member_id=cfg.member_id, step=step, connect_timeout_s=cfg.connect_timeout_s,
             coordinator_timeout_s=cfg.coordinator_timeout_s, on_interrupt=self._on_interrupt,
             replica_group=self.replica_group, group_rank=self.group_rank, group_size=self.group_size,
+            failover_timeout_s=cfg.failover_timeout_s, report=self._member_report,
         )
         self._joined = False
         try:
@@ -277,27 +280,35 @@ class FaultTolerant:
             self._report("communicator broken before the vote")
             return False
         gen = self.generation
-        self._client.send({"t": "vote", "gen": gen, "step": self._step})
-        deadline = time.monotonic() + self.config.timeout_s
-        while True:
-            ev = self._client.next_event(deadline - time.monotonic())
-            if ev is None:
-                self._report(f"no commit decision within {self.config.timeout_s}s")
-                return False
-            kind = ev["t"]
-            if kind == "decision" and ev["gen"] == gen and ev["step"] == self._step:
-                self._step += 1
-                self.commit_times.append((gen, self._step, time.monotonic()))
-                if "next" in ev:
-                    self._note_gen(ev["next"])
-                return True
-            if kind == "gen":
-                self._note_gen(ev)
-                return False
-            if kind == "wait":
-                return False
-            if kind == "fatal":
-                self._raise_fatal()
+        with self._lock:
+            self._vote = {"gen": gen, "step": self._step}
+        try:
+            self._client.send({"t": "vote", "gen": gen, "step": self._step})
+            deadline = time.monotonic() + self.config.timeout_s
+            while True:
+                ev = self._client.next_event(deadline - time.monotonic())
+                if ev is None:
+                    self._report(f"no commit decision within {self.config.timeout_s}s")
+                    return False
+                kind = ev["t"]
+                if kind == "decision" and ev["gen"] == gen and ev["step"] == self._step:
+                    with self._lock:
+                        self._step += 1
+                        self._vote = None
+                    self.commit_times.append((gen, self._step, time.monotonic()))
+                    if ev.get("next") is not None:
+                        self._note_gen(ev["next"])
+                    return True
+                if kind == "gen":
+                    self._note_gen(ev)
+                    return False
+                if kind == "wait":
+                    return False
+                if kind == "fatal":
+                    self._raise_fatal()
+        finally:
+            with self._lock:
+                self._vote = None
 
     def close(self) -> None:
         """Leave the group (the others reconfigure without this member) and release resources. Idempotent.
@@ -367,11 +378,20 @@ class FaultTolerant:
                 self._wait_epoch += 1
                 reason = str(msg.get("reason") or msg["t"])
             targets = [*self._children, *([self._comm] if self._comm is not None else [])]
-            if msg["t"] in ("removed", "fatal"):  # this group is out: its own groups' ops must not wait either
+            if msg["t"] in ("removed", "fatal") or msg.get("final"):  # out: its own groups' ops must not wait
                 targets += self._local_groups
             self._children = []
         for c in targets:
             _quiet_abort(c, reason)
+
+    def _member_report(self) -> dict[str, Any]:
+        """Heartbeat thread, on failover: what this member knows (see :mod:`torchnext.ft.election`)."""
+        # Only a generation this member fully entered counts: a joiner whose heal the coordinator's death interrupted
+        # does not hold the state yet (its step may even equal the committed one, e.g. resumed from a checkpoint).
+        with self._lock:
+            gen, step, vote = self._held, self._step, self._vote
+        entered = None if gen is None else {k: gen[k] for k in ("gen", "term", "groups", "quorum", "step", "joiners")}
+        return {"step": step, "synced": gen is not None, "entered": entered, "vote": None if vote is None else dict(vote)}
 
     def _note_gen(self, msg: dict[str, Any]) -> None:
         with self._lock:
@@ -532,6 +552,8 @@ class FaultTolerant:
             donor=donor, joiners=tuple(joiners), reason=str(msg.get("reason", "")), healed=healed, timings=marks,
             groups=tuple(tuple(g) for g in groups),
         )
+        with self._lock:
+            self._held = msg
         self.reconfigurations.append(info)
         for cb in self._callbacks.snapshot:
             cb(info)

@@ -21,11 +21,17 @@ Model
 
 Quorum rule (what prevents split-brain)
 ---------------------------------------
-1. Only the coordinator decides generations and commits; members never decide among themselves. A member that cannot
-   reach the coordinator stops (``CoordinatorLost``) instead of continuing alone.
-2. A generation is formed only with at least ``min_size`` live members, at least one of which holds the committed
-   state (a member of an earlier generation that committed a step, or the donor chosen at formation). With fewer,
-   the survivors wait up to ``quorum_timeout_s`` for joiners, then every member gets ``QuorumLost``.
+1. Only the coordinator in office decides generations and commits; members never decide among themselves. A member
+   that cannot reach a coordinator in office stops (``CoordinatorLost``) instead of continuing alone.
+2. A generation is formed only with at least ``min_size`` live replica groups, at least one member of which holds the
+   committed state (a member of an earlier generation that committed a step, or the donor chosen at formation).
+   With fewer, the survivors wait up to ``quorum_timeout_s`` for joiners, then every member gets ``QuorumLost``.
+2b. **Failover rule** (when the members know more than one coordinator address, so that another coordinator may
+   take office): a generation is formed only with at least **half** (rounded up) of the replica groups of the
+   *quorum* -- the last generation that committed a step (the first generation before any commit) -- whole and
+   live; joiners do not count. Otherwise every member gets ``QuorumLost`` at once: the missing groups may be
+   training under a coordinator that took office (:mod:`torchnext.ft.election`, which needs a **strict majority**
+   of the same groups), and half plus a strict majority is more than all, so the two never both go on.
 3. A step is committed only when **every** member of the current generation voted for it (two-phase commit). Votes
    carry the generation, so a vote from a removed or stale member can never count.
 4. A removed member is **fenced**: its id is banned, its votes and reports are ignored, and the next message it reads
@@ -53,6 +59,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from torchnext.ft.election import Takeover
 
 __all__ = [
     "CoordinatorLost",
@@ -179,6 +187,18 @@ class Membership:
     last_commit_at: float = 0.0
     last_commit_gen: int = 0
     fatal: str | None = None
+    term: int = 1
+    """This coordinator's term of office (1 for the job's first coordinator; a takeover's term is higher than any
+    its members promised, see :mod:`torchnext.ft.election`). Every generation carries it."""
+    failover: bool = False
+    """Apply the failover rule (2b): set when a member's hello says it knows more than one coordinator address."""
+    quorum: list[list[int]] = field(default_factory=list)
+    """Replica groups of the last generation that committed a step (the first generation before any commit): the
+    reference of the failover rule, sent with every generation as ``quorum``."""
+    gen_groups: list[list[int]] = field(default_factory=list)
+    """Replica groups of the current generation."""
+    min_next_gen: int = 0
+    """The next generation's number is at least this (a resumed member knows numbers of another coordinator's)."""
     finished_step: int | None = None
     """The committed step at which the first member finished (None while the job runs); see "finish" above."""
     outbox: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
@@ -223,6 +243,28 @@ class Membership:
         self.history.append({"event": "join", "member": mid, "group": gid, "at": now})
         self._maybe_form(now)
         return mid
+
+    def take_office(self, takeover: Takeover, joins: dict[int, tuple[int | None, int, int]], now: float) -> None:
+        """Start in office after a takeover (:mod:`torchnext.ft.election`): the promisers become live members
+        (``joins[m] = (group, group_rank, group_size)`` from their hellos), the pending decisions go out first, then
+        the first generation -- numbered above anything a member knows, under ``takeover.term`` -- with ``abort``."""
+        self.term = takeover.term
+        self.gen = takeover.gen - 1
+        self.step = takeover.step
+        self.quorum = [list(g) for g in takeover.quorum]
+        self.last_commit_gen = self.gen
+        self.last_commit_at = now
+        for mid in takeover.members:
+            group, rank, size = joins[mid]
+            gid = -1 - mid if group is None else group
+            self.live[mid] = _Member(mid, now, takeover.step, now, group=gid, group_rank=rank, group_size=size,
+                                     synced=mid in takeover.synced)
+        self._next_id = max([self._next_id, *[m + 1 for m in takeover.members]])
+        self.history.append({"event": "takeover", "term": takeover.term, "at": now, "reason": takeover.reason,
+                             "latest": takeover.latest.gen, "step": takeover.step})
+        self.outbox.extend(takeover.decisions)
+        self.change_reasons = [takeover.reason]
+        self._reconfigure(now)
 
     def heartbeat(self, mid: int, now: float) -> None:
         m = self.live.get(mid)
@@ -392,6 +434,19 @@ class Membership:
     def _group_count(self, members: list[int]) -> int:
         return len({self.live[m].group for m in members})
 
+    def _quorum_short(self, candidates: list[int]) -> str | None:
+        """Why ``candidates`` may not form a generation under the failover rule (2b), or None when they may."""
+        if not self.failover or not self.quorum:
+            return None
+        alive = set(candidates)
+        have = sum(1 for g in self.quorum if alive.issuperset(g))
+        need = (len(self.quorum) + 1) // 2
+        if have >= need:
+            return None
+        return (f"only {have} of the {len(self.quorum)} replica groups of the last committed generation are left, "
+                f"fewer than half ({need}): the others may be training under a coordinator that took office "
+                "(failover rule), so this one must not go on")
+
     def _schedule_change(self, now: float, reason: str) -> None:
         self.change_reasons.append(reason)
         if self.change_at is None:
@@ -403,7 +458,8 @@ class Membership:
             need = self.config.initial_size or self.config.min_size
             if self._group_count(whole) >= need:
                 self._new_generation(whole, "initial", now, abort=False)
-        elif self.waiting_since is not None and self._group_count(whole) >= self.config.min_size:
+        elif (self.waiting_since is not None and self._group_count(whole) >= self.config.min_size
+              and self._quorum_short(whole) is None):
             self._new_generation(whole, "quorum regained: joined " + str(self._joiners()), now, abort=True)
 
     def _reconfigure(self, now: float) -> None:
@@ -411,6 +467,10 @@ class Membership:
         self.change_reasons = []
         self.change_at = None
         candidates = self._complete(sorted(self.live))  # survivors of the generation + whole joining groups
+        short = self._quorum_short(candidates)
+        if short is not None:
+            self._fail_job("quorum_lost", f"{reason}; {short}")
+            return
         if self._group_count(candidates) >= self.config.min_size:
             self._new_generation(candidates, reason, now, abort=True)
             return
@@ -443,7 +503,7 @@ class Membership:
         else:
             self._fail_job("state_lost", f"every member holding the committed state failed ({reason})")
             return None
-        self.gen += 1
+        self.gen = max(self.gen + 1, self.min_next_gen)
         self.members = tuple(members)
         self.votes.clear()
         self.dead.clear()
@@ -451,14 +511,17 @@ class Membership:
         self.change_reasons = []
         self.waiting_since = None
         groups = self.groups_of(members)
+        self.gen_groups = groups
+        if not self.quorum:  # the first generation is its own quorum until it commits
+            self.quorum = groups
         donors = next(g for g in groups if donor in g)  # the donor group: rank r heals rank r of each joining group
         msg: dict[str, Any] = {
             "t": "gen", "gen": self.gen, "members": list(members), "step": self.step, "donor": donor,
             "joiners": [m for m in members if not self.live[m].synced], "abort": abort, "reason": reason,
-            "groups": groups, "donors": donors,
+            "groups": groups, "donors": donors, "term": self.term, "quorum": self.quorum,
         }
         self.history.append({"event": "generation", "gen": self.gen, "members": list(members), "reason": reason,
-                             "at": now, "abort": abort})
+                             "at": now, "abort": abort, "term": self.term})
         if notify:
             for m in members:
                 self.outbox.append((m, msg))
@@ -471,7 +534,9 @@ class Membership:
         self.votes.clear()
         if self.last_commit_gen != self.gen:
             self.last_commit_gen = self.gen
-            self.history.append({"event": "first_commit", "gen": self.gen, "step": decided, "at": now})
+            self.quorum = self.gen_groups  # the failover rule's reference moves to the generation that committed
+            self.history.append({"event": "first_commit", "gen": self.gen, "step": decided, "at": now,
+                                 "term": self.term})
         self.last_commit_at = now
         for m in old:
             self.live[m].synced = True

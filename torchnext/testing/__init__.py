@@ -1,5 +1,6 @@
 """torchnext.testing: multi-rank harness and fault injectors (used by torchnext's tests, usable by yours)."""
 
+from torchnext.testing.coordinators import CoordinatorProcess as CoordinatorProcess
 from torchnext.testing.faults import Fault as Fault
 from torchnext.testing.faults import FaultInjector as FaultInjector
 from torchnext.testing.faults import FaultKind as FaultKind
@@ -14,8 +15,9 @@ from torchnext.testing.multiprocess import RankExited as RankExited
 from torchnext.testing.multiprocess import RankFailure as RankFailure
 from torchnext.testing.multiprocess import run_ranks as run_ranks
 from torchnext.testing.multiprocess import run_threads as run_threads
+from torchnext.testing.netns import NetLab as NetLab
 
 __all__ = [
-    "Fault", "FaultInjector", "FaultKind", "FaultPoint", "RankContext", "RankExited", "RankFailure", "crash_now",
-    "drop_coordinator", "freeze_self", "kill", "resume", "run_ranks", "run_threads",
+    "CoordinatorProcess", "Fault", "FaultInjector", "FaultKind", "FaultPoint", "NetLab", "RankContext", "RankExited",
+    "RankFailure", "crash_now", "drop_coordinator", "freeze_self", "kill", "resume", "run_ranks", "run_threads",
 ]

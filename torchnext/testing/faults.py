@@ -46,6 +46,9 @@ class FaultKind(enum.Enum):
     """SIGSTOP itself for ``seconds`` (a hang: sockets stay open, heartbeats stop); a helper process sends SIGCONT."""
     RAISE = "raise"
     """Raise ``PeerFailure`` from the collective (as if a connection broke), on this member only."""
+    KILL_PID = "kill_pid"
+    """SIGKILL another process, ``Fault.pid`` (say the coordinator in office), at this member's fault point; the
+    member goes on. Places a coordinator kill exactly: inside a step, during a reconfiguration, during healing."""
 
 
 class FaultPoint(enum.Enum):
@@ -75,10 +78,14 @@ class Fault:
     where: FaultPoint = FaultPoint.IDLE
     seconds: float = 0.0
     """STOP only: how long the process stays stopped."""
+    pid: int = 0
+    """KILL_PID only: the process to kill."""
 
     def __post_init__(self) -> None:
         if self.kind is FaultKind.STOP and self.seconds <= 0:
             raise ValueError("a STOP fault needs seconds > 0")
+        if self.kind is FaultKind.KILL_PID and (not isinstance(self.pid, int) or self.pid <= 1):
+            raise ValueError(f"a KILL_PID fault needs the pid of another process, got pid={self.pid!r}")
         if self.step < 0:
             raise ValueError(f"Fault.step must be >= 0, got {self.step}")
 
@@ -87,7 +94,8 @@ class FaultInjector:
     """Fires this member's :class:`Fault` s when the training loop calls ``at(point, step)``.
 
     ``at`` returns normally when nothing fires; KILL never returns; STOP returns after the process was resumed;
-    RAISE raises ``PeerFailure``. Helper processes (the SIGCONT sender) are reaped by ``close()``.
+    RAISE raises ``PeerFailure``; KILL_PID returns once the other process was sent SIGKILL (one already gone is
+    ignored). Helper processes (the SIGCONT sender) are reaped by ``close()``.
     """
 
     def __init__(self, faults: Sequence[Fault], member: int) -> None:
@@ -120,6 +128,11 @@ class FaultInjector:
             from torchnext.comms.errors import PeerFailure
 
             raise PeerFailure(f"injected fault at step {f.step} ({f.where.value})", op="all_reduce")
+        elif f.kind is FaultKind.KILL_PID:
+            try:
+                os.kill(f.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def close(self) -> None:
         for p in self._helpers:
@@ -132,13 +145,16 @@ class FaultInjector:
 
 
 def drop_coordinator(target: Any) -> None:
-    """Kill the coordinator: a ``subprocess.Popen`` / pid of ``torchnext coordinator`` gets SIGKILL; an in-process
+    """Kill the coordinator: a ``subprocess.Popen`` / pid of ``torchnext coordinator`` or a
+    :class:`~torchnext.testing.coordinators.CoordinatorProcess` gets SIGKILL (and is reaped); an in-process
     :class:`~torchnext.ft.Coordinator` is stopped (its connections and store close at once)."""
     if isinstance(target, int):
         os.kill(target, signal.SIGKILL)
     elif isinstance(target, subprocess.Popen):
         target.kill()
         target.wait(timeout=30)
+    elif hasattr(target, "kill") and hasattr(target, "pid"):  # a testing.coordinators.CoordinatorProcess
+        target.kill()
     elif hasattr(target, "stop"):
         target.stop()
     else:

@@ -13,6 +13,7 @@ step (a matmul loop) to emulate training compute.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import queue
@@ -27,7 +28,8 @@ import torch
 
 from torchnext.testing.faults import Fault, FaultInjector, FaultKind, FaultPoint
 
-__all__ = ["FTJob", "WorkerSpec", "expected_weights", "gradient", "overhead_worker", "run_worker"]
+__all__ = ["FTJob", "WorkerSpec", "check_commit_logs", "expected_weights", "gradient", "overhead_worker",
+           "run_worker"]
 
 DIM = 64
 
@@ -62,6 +64,7 @@ class WorkerSpec:
     """Extra float32 state (MiB) carried in the state_dict, to make healing move real bytes."""
     timeout_s: float = 30.0
     coordinator_timeout_s: float = 2.0
+    failover_timeout_s: float = 10.0
     step_sleep_s: float = 0.0
     """Sleep per step (lets a test act between steps without burning CPU)."""
     run_until_size: int = 0
@@ -78,11 +81,18 @@ class WorkerSpec:
     fault_log: str | None = None
     """Append ``"<time.monotonic()> <member>"`` here right before a self-inflicted kill (benchmarks time from it)."""
     event_log: str | None = None
-    """Append one JSON line per generation this member commits in: ``{"member", "gen", "built", "commit"}``
-    (``time.monotonic()`` marks: Communicator built, first commit) -- benchmarks read it even for members that
-    die later."""
+    """Append one JSON line per generation this member commits in: ``{"member", "gen", "members", "step", "built",
+    "commit"}`` (the generation's members, the step index of its first commit here, ``time.monotonic()`` marks:
+    Communicator built, first commit) -- benchmarks and tests read it even for members that die later."""
     split: bool = False
     """Make a split child of each generation and record that reconfiguration invalidates it."""
+    finish: bool = False
+    """End with ``ft.finish()`` (the job's end: later departures change nothing) instead of ``ft.close()``; members
+    that stop at different steps then end with ``JobFinished`` instead of reconfiguring each other."""
+    netns: str | None = None
+    """Run inside this network namespace (a host of a :class:`~torchnext.testing.netns.NetLab`)."""
+    gloo_ifname: str | None = None
+    """``GLOO_SOCKET_IFNAME`` for this member (the interface its Communicators bind to; None: torch's default)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -168,7 +178,8 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         ft = FaultTolerant(
             FaultTolerantConfig(coordinator=spec.coordinator, token=spec.token, member_id=spec.member_id,
                                 min_size=spec.min_size, timeout_s=spec.timeout_s,
-                                coordinator_timeout_s=spec.coordinator_timeout_s),
+                                coordinator_timeout_s=spec.coordinator_timeout_s,
+                                failover_timeout_s=spec.failover_timeout_s),
             state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
             load_state_dict=lambda s: _load(model, opt, s),
         )
@@ -257,6 +268,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
                         marks = ft.reconfigurations[-1].timings if ft.reconfigurations else {}
                         with open(spec.event_log, "a") as fh:
                             fh.write(json.dumps({"member": spec.member_id, "gen": logged_gen,
+                                                 "members": list(ft.members), "step": ft.step_count - 1,
                                                  "built": marks.get("built"), "commit": ft.commit_times[-1][2],
                                                  "healed": (ft.reconfigurations[-1].healed.__dict__
                                                             if ft.reconfigurations and ft.reconfigurations[-1].healed
@@ -286,7 +298,10 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
                 w=model.w.detach().tolist(), applied=int(model.applied), digest=_digest(model),
                 attempts=attempts, started_at=t_start,
             )
-            ft.close()
+            if spec.finish and report["error"] is None:
+                ft.finish()
+            else:
+                ft.close()
     return report
 
 
@@ -335,6 +350,14 @@ def overhead_worker(spec: WorkerSpec) -> dict[str, Any]:
 def _child(spec: WorkerSpec, results: Any, fn: Callable[[WorkerSpec], Any] = run_worker) -> None:
     out: tuple[int, bool, Any]
     try:
+        netns = getattr(spec, "netns", None)
+        if netns:
+            from torchnext.testing.netns import enter
+
+            enter(netns)
+        ifname = getattr(spec, "gloo_ifname", None)
+        if ifname:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
         out = (spec.member_id, True, fn(spec))
     except BaseException:
         out = (spec.member_id, False, traceback.format_exc())
@@ -391,6 +414,18 @@ class FTJob:
             raise RuntimeError("\n".join(f"--- member {m} ---\n{self.errors[m]}" for m in members if m in self.errors))
         return {m: self.reports[m] for m in members if m in self.reports}
 
+    def wait_exited(self, members: Sequence[int], timeout: float) -> None:
+        """Wait until each of ``members``' processes exited, reading their reports meanwhile (a child blocks on
+        exit until its report -- it can be large -- is read); ``TimeoutError`` naming those still running."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._collect(0.01)
+            running = [m for m in members if self.procs[m].is_alive()]
+            if not running:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"members {running} still running after {timeout}s")
+
     def _results_may_lag(self, m: int) -> bool:
         p = self.procs[m]
         if p.exitcode is None:
@@ -421,3 +456,72 @@ class FTJob:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_commit_logs(reports: dict[int, dict[str, Any]], *, survivors: Sequence[int] | None = None,
+                      events: Sequence[dict[str, Any]] = ()) -> list[int]:
+    """The oracle for runs whose coordinator changed (no single coordinator holds the whole record): the members'
+    own commit logs, plus ``events`` (the lines of a shared :attr:`WorkerSpec.event_log`, which also covers
+    members killed before they could report: step ``s`` was committed by the newest generation whose first commit
+    any member logged is ``<= s``).
+
+    Checks: every survivor (a report without ``error``, or those named) agrees on the generation, its members, the
+    step count and the state digest, and ``applied == step``; no two members (survivors or not) recorded one step
+    as committed in different generations, nor one generation with different members; every survivor's log is
+    gap-free; and the survivors' ``w`` equals the exact replay of the committed steps (steps ``0 .. final - 1``
+    must all be covered by some log). Returns the survivors' ids. Raises ``AssertionError`` naming what differs.
+    """
+    ok = {m: r for m, r in reports.items() if (r["error"] is None if survivors is None else m in survivors)}
+    if not ok:
+        raise AssertionError(f"no survivor: { {m: r['error'] for m, r in reports.items()} }")
+    first = next(iter(ok.values()))
+    for m, r in ok.items():
+        for key in ("generation", "members", "step", "digest"):
+            if r[key] != first[key]:
+                raise AssertionError(f"member {m}'s {key} {r[key]!r} differs from member {first['member']}'s "
+                                     f"{first[key]!r}")
+        if r["applied"] != r["step"]:
+            raise AssertionError(f"member {m} applied {r['applied']} updates for {r['step']} committed steps")
+    gen_members: dict[int, list[int]] = {}
+    step_gen: dict[int, int] = {}
+    for m, r in reports.items():
+        for g, members in r["generations"].items():
+            g = int(g)
+            if gen_members.setdefault(g, list(members)) != list(members):
+                raise AssertionError(f"generation {g}: member {m} saw {members}, another {gen_members[g]}")
+        for g, s, _ in r["commits"]:
+            if step_gen.setdefault(s - 1, g) != g:
+                raise AssertionError(f"step {s - 1} committed in generation {g} (member {m}) and in generation "
+                                     f"{step_gen[s - 1]} (another member): split brain")
+    firsts: dict[int, int] = {}
+    for ev in events:
+        g = int(ev["gen"])
+        if gen_members.setdefault(g, list(ev["members"])) != list(ev["members"]):
+            raise AssertionError(f"generation {g}: member {ev['member']} logged {ev['members']}, another "
+                                 f"{gen_members[g]}")
+        firsts[g] = min(firsts.get(g, 1 << 62), int(ev["step"]))
+    if firsts:
+        order = sorted(firsts.items(), key=lambda kv: kv[1])
+        for (g1, s1), (g2, s2) in itertools.pairwise(order):
+            if g2 < g1:
+                raise AssertionError(f"generation {g2} first committed step {s2}, after generation {g1} (step "
+                                     f"{s1})")
+        for s in range(max(firsts.values()) + 1):
+            g = max(g for g, f in firsts.items() if f <= s) if any(f <= s for f in firsts.values()) else None
+            if g is None:
+                continue
+            if step_gen.setdefault(s, g) != g:
+                raise AssertionError(f"step {s}: a member logged its commit in generation {step_gen[s]}, the event "
+                                     f"log says generation {g}")
+    for m, r in ok.items():
+        steps = [s for _, s, _ in r["commits"]]
+        if steps and steps != list(range(steps[0], steps[0] + len(steps))):
+            raise AssertionError(f"member {m}: gap or duplicate in its committed steps {steps}")
+    final = first["step"]
+    missing = [s for s in range(final) if s not in step_gen or step_gen[s] not in gen_members]
+    if missing:
+        raise AssertionError(f"no member recorded the generation that committed steps {missing[:10]}")
+    replay = expected_weights([gen_members[step_gen[s]] for s in range(final)])
+    if not torch.equal(replay, torch.tensor(first["w"], dtype=torch.float64)):
+        raise AssertionError("the survivors' weights differ from the exact replay of the committed steps")
+    return sorted(ok)

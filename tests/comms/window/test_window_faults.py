@@ -20,7 +20,7 @@ from torchnext.comms import (
     WindowInvalidated,
     WorkStatus,
 )
-from torchnext.comms.window.tcp import HELLO, MAGIC, TcpChannel, WindowAuthError
+from torchnext.comms.window.tcp import CHALLENGE_BYTES, HELLO, MAGIC, TcpChannel, WindowAuthError
 from torchnext.testing import RankContext, RankExited, crash_now, freeze_self, kill, run_ranks
 
 
@@ -31,9 +31,12 @@ def _wrong_token(ctx: RankContext) -> dict[str, Any]:
     out: dict[str, Any] = {"bound_to": addr[0]}  # the store's interface (127.0.0.1 here), not 0.0.0.0
     with pytest.raises(WindowAuthError, match="refused the connection"):
         TcpChannel(0, ctx.rank, addr, b"\x00" * 32, 5.0, {}, {})
-    # a raw client: right magic, wrong token; then garbage -> refused and closed before any request is read
+    # a raw client: right magic, wrong proof; then garbage -> refused and closed before any request is read
     for hello in (HELLO.pack(MAGIC, 0, os.urandom(32)), b"GET / HTTP/1.1\r\n\r\n" + b"x" * 30):
         with socket.create_connection(addr, timeout=5) as s:
+            challenge = b""
+            while len(challenge) < CHALLENGE_BYTES:
+                challenge += s.recv(CHALLENGE_BYTES - len(challenge))
             s.sendall(hello)
             verdict = s.recv(1)
             try:  # a would-be request after the refusal: the target has closed the connection

@@ -9,12 +9,32 @@ instead (see ``Communicator.abort``).
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
+from torchnext.comms._address import store_route_address
 from torchnext.comms.backends import BackendConfig, BackendHandle
 
 __all__ = ["create"]
+
+
+def _options(cfg: BackendConfig) -> Any:
+    """Gloo options whose device binds to the interface that reaches the store (``GLOO_SOCKET_IFNAME``, torch's
+    own knob, wins when set). torch's default device binds to whatever the hostname resolves to -- inside a network
+    namespace or on a multi-homed host that is an address the other ranks cannot reach (or loopback)."""
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch exposes it, the stubs do not
+    opts._timeout = cfg.timeout
+    ifnames = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
+    if ifnames:
+        opts._devices = [dist.ProcessGroupGloo.create_device(interface=i) for i in ifnames]
+    else:
+        addr = store_route_address(cfg.store)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=addr) if addr
+                         else dist.ProcessGroupGloo.create_default_device()]
+    return opts
 
 
 def create(cfg: BackendConfig) -> BackendHandle:
@@ -24,6 +44,6 @@ def create(cfg: BackendConfig) -> BackendHandle:
         raise ValueError(f"the gloo backend communicates CPU tensors; got device={device}")
     if not dist.is_gloo_available():
         raise RuntimeError("this torch build has no Gloo support (torch.distributed.is_gloo_available() is False)")
-    pg = dist.ProcessGroupGloo(cfg.store, cfg.rank, cfg.size, cfg.timeout)
+    pg = dist.ProcessGroupGloo(cfg.store, cfg.rank, cfg.size, _options(cfg))
     return BackendHandle(pg=pg, device=device, native_avg=True, interruptible_wait=True,
                          futureless_ops=frozenset({"reduce_scatter", "reduce_scatter_single"}))

@@ -34,13 +34,17 @@ def connect(win: Window, store: dist.Store, store_timeout: timedelta, tensor: to
     as it goes, so that ``Window._release`` can undo a handshake that failed half way.
     """
     comm, rank, size = win._comm, win.rank, win.size
+    # The window token: rank 0's random bytes, broadcast over the communicator -- never a store value (the store
+    # has no authentication: whoever reaches it could read the token there).
+    token_t = torch.zeros(32, dtype=torch.uint8, device=comm.device)
     if rank == 0:
-        store.set("token", secrets.token_bytes(32))  # type: ignore[arg-type]  # Store.set accepts bytes
+        token_t.copy_(torch.frombuffer(bytearray(secrets.token_bytes(32)), dtype=torch.uint8))
+    comm.broadcast(token_t, 0)
+    token = bytes(token_t.cpu().numpy().tobytes())
     mine = {"numel": tensor.numel(), "shape": list(tensor.shape), "dtype": code, "pid": os.getpid(),
             "host": host_key(), "path": win._segment.path, "mode": None if mode is None else mode.value}
     store.set(f"meta/{rank}", json.dumps(mine))
-    store.wait(["token", *[f"meta/{r}" for r in range(size)]], store_timeout)
-    token = store.get("token")
+    store.wait([f"meta/{r}" for r in range(size)], store_timeout)
     metas = [json.loads(store.get(f"meta/{r}")) for r in range(size)]
     if len({m["mode"] for m in metas}) != 1:
         raise ValueError(f"new_window: ranks passed different transports: {[m['mode'] for m in metas]}")
@@ -77,7 +81,7 @@ def connect(win: Window, store: dist.Store, store_timeout: timedelta, tensor: to
                                            win._ctx, status_errors)
     comm.barrier()  # every peer has mapped/connected: the segment name and the store keys can go
     win._segment.unlink()
-    mine_keys = [f"meta/{rank}", *([f"tcp/{rank}"] if serves else []), *(["token"] if rank == 0 else [])]
+    mine_keys = [f"meta/{rank}", *([f"tcp/{rank}"] if serves else [])]
     for key in mine_keys:
         with contextlib.suppress(Exception):  # stores without delete_key keep them (harmless)
             store.delete_key(key)

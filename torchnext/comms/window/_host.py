@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any
 
 import torch.distributed as dist
+
+from torchnext.comms._address import store_route_address
 
 __all__ = ["default_host", "host_key"]
 
@@ -30,15 +31,4 @@ def host_key() -> str:
 
 def default_host(store: dist.Store) -> str:
     """The local address used to reach the store's host (no packet is sent); 127.0.0.1 when unknown."""
-    s: Any = store
-    while isinstance(s, dist.PrefixStore):
-        s = s.underlying_store
-    target = getattr(s, "host", None)
-    if not target:
-        return "127.0.0.1"
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((target, int(getattr(s, "port", 9)) or 9))
-            return str(probe.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
+    return store_route_address(store) or "127.0.0.1"

@@ -7,26 +7,39 @@ per connection (FIFO: a reply means the op is applied at the target).
 
 Wire format (network byte order)::
 
-    hello   (origin -> target)  MAGIC "TNW1", u32 origin rank, 32-byte window token
+    challenge (target -> origin)  32 random bytes (a fresh nonce per connection)
+    hello   (origin -> target)  MAGIC "TNW2", u32 origin rank, 32-byte proof = HMAC-SHA256(token, nonce, origin)
     verdict (target -> origin)  u8: 0 accepted; anything else / EOF: refused (the target then closes)
     request (origin -> target)  u8 op, u8 dtype code, u16 aux (reduce op), u32 request id,
                                 i64 offset (signal: value), i64 numel, u64 payload bytes, then the payload
     reply   (target -> origin)  u8 status, 3 pad, u32 request id, u64 payload bytes, then the payload
                                 (status != 0: payload is a UTF-8 error message)
 
-The token (``secrets.token_bytes(32)``, one per window, distributed through the communicator's store) is compared
-with ``hmac.compare_digest``; a connection without it gets a refusal and is closed before any request is read.
+The token (``secrets.token_bytes(32)``, one per window) is broadcast by rank 0 over the communicator itself, never
+written to the store (the store has no authentication: anyone who reaches it could read it), and never crosses the
+wire: the hello carries an HMAC proof over the target's nonce, compared with ``hmac.compare_digest``. A connection
+without a valid proof gets a refusal and is closed before any request is read.
+
+Hostile input ends one connection, never the service: a bad hello, a peer silent for ``_HELLO_TIMEOUT_S``, more
+than :data:`MAX_PENDING` connections still in their handshake (the newest is refused), a malformed request header
+(answered with a status, or the connection closed when its payload length cannot be trusted); each is logged on the
+``torchnext.comms.window`` logger with the reason.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import errno
+import hashlib
 import hmac
+import logging
+import os
 import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,10 +49,17 @@ from torchnext.comms.errors import CommError, CommTimeout, PeerFailure
 from torchnext.comms.reduce_op import ReduceOp
 from torchnext.comms.window.segment import ACCUMULATE, DTYPES, Segment, dtype_code
 
-__all__ = ["HELLO", "MAGIC", "TcpChannel", "TcpService", "WindowAuthError"]
+__all__ = ["CHALLENGE_BYTES", "HELLO", "MAGIC", "MAX_PENDING", "TcpChannel", "TcpService", "WindowAuthError", "proof"]
 
-MAGIC = b"TNW1"
+_LOG = logging.getLogger("torchnext.comms.window")
+
+MAGIC = b"TNW2"
 HELLO = struct.Struct("!4sI32s")
+CHALLENGE_BYTES = 32
+MAX_PENDING = 64
+"""Connections in their handshake at once; a new one beyond this is refused at once."""
+MAX_GET_ROWS = 1 << 20
+"""Most indices one ``get_rows`` request may carry (beyond the target's row count)."""
 REQUEST = struct.Struct("!BBHIqqQ")
 REPLY = struct.Struct("!B3xIQ")
 ACCEPTED = b"\x00"
@@ -76,6 +96,12 @@ class _Reject(Exception):
         super().__init__(message)
 
 
+def proof(token: bytes, nonce: bytes, origin: int) -> bytes:
+    """``HMAC-SHA256(token, "torchnext-window" | nonce | origin)``: the hello's proof that the origin holds the
+    window token (the token itself never crosses the wire)."""
+    return hmac.new(token, b"torchnext-window\0" + nonce + origin.to_bytes(4, "big"), hashlib.sha256).digest()
+
+
 def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
     """Fill ``view``; False on EOF before the first byte, ``ConnectionError`` on EOF mid-way."""
     got = 0
@@ -108,6 +134,7 @@ class TcpService:
         self._shape = shape
         self._world = world
         self._closed = False
+        self._pending = 0
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._sock = socket.create_server((host, 0), backlog=max(16, 2 * world))
@@ -137,27 +164,54 @@ class TcpService:
     def _accept_loop(self) -> None:
         while True:
             try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
+                conn, addr = self._sock.accept()
+            except OSError as exc:
+                if self._closed or exc.errno is None:
+                    return
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    time.sleep(0.05)  # out of descriptors: let the handshakes in flight finish or time out
+                continue  # ECONNABORTED and friends: that connection is gone, the listener is fine
             with self._lock:
                 if self._closed:
                     conn.close()
                     return
+                if self._pending >= MAX_PENDING:
+                    _LOG.warning("torchnext window service: refusing %s: %d connections already in their handshake",
+                                 addr, self._pending)
+                    conn.close()
+                    continue
+                self._pending += 1
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="torchnext-window-conn", daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn, addr), name="torchnext-window-conn",
+                                 daemon=True).start()
+            except RuntimeError:  # cannot start a thread: shed this connection, keep serving the others
+                with self._lock:
+                    self._pending -= 1
+                    self._conns.discard(conn)
+                conn.close()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, addr: Any) -> None:
+        authenticated = False
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(_HELLO_TIMEOUT_S)
+            nonce = os.urandom(CHALLENGE_BYTES)
+            conn.sendall(nonce)
             hello = bytearray(HELLO.size)
             if not _recv_exact(conn, memoryview(hello)):
                 return
-            magic, origin, token = HELLO.unpack(hello)
-            if magic != MAGIC or not hmac.compare_digest(token, self._token) or not 0 <= origin < self._world:
+            magic, origin, mac = HELLO.unpack(hello)
+            if magic != MAGIC or not 0 <= origin < self._world or not hmac.compare_digest(
+                    mac, proof(self._token, nonce, origin)):
+                _LOG.warning("torchnext window service: refused %s: %s", addr,
+                             "bad magic" if magic != MAGIC else f"origin {origin} out of range"
+                             if not 0 <= origin < self._world else "wrong window token")
                 conn.sendall(REFUSED)
                 return
+            authenticated = True
+            with self._lock:
+                self._pending -= 1
             conn.sendall(ACCEPTED)
             conn.settimeout(None)
             header = bytearray(REQUEST.size)
@@ -165,10 +219,15 @@ class TcpService:
             while _recv_exact(conn, hview):
                 op, code, aux, req_id, offset, numel, plen = REQUEST.unpack(header)
                 self._one(conn, origin, op, code, aux, req_id, offset, numel, plen)
-        except (OSError, ConnectionError):
-            return
+        except (OSError, ConnectionError) as exc:
+            if not self._closed:
+                _LOG.info("torchnext window service: connection from %s ended: %s", addr, exc)
+        except Exception:  # a bug triggered by this peer's bytes: this connection goes, the service stays
+            _LOG.exception("torchnext window service: internal error on a request from %s", addr)
         finally:
             with self._lock:
+                if not authenticated:
+                    self._pending -= 1
                 self._conns.discard(conn)
             conn.close()
 
@@ -226,7 +285,7 @@ class TcpService:
         if op == Op.GET_ROWS:
             if len(self._shape) != 2:
                 raise _Reject(Status.BAD_REQUEST, f"get_rows needs a 2-D registered tensor, target has shape {list(self._shape)}")
-            if numel < 0 or plen != numel * 8:
+            if numel < 0 or numel > max(self._shape[0], MAX_GET_ROWS) or plen != numel * 8:
                 raise _Reject(Status.BAD_REQUEST, f"get_rows: {plen} payload bytes for {numel} int64 indices")
             return plen
         if numel < 0 or offset < 0 or offset + numel > seg.numel:
@@ -305,7 +364,10 @@ class TcpChannel:
         self._sock = sock
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(HELLO.pack(MAGIC, origin, token))
+            nonce = bytearray(CHALLENGE_BYTES)
+            if not _recv_exact(sock, memoryview(nonce)):
+                raise ConnectionError("the window service closed the connection before its challenge")
+            sock.sendall(HELLO.pack(MAGIC, origin, proof(token, bytes(nonce), origin)))
             verdict = sock.recv(1)
         except OSError as exc:
             sock.close()

@@ -1,0 +1,550 @@
+"""The membership service: one selector thread serving every connection of a coordinator.
+
+It authenticates connections (:mod:`~torchnext.ft._wire`: a challenge, then a hello proving the job token; the
+welcome proves it back), validates every message against its schema, and feeds the decisions of
+:class:`~torchnext.ft.membership.Membership` (in office) or :class:`~torchnext.ft.election.Election` (a standby
+collecting reports) back to the members.
+
+Hostile input ends one connection, never the service: a malformed line, a message of the wrong shape, a second
+hello, a peer that stops reading (its unsent bytes pass :data:`MAX_UNSENT`), an unauthenticated connection idle for
+``HELLO_TIMEOUT_S`` or beyond :data:`MAX_UNAUTHENTICATED` others -- each closes that connection with a logged
+reason (``torchnext.ft`` logger). An unauthenticated peer gets a ``reject`` naming what was wrong; an authenticated
+member whose connection is closed is a failed member, as if it had crashed. Sends never block: each connection has
+its own outgoing buffer drained when the socket is writable, so a peer that does not read cannot stall the others.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchnext.ft._wire import (
+    MEMBER_MESSAGES,
+    PROTOCOL_VERSION,
+    LineReader,
+    ProtocolError,
+    check,
+    encode,
+    mac,
+    new_nonce,
+    tune_socket,
+    verify,
+)
+from torchnext.ft.election import Election, Report
+from torchnext.ft.membership import Membership, MembershipConfig, Rejected
+
+__all__ = ["HELLO_TIMEOUT_S", "MAX_UNAUTHENTICATED", "MAX_UNSENT", "MembershipService"]
+
+_LOG = logging.getLogger("torchnext.ft")
+
+HELLO_TIMEOUT_S = 10.0
+"""An unauthenticated connection that sends no valid hello within this long is closed."""
+MAX_UNAUTHENTICATED = 64
+"""Unauthenticated connections kept at once; a new one beyond this closes the oldest."""
+MAX_UNSENT = 1 << 20
+"""Bytes queued for a peer that does not read; beyond this its connection is closed."""
+_RECV = 1 << 16
+_FD_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    peer: str
+    opened: float
+    nonce: str
+    reader: LineReader = field(default_factory=LineReader)
+    out: bytearray = field(default_factory=bytearray)
+    member: int | None = None
+    """The authenticated member id (a member in office, or a reporter while standing by)."""
+    reporter: bool = False
+    last_seen: float = 0.0
+    join: tuple[int | None, int, int] = (None, 0, 1)
+    coordinators: int = 1
+    fenced_until: float | None = None
+    fence_msg: dict[str, Any] | None = None
+    writing: bool = False
+
+
+class MembershipService:
+    """Serves the membership protocol on ``host:port`` until :meth:`stop`. ``standby=True``: not in office until
+    members that lost their coordinator report and the takeover rule holds (:mod:`torchnext.ft.election`).
+
+    ``state`` (the :class:`Membership`, None while standing by), ``lock`` (hold it to read ``state``), ``stalls``.
+    """
+
+    def __init__(self, *, host: str, port: int, token: str, store_port: int, membership: MembershipConfig,
+                 standby: bool) -> None:
+        self._token = token
+        self._config = membership
+        self.store_port = store_port
+        self.lock = threading.RLock()
+        self.state: Membership | None = None if standby else Membership(membership)
+        self.election: Election | None = Election(grace_s=membership.heartbeat_timeout_s) if standby else None
+        self.standby_history: list[dict[str, Any]] = []
+        self.stalls = 0
+        """How many times the loop ran late and forgave missed heartbeats."""
+        self._conns: dict[socket.socket, _Conn] = {}
+        self._by_member: dict[int, _Conn] = {}
+        self._listener = socket.create_server((host, port), backlog=256)
+        self._listener.setblocking(False)
+        self.port: int = self._listener.getsockname()[1]
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listener, selectors.EVENT_READ, "accept")
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._accept_paused_until = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="torchnext-coordinator", daemon=True)
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Close every connection and the listener (members see their coordinator lost). Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        else:
+            self._shutdown()
+
+    def alive(self) -> bool:
+        """The service thread is running."""
+        return self._thread.is_alive()
+
+    def history(self) -> list[dict[str, Any]]:
+        with self.lock:
+            own = self.state.history if self.state is not None else []
+            return [dict(h) for h in [*self.standby_history, *own]]
+
+    # ------------------------------------------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        cfg = self._config
+        tick = min(cfg.heartbeat_interval_s / 4, 0.025)
+        last_loop = time.monotonic()
+        next_ping = last_loop
+        try:
+            while not self._stop.is_set():
+                with self.lock:
+                    due = self.state.next_deadline() if self.state is not None else None
+                wait = tick if due is None else max(0.0, min(tick, due - time.monotonic()))
+                self._poll(wait)
+                now = time.monotonic()
+                with self.lock:
+                    if now - last_loop > cfg.heartbeat_interval_s * 2:
+                        # We ran late (CPU starvation, GC, SIGSTOP): the members' silence may be ours.
+                        self.stalls += 1
+                        self._forgive(now)
+                    last_loop = now
+                    self._guard("tick", self._tick, now)
+                if now >= next_ping:
+                    next_ping = now + cfg.heartbeat_interval_s
+                    self._guard("ping", self._ping, now)
+        finally:
+            self._shutdown()
+
+    def _guard(self, what: str, fn: Callable[[float], None], now: float) -> None:
+        """Run one step of the loop; a bug in it is logged and the service goes on serving."""
+        try:
+            fn(now)
+        except Exception:
+            _LOG.exception("torchnext coordinator: internal error in %s (the service goes on)", what)
+
+    def _poll(self, wait: float) -> None:
+        if self._accept_paused_until and time.monotonic() >= self._accept_paused_until:
+            self._accept_paused_until = 0.0
+            self._sel.modify(self._listener, selectors.EVENT_READ, "accept")
+        for key, events in self._sel.select(timeout=wait):
+            if key.data == "accept":
+                self._accept()
+            elif key.data == "wake":
+                self._wake_r.recv(64)
+            else:
+                conn: _Conn = key.data
+                if events & selectors.EVENT_WRITE:
+                    self._write(conn)
+                if events & selectors.EVENT_READ and conn.sock in self._conns:
+                    self._readable(conn)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in _FD_EXHAUSTED:  # out of descriptors: shed an unauthenticated peer, or pause
+                    if not self._shed_unauthenticated("descriptors exhausted"):
+                        self._accept_paused_until = time.monotonic() + 0.1
+                        self._sel.modify(self._listener, selectors.EVENT_READ, "paused")
+                    return
+                continue  # ECONNABORTED, EPROTO, ...: that connection is gone, the listener is fine
+            now = time.monotonic()
+            try:
+                tune_socket(sock)
+                sock.setblocking(False)
+            except OSError:
+                sock.close()
+                continue
+            conn = _Conn(sock, _peer(addr), now, new_nonce())
+            if sum(1 for c in self._conns.values() if c.member is None) >= MAX_UNAUTHENTICATED:
+                self._shed_unauthenticated("too many unauthenticated connections")
+            self._conns[sock] = conn
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+            self._send(conn, {"t": "challenge", "nonce": conn.nonce, "proto": PROTOCOL_VERSION})
+
+    def _shed_unauthenticated(self, why: str) -> bool:
+        pending = [c for c in self._conns.values() if c.member is None and c.fence_msg is None]
+        if not pending:
+            return False
+        oldest = min(pending, key=lambda c: c.opened)
+        _LOG.warning("torchnext coordinator: closing unauthenticated connection from %s (%s)", oldest.peer, why)
+        self._close(oldest)
+        return True
+
+    def _readable(self, conn: _Conn) -> None:
+        now = time.monotonic()
+        try:
+            data = conn.sock.recv(_RECV)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._lost(conn, now, f"connection broke: {exc}")
+            return
+        if not data:
+            self._lost(conn, now, "connection closed (process exited or crashed)")
+            return
+        try:
+            for msg in conn.reader.feed(data):
+                if conn.sock not in self._conns:
+                    return
+                self._dispatch(conn, msg, now)
+        except ProtocolError as exc:
+            self._violation(conn, now, str(exc))
+        except Exception as exc:  # a bug triggered by this peer's input: this connection goes, the service stays
+            _LOG.exception("torchnext coordinator: internal error on a message from %s", conn.peer)
+            self._violation(conn, now, f"internal error: {type(exc).__name__}")
+
+    def _violation(self, conn: _Conn, now: float, why: str) -> None:
+        who = conn.peer if conn.member is None else f"member {conn.member} ({conn.peer})"
+        _LOG.warning("torchnext coordinator: closing the connection of %s: protocol error: %s", who, why)
+        if conn.member is None:
+            self._send(conn, {"t": "reject", "code": "bad_request", "reason": why[:2000]})
+            self._write(conn)
+        self._lost(conn, now, f"protocol error: {why}")
+
+    # ------------------------------------------------------------------------------------------------ messages
+    def _dispatch(self, conn: _Conn, raw: dict[str, Any], now: float) -> None:
+        if conn.fence_msg is not None:  # a removed member speaks again: tell it (again) that it was removed
+            self._send(conn, conn.fence_msg)
+            return
+        if conn.member is None:
+            self._hello(conn, raw, now)
+            return
+        msg = check(raw, MEMBER_MESSAGES)
+        kind, mid = msg["t"], conn.member
+        if kind == "hello":
+            raise ProtocolError("a second hello on an authenticated connection")
+        conn.last_seen = now
+        with self.lock:
+            if conn.reporter:
+                self._reporter_message(conn, msg, now)
+                return
+            st = self.state
+            assert st is not None
+            if kind == "hb":
+                st.heartbeat(mid, now)
+            elif kind == "vote":
+                st.heartbeat(mid, now)
+                st.vote(mid, msg["gen"], msg["step"], now)
+            elif kind == "fail":
+                st.report_failure(mid, msg["gen"], msg["reason"][:500], now)
+            elif kind == "bye":
+                if msg["done"]:
+                    st.finish(mid, now)
+                else:
+                    st.leave(mid, now)
+            self._flush(now)
+
+    def _reporter_message(self, conn: _Conn, msg: dict[str, Any], now: float) -> None:
+        assert self.election is not None and conn.member is not None
+        kind = msg["t"]
+        if kind == "promise":
+            self.election.promise(conn.member, msg["term"])
+            self._elect(now)
+        elif kind == "bye":
+            self._close(conn)
+            self.election.remove(conn.member)
+            self._elect(now)
+        # heartbeats only refresh last_seen; votes and failure reports mean nothing before a generation exists
+
+    def _hello(self, conn: _Conn, raw: dict[str, Any], now: float) -> None:
+        if raw.get("t") != "hello":
+            self._reject(conn, "bad_request", "the first message must be a hello")
+            return
+        if raw.get("proto") != PROTOCOL_VERSION:
+            self._reject(conn, "bad_request", f"protocol version {raw.get('proto')!r}, expected {PROTOCOL_VERSION}")
+            return
+        try:
+            msg = check(raw, MEMBER_MESSAGES)
+        except ProtocolError as exc:
+            self._reject(conn, "bad_request", str(exc))
+            return
+        if not verify(self._token, "member", conn.nonce, msg["nonce"], msg["proof"]):
+            self._reject(conn, "auth", "wrong job token")
+            return
+        conn.join = (msg["group"], msg["group_rank"], msg["group_size"])
+        conn.coordinators = msg["coordinators"]
+        report = msg["report"]
+        with self.lock:
+            if self.state is None:
+                self._report(conn, msg, now)
+                return
+            st = self.state
+            if report is not None:
+                if st.gen == 0:
+                    self._reject(conn, "not_resumable", "this coordinator started a new job (it was not started as "
+                                 "a standby): it cannot resume another one")
+                    return
+                if report["term"] > st.term:
+                    self._reject(conn, "stale_coordinator", f"you promised term {report['term']} but this "
+                                 f"coordinator's term is {st.term}: a newer coordinator took office")
+                    return
+            if msg["coordinators"] > 1:
+                st.failover = True
+            try:
+                mid = st.join(msg["member"], msg["step"] if report is None else report["step"], now,
+                              group=msg["group"], group_rank=msg["group_rank"], group_size=msg["group_size"])
+            except Rejected as exc:
+                self._reject(conn, exc.code, exc.reason)
+                return
+            conn.member = mid
+            conn.last_seen = now
+            self._by_member[mid] = conn
+            self._welcome(conn, msg["nonce"], "office", st.term)
+            self._flush(now)
+
+    def _report(self, conn: _Conn, msg: dict[str, Any], now: float) -> None:
+        """Standby: a member that lost its coordinator reports (caller holds the lock)."""
+        assert self.election is not None
+        if msg["report"] is None:
+            self._reject(conn, "standby", "this coordinator is a standby and not in office: no member that lost "
+                         "its coordinator has reported to it yet")
+            return
+        mid = msg["member"]
+        if mid is None:
+            self._reject(conn, "bad_request", "a report needs the member id")
+            return
+        old = self._by_member.get(mid)
+        if old is not None:
+            self._reject(conn, "duplicate", f"member {mid} already reported on another connection")
+            return
+        conn.member = mid
+        conn.reporter = True
+        conn.last_seen = now
+        self._by_member[mid] = conn
+        report = Report.from_message(mid, msg["report"])
+        self.standby_history.append({"event": "report", "member": mid, "at": now, "term": report.term,
+                                     "entered": None if report.entered is None else report.entered.gen,
+                                     "step": report.step})
+        self._welcome(conn, msg["nonce"], "standby", 0)
+        term = self.election.add(report, now)
+        if term is not None:
+            self._send(conn, {"t": "prepare", "term": term})
+        self._elect(now)
+
+    def _elect(self, now: float) -> None:
+        """Standby: prepare a term once the reports allow it; take office once the promises do (lock held)."""
+        election = self.election
+        if election is None or self.state is not None:
+            return
+        term = election.prepare(now)
+        if term is not None:
+            self.standby_history.append({"event": "prepare", "term": term, "at": now,
+                                         "reporters": sorted(election.reports)})
+            for mid in election.reports:
+                self._send(self._by_member[mid], {"t": "prepare", "term": term})
+        takeover = election.decide(now)
+        if takeover is None:
+            return
+        st = Membership(self._config)
+        reporters = {mid: self._by_member[mid] for mid in election.reports}
+        st.failover = any(c.coordinators > 1 for c in reporters.values())
+        st.take_office(takeover, {m: reporters[m].join for m in takeover.members}, now)
+        self.state = st
+        _LOG.warning("torchnext coordinator: %s", takeover.reason)
+        for mid, conn in reporters.items():
+            conn.reporter = False
+            if mid not in takeover.members:  # reported but did not promise in time: an ordinary joiner now
+                report = election.reports[mid]
+                group, rank, size = conn.join
+                try:
+                    st.join(mid, report.step, now, group=group, group_rank=rank, group_size=size)
+                except Rejected as exc:
+                    self._reject(conn, exc.code, exc.reason)
+        self._flush(now)
+
+    def _welcome(self, conn: _Conn, member_nonce: str, role: str, term: int) -> None:
+        cfg = self._config
+        assert conn.member is not None
+        self._send(conn, {
+            "t": "welcome", "proof": mac(self._token, "coordinator", member_nonce, conn.nonce), "member": conn.member,
+            "store_port": self.store_port, "proto": PROTOCOL_VERSION, "role": role, "term": term,
+            "heartbeat_interval_s": cfg.heartbeat_interval_s, "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
+            "quorum_timeout_s": cfg.quorum_timeout_s, "grow_timeout_s": cfg.grow_timeout_s,
+        })
+
+    def _reject(self, conn: _Conn, code: str, reason: str) -> None:
+        _LOG.info("torchnext coordinator: refused %s (%s): %s", conn.peer, code, reason)
+        self._send(conn, {"t": "reject", "code": code, "reason": reason[:2000]})
+        self._write(conn)
+        self._close(conn)
+
+    # ------------------------------------------------------------------------------------------------ timers
+    def _tick(self, now: float) -> None:
+        if self.state is not None:
+            self.state.tick(now)
+            self._flush(now)
+            return
+        assert self.election is not None
+        timeout = self._config.heartbeat_timeout_s
+        for conn in [c for c in self._conns.values() if c.reporter and now - c.last_seen > timeout]:
+            _LOG.info("torchnext coordinator: reporter %s went silent", conn.member)
+            self._lost(conn, now, "missed heartbeats")
+        self._elect(now)
+
+    def _forgive(self, now: float) -> None:
+        if self.state is not None:
+            self.state.forgive(now)
+        for conn in self._conns.values():
+            conn.last_seen = max(conn.last_seen, now)
+
+    def _ping(self, now: float) -> None:
+        ping = {"t": "ping"}
+        for conn in list(self._conns.values()):
+            if conn.fenced_until is not None:
+                if now > conn.fenced_until:
+                    self._close(conn)
+            elif conn.member is not None:
+                self._send(conn, ping)
+            elif now - conn.opened > HELLO_TIMEOUT_S:
+                _LOG.info("torchnext coordinator: closing %s: no hello within %ss", conn.peer, HELLO_TIMEOUT_S)
+                self._close(conn)
+
+    # --------------------------------------------------------------------------------------------- delivery
+    def _flush(self, now: float) -> None:
+        """Deliver what the state machine decided (lock held). Order: messages, fences, closes."""
+        st = self.state
+        if st is None:
+            return
+        outbox, st.outbox = st.outbox, []
+        for mid, msg in outbox:
+            conn = self._by_member.get(mid)
+            if conn is not None:
+                self._send(conn, msg)
+        fences, st.to_fence = st.to_fence, []
+        for mid, msg in fences:
+            conn = self._by_member.pop(mid, None)
+            if conn is not None:
+                conn.fence_msg = msg
+                conn.fenced_until = now + self._config.fence_linger_s
+                self._send(conn, msg)
+        closes, st.to_close = st.to_close, []
+        for mid in closes:
+            conn = self._by_member.pop(mid, None)
+            if conn is not None:
+                self._write(conn)
+                self._close(conn)
+
+    def _send(self, conn: _Conn, msg: dict[str, Any]) -> None:
+        """Queue ``msg`` and write what the socket takes now; never blocks."""
+        if conn.sock not in self._conns:
+            return
+        conn.out += encode(msg)
+        if len(conn.out) > MAX_UNSENT:
+            _LOG.warning("torchnext coordinator: closing %s: it does not read (%d bytes unsent)", conn.peer,
+                         len(conn.out))
+            self._lost(conn, time.monotonic(), "does not read its messages")
+            return
+        self._write(conn)
+
+    def _write(self, conn: _Conn) -> None:
+        if conn.sock not in self._conns:
+            return
+        try:
+            while conn.out:
+                n = conn.sock.send(conn.out)
+                del conn.out[:n]
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            conn.out.clear()  # broken: the reader sees EOF and handles it
+        want = bool(conn.out)
+        if want != conn.writing:
+            conn.writing = want
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if want else 0)
+            self._sel.modify(conn.sock, events, conn)
+
+    def _lost(self, conn: _Conn, now: float, why: str) -> None:
+        """The peer is gone (or was thrown out): close, and tell the state machine."""
+        mid = conn.member
+        fenced = conn.fence_msg is not None
+        reporter = conn.reporter
+        self._close(conn)
+        if mid is None or fenced:
+            return
+        with self.lock:
+            if reporter:
+                assert self.election is not None
+                self.election.remove(mid)
+            elif self.state is not None:
+                self.state.failure(mid, now, why, hung=False)
+                self._flush(now)
+
+    def _close(self, conn: _Conn) -> None:
+        if self._conns.pop(conn.sock, None) is None:
+            return
+        if conn.member is not None and self._by_member.get(conn.member) is conn:
+            del self._by_member[conn.member]
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+
+    def _shutdown(self) -> None:
+        for conn in list(self._conns.values()):
+            self._close(conn)
+        for s in (self._listener, self._wake_r, self._wake_w):
+            try:
+                s.close()
+            except OSError:
+                pass
+        try:
+            self._sel.close()
+        except (OSError, RuntimeError):
+            pass
+
+
+def _peer(addr: Any) -> str:
+    try:
+        return f"{addr[0]}:{addr[1]}"
+    except (TypeError, IndexError):
+        return str(addr)
