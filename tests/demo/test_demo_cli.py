@@ -12,6 +12,8 @@ def test_fault_grammar() -> None:
     assert Fault.parse("kill:2@20") == Fault(kind="kill", rank=2, step=20)
     assert Fault.parse(" HANG : 1 @ 5 ") == Fault(kind="hang", rank=1, step=5)
     assert str(Fault.parse("hang:3@7")) == "hang:3@7"
+    assert Fault.parse("coordinator@12") == Fault(kind="coordinator", rank=-1, step=12)
+    assert str(Fault.parse(" Coordinator @ 4")) == "coordinator@4"
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -21,6 +23,8 @@ def test_fault_grammar() -> None:
     ("explode:2@20", "unknown kind 'explode'"),
     ("kill:-1@20", "rank -1 is negative"),
     ("kill:2@-3", "step -3 is negative"),
+    ("coordinator:1@5", "a coordinator fault names no rank: coordinator@STEP"),
+    ("coordinator@-2", "step -2 is negative"),
 ])
 def test_bad_fault_strings_are_refused_by_the_parser(text: str, message: str, capsys: pytest.CaptureFixture[str]
                                                      ) -> None:
@@ -46,6 +50,8 @@ def test_bad_fault_strings_are_refused_by_the_parser(text: str, message: str, ca
     (["--timeout", "0"], "--timeout must be positive"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--seq-len", "-4"], "--seq-len must be >= 1"),
+    (["--fault", "coordinator@5", "--fault", "coordinator@9"], "at most one"),
+    (["--fault", "coordinator@200"], "step 200 must be in (0, --steps 200)"),
 ])
 def test_bad_flag_combinations_are_clear_errors(args: list[str], message: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:

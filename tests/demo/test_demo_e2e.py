@@ -144,3 +144,20 @@ def test_a_timeout_is_a_clear_error_and_leaves_no_process_behind(tmp_path: Path)
     assert _processes_mentioning(str(out)) == []  # every rank (and spare) killed and reaped
     summary = json.loads((out / "summary.json").read_text())
     assert summary["error"] is not None and "did not finish" in summary["error"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_coordinator_killed_the_standby_takes_over_and_training_goes_on(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    summary = _run(["--steps", "24", "--fault", "coordinator@8"], out, timeout=180)
+    assert summary["steps_completed"] == 24
+    (failure,) = summary["failures"]
+    assert (failure["kind"], failure["step"]) == ("coordinator", 8), failure
+    assert isinstance(failure["takeover_s"], float) and 0 <= failure["takeover_s"] < 5, failure
+    assert isinstance(failure["next_commit_s"], float) and 0 <= failure["next_commit_s"] < 30, failure
+    # nobody was lost: both replica groups finished, counterparts equal
+    assert summary["final_members"] == [0, 1, 2, 3] and summary["removed_members"] == []
+    assert summary["replica_groups_compared"] == 2 and summary["params_equal_across_ranks"] is True
+    history = json.loads((out / "coordinator_history.json").read_text())
+    assert any(h["event"] == "takeover" for h in history)

@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight precision of experts and projections (default %(default)s)")
     parser.add_argument("--fault", action="append", type=_fault, default=None, metavar="KIND:RANK@STEP",
                         help="inject a failure after the job committed STEP steps: kill:RANK (SIGKILL) or hang:RANK "
-                             "(SIGSTOP); repeatable (default " + ", ".join(str(f) for f in d.faults) + ")")
+                             "(SIGSTOP), or coordinator@STEP (kill the coordinator: a standby takes over); "
+                             "repeatable (default " + ", ".join(str(f) for f in d.faults) + ")")
     parser.add_argument("--no-fault", action="store_true", help="run without injecting a failure")
     parser.add_argument("--rejoin", action="store_true",
                         help="restart each failed replica group (warm standby processes): it heals shard by shard "
@@ -131,6 +132,9 @@ def run(args: argparse.Namespace) -> int:
         if kind == "step":
             progress.update(task, completed=ev["step"], loss=f"{ev['loss']:.3f}", size=ev["size"],
                             gen=ev["generation"], tps=f"{ev['tokens_per_s']:.0f}")
+        elif kind == "fault" and ev["kind"] == "coordinator":
+            progress.console.print(f"[red]✗ injected: the coordinator killed after step {ev['step']}; "
+                                   "the standby takes over[/]")
         elif kind == "fault":
             progress.console.print(f"[red]✗ injected: {ev['kind']} rank {ev['rank']} (member {ev['member']}, "
                                    f"replica group {ev['group']}) after step {ev['step']}[/]")
@@ -165,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(cfg.out)
     rc, timeline = analyze_flight_recorder(out)
     for f in summary["failures"]:
+        if f["kind"] == "coordinator":
+            console.print(f"failure: coordinator killed at step {f['step']}: standby in office after "
+                          f"{f['takeover_s']} s, next committed step after {f['next_commit_s']} s")
+            continue
         console.print(f"failure: {f['kind']} rank {f['rank']} (replica group {f['group']}) at step {f['step']}: "
                       f"detect {f['detect_s']} s, "
                       f"agree {f['agree_s']} s, rebuild {f['rebuild_s']} s")

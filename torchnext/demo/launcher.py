@@ -32,8 +32,9 @@ from typing import IO, Any
 
 __all__ = ["DemoConfig", "DemoError", "Fault", "run_demo"]
 
-FAULT_KINDS = ("kill", "hang")
+FAULT_KINDS = ("kill", "hang", "coordinator")
 _FAULT_RE = re.compile(r"^\s*([A-Za-z]+)\s*:\s*(-?\d+)\s*@\s*(-?\d+)\s*$")
+_COORDINATOR_RE = re.compile(r"^\s*coordinator\s*@\s*(-?\d+)\s*$", re.IGNORECASE)
 
 
 class DemoError(RuntimeError):
@@ -44,7 +45,9 @@ class DemoError(RuntimeError):
 class Fault:
     """One injected failure: ``kind`` (``kill``: SIGKILL; ``hang``: SIGSTOP until the group is removed, then
     SIGCONT -- the rank must learn it was removed) on local rank ``rank`` after the job committed ``step`` steps.
-    Written ``kind:RANK@STEP`` (``kill:2@20``)."""
+    Written ``kind:RANK@STEP`` (``kill:2@20``). ``coordinator@STEP``: the coordinator in office is killed (its
+    membership service and store stop at once) and the standby the launcher started beside it takes over; ``rank``
+    is -1."""
 
     kind: str
     rank: int
@@ -53,7 +56,10 @@ class Fault:
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
             raise ValueError(f"fault kind must be one of {', '.join(FAULT_KINDS)}, got {self.kind!r}")
-        if self.rank < 0:
+        if self.kind == "coordinator":
+            if self.rank != -1:
+                raise ValueError(f"a coordinator fault names no rank (coordinator@STEP), got rank {self.rank}")
+        elif self.rank < 0:
             raise ValueError(f"fault rank must be >= 0, got {self.rank}")
         if self.step < 0:
             raise ValueError(f"fault step must be >= 0, got {self.step}")
@@ -65,11 +71,19 @@ class Fault:
         Raises:
             ValueError: not ``KIND:RANK@STEP``, an unknown kind, a negative rank or step.
         """
+        c = _COORDINATOR_RE.match(text)
+        if c is not None:
+            step = int(c.group(1))
+            if step < 0:
+                raise ValueError(f"bad fault {text!r}: step {step} is negative")
+            return cls(kind="coordinator", rank=-1, step=step)
         m = _FAULT_RE.match(text)
         if m is None:
-            raise ValueError(f"bad fault {text!r}: expected KIND:RANK@STEP with KIND one of "
-                             f"{', '.join(FAULT_KINDS)} (e.g. kill:2@20)")
+            raise ValueError(f"bad fault {text!r}: expected KIND:RANK@STEP with KIND kill or hang (e.g. kill:2@20), "
+                             "or coordinator@STEP")
         kind = m.group(1).lower()
+        if kind == "coordinator":
+            raise ValueError(f"bad fault {text!r}: a coordinator fault names no rank: coordinator@STEP")
         if kind not in FAULT_KINDS:
             raise ValueError(f"bad fault {text!r}: unknown kind {m.group(1)!r} (expected one of "
                              f"{', '.join(FAULT_KINDS)})")
@@ -81,7 +95,7 @@ class Fault:
         return cls(kind=kind, rank=rank, step=step)
 
     def __str__(self) -> str:
-        return f"{self.kind}:{self.rank}@{self.step}"
+        return f"coordinator@{self.step}" if self.kind == "coordinator" else f"{self.kind}:{self.rank}@{self.step}"
 
 
 @dataclass(kw_only=True)
@@ -164,7 +178,15 @@ class DemoConfig:
         if self.heartbeat_timeout_s <= 0:
             raise ValueError(f"DemoConfig.heartbeat_timeout_s must be positive, got {self.heartbeat_timeout_s}")
         hit: set[int] = set()
+        coordinator_faults = [f for f in self.faults if f.kind == "coordinator"]
+        if len(coordinator_faults) > 1:
+            raise ValueError("--fault coordinator@STEP: at most one (the demo starts one standby coordinator)")
+        for f in coordinator_faults:
+            if not 0 < f.step < self.steps:
+                raise ValueError(f"--fault {f}: step {f.step} must be in (0, --steps {self.steps})")
         for f in self.faults:
+            if f.kind == "coordinator":
+                continue
             if not 0 <= f.rank < self.ranks:
                 raise ValueError(f"--fault {f}: rank {f.rank} is out of range [0, {self.ranks})")
             if not 0 < f.step < self.steps:
@@ -214,6 +236,7 @@ class _Launcher:
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.ranks: dict[int, _Rank] = {}
         self.losses: dict[int, float] = {}
+        self.step_at: dict[int, float] = {}  # when the first rank reported each committed step
         self.sizes: list[tuple[int, int]] = []  # (step, replica groups) whenever the count changes
         self.injected: list[_Injected] = []
         self.reconfigs: list[dict[str, Any]] = []
@@ -347,10 +370,19 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
     t_start = time.monotonic()
     faults = sorted(cfg.faults, key=lambda f: f.step)
     groups = cfg.groups
-    coord = Coordinator(CoordinatorConfig(membership=MembershipConfig(
-        min_size=_min_groups(groups), initial_size=groups, heartbeat_timeout_s=cfg.heartbeat_timeout_s)))
+    membership = MembershipConfig(min_size=_min_groups(groups), initial_size=groups,
+                                  heartbeat_timeout_s=cfg.heartbeat_timeout_s)
+    coord = Coordinator(CoordinatorConfig(membership=membership))
     coord.start()
-    launcher = _Launcher(cfg, emit, coord.address, coord.token, coord.store_port)
+    standby: Coordinator | None = None
+    addresses = coord.address
+    if any(f.kind == "coordinator" for f in faults):  # the standby that takes over when the primary is killed
+        standby = Coordinator(CoordinatorConfig(standby=True, token=coord.token, membership=membership)).start()
+        addresses = f"{coord.address},{standby.address}"
+    # the replica groups' own process groups rendezvous at a store of the launcher's: it outlives any coordinator
+    group_store = _loopback_store()
+    launcher = _Launcher(cfg, emit, addresses, coord.token, group_store.port)
+    coordinators = [coord, *([standby] if standby is not None else [])]
     error: BaseException | None = None
     history: list[dict[str, Any]] = []
     try:
@@ -384,10 +416,16 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
             elif kind == "step":
                 step = int(ev["step"])
                 launcher.losses.setdefault(step, float(ev["loss"]))
+                launcher.step_at.setdefault(step, time.monotonic())
                 if not launcher.sizes or launcher.sizes[-1][1] != ev["size"]:
                     launcher.sizes.append((step, int(ev["size"])))
                 for i in list(pending):
                     f = faults[i]
+                    if f.kind == "coordinator":
+                        if step >= f.step:
+                            pending.remove(i)
+                            _kill_coordinator(launcher, f, coord, step, emit)
+                        continue
                     victim = launcher.current(f.rank)
                     if step < f.step or victim is None or not victim.joined:
                         continue  # not yet, or its group is still (re)starting: fire when it is back
@@ -429,12 +467,37 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
         raise
     finally:
         try:
-            history = coord.history()
+            history = sorted((h for c in coordinators for h in c.history()), key=lambda h: h.get("at", 0.0))
         finally:
             launcher.cleanup(grace_s=5.0 if error is None else 0.0)
-            coord.stop()
+            for c in coordinators:
+                c.stop()
+            del group_store
         summary = _summarize(cfg, launcher, history, time.monotonic() - t_start, error)
     return summary
+
+
+def _loopback_store() -> Any:
+    """A c10d TCPStore server on 127.0.0.1 only (``TCPStore`` alone listens on every interface), port in ``.port``."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
+    port = listener.getsockname()[1]
+    return dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=60), wait_for_workers=False,
+                         master_listen_fd=listener.detach(), use_libuv=True)
+
+
+def _kill_coordinator(launcher: _Launcher, f: Fault, coord: Any, step: int,
+                      emit: Callable[[dict[str, Any]], None]) -> None:
+    from torchnext.testing.faults import drop_coordinator
+
+    at = time.monotonic()
+    drop_coordinator(coord)
+    launcher.injected.append(_Injected(f, at, -1, []))
+    emit({"event": "fault", "kind": "coordinator", "rank": -1, "member": None, "group": None, "step": step})
 
 
 def _inject(launcher: _Launcher, f: Fault, victim: _Rank, standby: list[int], step: int,
@@ -458,6 +521,15 @@ def _summarize(cfg: DemoConfig, launcher: _Launcher, history: list[dict[str, Any
     out = Path(cfg.out)
     failures: list[dict[str, Any]] = []
     for inj in launcher.injected:
+        if inj.fault.kind == "coordinator":
+            took = next((h for h in history if h["event"] == "takeover" and h["at"] >= inj.at), None)
+            after = [t for t in launcher.step_at.values() if t > inj.at]
+            failures.append({
+                "kind": "coordinator", "rank": None, "member": None, "group": None, "step": inj.fault.step,
+                "takeover_s": None if took is None else round(took["at"] - inj.at, 4),
+                "next_commit_s": round(min(after) - inj.at, 4) if after else None,
+            })
+            continue
         group = set(inj.group_members)
         detected = next((h for h in history if h["at"] >= inj.at and (
             (h["event"] in ("failure", "group_failure") and h.get("member") in group) or h["event"] == "report")),
