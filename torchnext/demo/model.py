@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -197,15 +198,17 @@ class MoETransformerLM(nn.Module):
         return logits
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor, aux_weight: float = 0.01,
-             step: int | None = None) -> tuple[torch.Tensor, float]:
+             step: int | None = None, forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
+             ) -> tuple[torch.Tensor, float]:
         """(total loss for backward, language-model loss in nats/char for reporting). ``step``: the training step
         number, which the low-precision layers' stochastic rounding draws from (so replicas that retried a step,
-        or joined and healed, draw the same noise: :func:`torchnext.lowp.set_lowp_step`)."""
+        or joined and healed, draw the same noise: :func:`torchnext.lowp.set_lowp_step`). ``forward``: what runs
+        the model (a DDP wrapper of it: DDP must see the forward), default ``self``."""
         if step is not None and self.lowp_layers:
             from torchnext.lowp.training import set_lowp_step
 
             set_lowp_step(self, step)
-        logits = self(ids)
+        logits = (forward or self)(ids)
         lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         aux = torch.zeros(())
         for blk in self.blocks:

@@ -19,6 +19,7 @@ for DDP's and FSDP2's hooks and for ``dist.*`` calls alike. Bad arguments still 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["FaultTolerantProcessGroup"]
 
 _IDS = itertools.count()
+_LOG = logging.getLogger(__name__)
 
 
 class _FTWork(GroupWork):
@@ -112,6 +114,11 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
     def _get_sequence_number_for_group(self) -> int:
         comm = self._ft._comm
         return 0 if comm is None else int(comm._op_counter)
+
+    def _note_swallowed(self, work: Any) -> None:
+        """A failed op inside a step is expected (a member died): recorded, the step cannot commit; log at INFO."""
+        _LOG.info("fault-tolerant group %r: %s failed in generation %d (%s); recorded: the step will not commit",
+                  self._group_name, work.op, self._ft.generation, work.exception())
 
     def abort(self) -> None:
         """Abort the current generation's Communicator (its ops raise inside the step, which then cannot commit)."""

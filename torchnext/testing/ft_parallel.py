@@ -1,0 +1,300 @@
+"""Fault-tolerant DDP and HSDP jobs for tests and benchmarks: torch's DDP / FSDP2 on the fault-tolerant group.
+
+Two workloads, both launched per process by :class:`~torchnext.testing.ft_workload.FTJob` with a
+:class:`ParallelSpec`:
+
+* ``ddp`` -- every process is its own replica group; torch's ``DistributedDataParallel`` (through
+  :class:`torchnext.ft.DistributedDataParallel`) averages the gradients of four float64 parameters, one DDP bucket
+  each. Gradients are integers times 12, so the average over 1..4 live groups is exact and the weights can be
+  replayed bitwise from the commit record (:func:`ddp_expected_weights`)::
+
+      for s, members in enumerate(step_members):
+          for i in range(4): w[i] -= sum(ddp_gradient(s, m, i) for m in members) / len(members)
+
+* ``hsdp`` -- replica groups of ``group_size`` processes: FSDP2 shards a small MLP inside each group (its own
+  ``init_process_group("torchnext")``) and ``ft.device_mesh`` all-reduces gradient shards across the live groups;
+  Adam state is healed shard by shard. Checked by counterpart equality (rank ``r`` of every live group holds the
+  same bytes) and against plain HSDP (:func:`hsdp_reference`).
+
+Faults (:class:`~torchnext.testing.faults.Fault`, ``member`` = the process's ``member_id``) fire at ``IDLE`` (between
+steps) or ``COLLECTIVE`` -- inside backward, from the gradient hook of the parameter reduced last, 5 ms after the
+earlier buckets' all-reduces were issued (peers are blocked in them). ``signal_kills`` lets a test kill from outside:
+SIGUSR2 = die at the next idle point, SIGRTMIN = die inside the next backward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from torchnext.testing.faults import Fault, FaultInjector, FaultKind, FaultPoint
+
+__all__ = ["ParallelSpec", "ddp_expected_weights", "ddp_gradient", "hsdp_model", "hsdp_reference", "run_parallel"]
+
+DIM = 32
+N_PARAMS = 4
+HSDP_IN, HSDP_HIDDEN, HSDP_OUT, HSDP_BATCH = 16, 32, 4, 8
+
+
+@dataclass(kw_only=True)
+class ParallelSpec:
+    """What one process of a fault-tolerant DDP/HSDP job does."""
+
+    coordinator: str
+    token: str
+    store_port: int
+    """The coordinator's TCPStore port (HSDP: each replica group's own process group rendezvous there)."""
+    member_id: int
+    """The process's id (the FT member id too); faults target it."""
+    steps: int
+    parallel: str = "ddp"
+    """``"ddp"`` or ``"hsdp"``."""
+    group: int = 0
+    """HSDP: the replica group id (ignored for ddp: every process is its own group)."""
+    group_rank: int = 0
+    group_size: int = 1
+    incarnation: int = 0
+    """HSDP: bumped when a group is restarted (its process group rendezvous under a fresh prefix)."""
+    faults: Sequence[Fault] = ()
+    timeout_s: float = 30.0
+    step_sleep_s: float = 0.0
+    stop_file: str | None = None
+    """If set: train until the step count written in this file (checked between steps) instead of ``steps``."""
+    signal_kills: bool = False
+    fault_log: str | None = None
+    """Append ``"<time.time()> <member>"`` right before a self-inflicted fault (benchmarks time recovery from it)."""
+
+    def __post_init__(self) -> None:
+        if self.parallel not in ("ddp", "hsdp"):
+            raise ValueError(f"ParallelSpec.parallel must be 'ddp' or 'hsdp', got {self.parallel!r}")
+        if not 0 <= self.group_rank < self.group_size:
+            raise ValueError(f"ParallelSpec: group_rank={self.group_rank} must be in [0, group_size={self.group_size})")
+
+
+# ------------------------------------------------------------------------------------------------------ the math
+def ddp_gradient(step: int, member: int, i: int) -> torch.Tensor:
+    """The integer gradient (times 12: exact averages over 1..4 groups) of parameter ``i`` from ``member``."""
+    return ((torch.arange(DIM, dtype=torch.float64) % 7) * (member + 1) + (step + 1) + 3 * i) * 12
+
+
+def ddp_expected_weights(step_members: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """The four parameters after committing step ``s`` with members ``step_members[s]`` (w0 = 0, SGD lr=1, AVG)."""
+    ws = [torch.zeros(DIM, dtype=torch.float64) for _ in range(N_PARAMS)]
+    for s, members in enumerate(step_members):
+        for i in range(N_PARAMS):
+            ws[i] -= sum((ddp_gradient(s, m, i) for m in members), torch.zeros(DIM, dtype=torch.float64)) / len(members)
+    return ws
+
+
+class _DDPModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ws = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(DIM, dtype=torch.float64))
+                                         for _ in range(N_PARAMS))
+
+    def forward(self, cs: list[torch.Tensor]) -> torch.Tensor:
+        # parameter i's term is built in order: backward reaches them in reverse, the order of DDP's buckets
+        return sum(((w * c).sum() for w, c in zip(self.ws, cs, strict=True)), torch.zeros((), dtype=torch.float64))
+
+
+def hsdp_model() -> torch.nn.Module:
+    """The HSDP workload's model (same initial values on every process)."""
+    g = torch.Generator().manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(HSDP_IN, HSDP_HIDDEN), torch.nn.ReLU(),
+                            torch.nn.Linear(HSDP_HIDDEN, HSDP_HIDDEN), torch.nn.ReLU(),
+                            torch.nn.Linear(HSDP_HIDDEN, HSDP_OUT))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return m
+
+
+def hsdp_batch(step: int, group: int, group_rank: int) -> torch.Tensor:
+    """The input of rank ``group_rank`` of replica group ``group`` at step ``step``."""
+    return torch.randn(HSDP_BATCH, HSDP_IN, generator=torch.Generator().manual_seed(1000 * step + 10 * group
+                                                                                      + group_rank))
+
+
+def hsdp_reference(groups: int, group_size: int, steps: int) -> list[torch.Tensor]:
+    """Full (unsharded) parameters after ``steps`` of plain data parallelism over ``groups * group_size`` ranks with
+    the HSDP workload's data and Adam(lr=0.01) -- what FT-HSDP without faults must match (to float32 rounding)."""
+    m = hsdp_model()
+    opt = torch.optim.Adam(m.parameters(), lr=0.01)
+    for s in range(steps):
+        grads = [torch.zeros_like(p) for p in m.parameters()]
+        for g in range(groups):
+            for r in range(group_size):
+                m.zero_grad()
+                m(hsdp_batch(s, g, r)).square().mean().backward()
+                for acc, p in zip(grads, m.parameters(), strict=True):
+                    acc += p.grad  # type: ignore[arg-type]
+        for acc, p in zip(grads, m.parameters(), strict=True):
+            p.grad = acc / (groups * group_size)
+        opt.step()
+    return [p.detach().clone() for p in m.parameters()]
+
+
+# ------------------------------------------------------------------------------------------------------ workers
+def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
+    """Train fault-tolerantly with torch's DDP or FSDP2; return a report (membership ends are in ``error``)."""
+    import torch.distributed as dist
+
+    from torchnext.ft import FaultTolerant, FaultTolerantConfig, MembershipError
+    from torchnext.ft.state import load_sharded_state, sharded_state
+
+    torch.set_num_threads(1)
+    injector = FaultInjector(spec.faults, spec.member_id)
+    doomed = [""]
+    if spec.signal_kills:
+        signal.signal(signal.SIGUSR2, lambda *_: doomed.__setitem__(0, "idle"))
+        signal.signal(signal.SIGRTMIN, lambda *_: doomed.__setitem__(0, "collective"))
+    hsdp = spec.parallel == "hsdp"
+    report: dict[str, Any] = {"member": spec.member_id, "group": spec.group if hsdp else spec.member_id,
+                              "group_rank": spec.group_rank if hsdp else 0, "pid": os.getpid(), "error": None}
+    ft = None
+    opt: Any = None
+    if hsdp:
+        store = dist.TCPStore("127.0.0.1", spec.store_port, is_master=False, timeout=timedelta(seconds=60))
+        dist.init_process_group("torchnext", store=dist.PrefixStore(f"hsdp/g{spec.group}/i{spec.incarnation}", store),
+                                rank=spec.group_rank, world_size=spec.group_size, timeout=timedelta(seconds=60))
+        model: torch.nn.Module = hsdp_model()
+    else:
+        model = _DDPModel()
+        if spec.member_id >= 100:  # a replacement starts from garbage: healing must overwrite it
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(12345.0)
+    try:
+        ft = FaultTolerant(
+            FaultTolerantConfig(coordinator=spec.coordinator, token=spec.token, member_id=spec.member_id,
+                                timeout_s=spec.timeout_s, replica_group=spec.group if hsdp else None,
+                                group_rank=spec.group_rank if hsdp else None,
+                                group_size=spec.group_size if hsdp else None),
+            state_dict=lambda: sharded_state(model, *([opt] if opt is not None else [])),
+            load_state_dict=lambda s: load_sharded_state(s, model, *([opt] if opt is not None else [])),
+            join=False,
+        )
+        if hsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            from torchnext.ft import device_mesh
+
+            mesh = device_mesh(ft, ("replicate", "shard"))
+            for layer in model:  # type: ignore[attr-defined]
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            opt = torch.optim.Adam(model.parameters(), lr=0.01)  # after fully_shard: it swaps in DTensor params
+            net: Any = model
+        else:
+            from torchnext.ft import DistributedDataParallel
+
+            opt = torch.optim.SGD(model.parameters(), lr=1.0)
+            net = DistributedDataParallel(model, ft, bucket_cap_mb=DIM * 8 / (1 << 20))  # one bucket per parameter
+            model.ws[0].register_hook(_backward_fault(spec, ft, injector, doomed))  # type: ignore[index]
+        ft.join()
+        report["joined_at"] = time.time()
+        _train(spec, ft, net, opt, injector, doomed, report)
+    except MembershipError as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        report["ended_at"] = time.time()
+    finally:
+        injector.close()
+        if ft is not None:
+            state = sharded_state(model, *([opt] if opt is not None else []))
+            report.update(
+                generation=ft.generation, members=list(ft.members), groups=[list(g) for g in ft.replica_groups],
+                step=ft.step_count, commits=[[g, s, t] for g, s, t in ft.commit_times],
+                generations={r.generation: [list(g) for g in r.groups] for r in ft.reconfigurations},
+                reconfigurations=[{"gen": r.generation, "groups": [list(g) for g in r.groups], "joiners": list(r.joiners),
+                                   "timings": r.timings, "healed": None if r.healed is None
+                                   else [r.healed.bytes, r.healed.seconds]} for r in ft.reconfigurations],
+                digest=_digest(state), params=[t.detach().tolist() for t in state["model"].values()],  # lists: a tensor
+                # would travel as a shared-memory handle that dies with this process
+            )
+            if report["error"] is None:
+                ft.finish()
+            else:
+                ft.close()
+        if hsdp and dist.is_initialized():
+            dist.destroy_process_group()
+    return report
+
+
+def _backward_fault(spec: ParallelSpec, ft: Any, injector: FaultInjector,
+                    doomed: list[str]) -> Any:
+    """A gradient hook that fires this step's COLLECTIVE fault: registered on what backward reaches last (DDP:
+    parameter 0, after the other buckets' all-reduces were issued; HSDP: the input, after the later layers'
+    reduce-scatters and all-reduces)."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        f = injector.due(FaultPoint.COLLECTIVE, ft.step_count)
+        if doomed[0] == "collective":
+            f = Fault(kind=FaultKind.KILL, member=spec.member_id, step=ft.step_count, where=FaultPoint.COLLECTIVE)
+        if f is not None:
+            time.sleep(0.005)  # the peers are now blocked in this step's first bucket all-reduces
+            _log_fault(spec)
+            injector.fire(f)
+        return grad
+
+    return hook
+
+
+def _train(spec: ParallelSpec, ft: Any, net: Any, opt: Any, injector: FaultInjector, doomed: list[str],
+           report: dict[str, Any]) -> None:
+    target = [spec.steps if spec.stop_file is None else 1 << 62]
+    backward_fault = _backward_fault(spec, ft, injector, doomed)
+    history: list[list[Any]] = []  # [step, groups] of each commit this process saw
+    report["history"] = history
+
+    def more() -> bool:
+        if spec.stop_file is not None and target[0] == 1 << 62 and os.path.exists(spec.stop_file):
+            with open(spec.stop_file) as fh:
+                text = fh.read().strip()
+            if text:
+                target[0] = int(text)
+        return bool(ft.step_count < target[0])
+
+    while more():
+        f = injector.due(FaultPoint.IDLE, ft.step_count)
+        if f is not None or doomed[0] == "idle":
+            _log_fault(spec)
+            injector.fire(f or Fault(kind=FaultKind.KILL, member=spec.member_id, step=0))
+        with ft.step() as st:
+            s = ft.step_count
+            groups = [list(g) for g in ft.replica_groups]
+            if spec.parallel == "ddp":
+                net([ddp_gradient(s, ft.member_id, i) for i in range(N_PARAMS)]).backward()
+            else:
+                x = hsdp_batch(s, spec.group, spec.group_rank).requires_grad_()
+                x.register_hook(backward_fault)  # fires last: the later layers' reductions were issued
+                net(x).square().mean().backward()
+            if st.commit():
+                opt.step()
+                history.append([s, groups])
+            opt.zero_grad()
+        if spec.step_sleep_s:
+            time.sleep(spec.step_sleep_s)
+
+
+def _log_fault(spec: ParallelSpec) -> None:
+    if spec.fault_log is not None:
+        with open(spec.fault_log, "a") as fh:
+            fh.write(f"{time.time()} {spec.member_id}\n")
+
+
+def _digest(state: dict[str, Any]) -> str:
+    h = hashlib.sha256()
+    tensors = [*state["model"].values(), *(v for per in state["optim"] for e in per for v in e.values()
+                                           if isinstance(v, torch.Tensor))]
+    for t in tensors:
+        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
