@@ -2,6 +2,7 @@
 time at the default settings, and torchft 0.2.0's DDP measured the same way in the same run (issue 15).
 
     python benchmarks/ft/bench_parallel.py                                   # everything, default sizes
+    python benchmarks/ft/bench_parallel.py --quick                           # smoke run of every section (< 2 min)
     python benchmarks/ft/bench_parallel.py --only overhead --steps 40 --compute-ms 0 20
     python benchmarks/ft/bench_parallel.py --only recovery --trials 30 --hsdp-trials 10
     python benchmarks/ft/bench_parallel.py --only torchft --torchft-python /work/venvs/torchft/bin/python
@@ -64,6 +65,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _workload as W
 
 DEFAULT_TORCHFT_PYTHON = "/work/venvs/torchft/bin/python"
+QUICK: dict[str, Any] = {"steps": 10, "block": 5, "hidden": 128, "trials": 3, "hsdp_trials": 2, "torchft_trials": 0,
+                         "timeout": 120.0, "torchft_timeout": 120.0}
+"""``--quick``: the plumbing of every section in well under two minutes (figures too noisy to quote)."""
 
 
 def _preimport() -> None:
@@ -101,24 +105,33 @@ def _ddp_overhead_rank(ctx: Any, addr: str, token: str, p: dict[str, Any]) -> di
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     step_no = dict.fromkeys(models, 0)
 
+    phases = _Phases()
+
     def plain_step(name: str, ms: float) -> None:
         W.compute(ms, p["compute_kind"])
+        t = time.perf_counter()
         wrapped[name](W.batch(step_no[name], r)).square().mean().backward()
+        phases.add(name, "fwd_bwd", t)
         opts[name].step()
         opts[name].zero_grad()
         step_no[name] += 1
 
-    commit_s: list[float] = []
-
     def ft_step(ms: float) -> None:
+        t = time.perf_counter()
         with ft.step() as st:
+            phases.add("ft", "enter", t)
             W.compute(ms, p["compute_kind"])
-            wrapped["ft"](W.batch(ft.step_count, r)).square().mean().backward()
             t = time.perf_counter()
-            if st.commit():
+            wrapped["ft"](W.batch(ft.step_count, r)).square().mean().backward()
+            phases.add("ft", "fwd_bwd", t)
+            t = time.perf_counter()
+            ok = st.commit()
+            phases.add("ft", "commit", t)
+            if ok:
                 opts["ft"].step()
-            commit_s.append(time.perf_counter() - t)
             opts["ft"].zero_grad()
+            t = time.perf_counter()
+        phases.add("ft", "exit", t)
 
     steps = {"gloo": lambda ms: plain_step("gloo", ms), "plain": lambda ms: plain_step("plain", ms), "ft": ft_step}
     try:
@@ -126,7 +139,17 @@ def _ddp_overhead_rank(ctx: Any, addr: str, token: str, p: dict[str, Any]) -> di
     finally:
         ft.finish()
     equal = all(torch.equal(a, b) for a, b in zip(models["plain"].parameters(), models["ft"].parameters(), strict=True))
-    return {"times": out, "commit_s": commit_s, "plain_equals_ft": equal}
+    return {"times": out, "phases": phases.s, "plain_equals_ft": equal}
+
+
+class _Phases:
+    """Seconds per (variant, phase) of every timed step: where an FT step's extra time goes."""
+
+    def __init__(self) -> None:
+        self.s: dict[str, list[float]] = {}
+
+    def add(self, variant: str, phase: str, t0: float) -> None:
+        self.s.setdefault(f"{variant}.{phase}", []).append(time.perf_counter() - t0)
 
 
 def _timed_blocks(steps: dict[str, Any], p: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
@@ -186,24 +209,33 @@ def _hsdp_overhead_rank(ctx: Any, addr: str, token: str, p: dict[str, Any]) -> d
     ft.join()
     step_no = [0]
 
+    phases = _Phases()
+
     def plain_step(ms: float) -> None:
         W.compute(ms, p["compute_kind"])
+        t = time.perf_counter()
         models["plain"](W.batch(step_no[0], gid)).square().mean().backward()
+        phases.add("plain", "fwd_bwd", t)
         opts["plain"].step()
         opts["plain"].zero_grad()
         step_no[0] += 1
 
-    commit_s: list[float] = []
-
     def ft_step(ms: float) -> None:
+        t = time.perf_counter()
         with ft.step() as st:
+            phases.add("ft", "enter", t)
             W.compute(ms, p["compute_kind"])
-            models["ft"](W.batch(ft.step_count, gid)).square().mean().backward()
             t = time.perf_counter()
-            if st.commit():
+            models["ft"](W.batch(ft.step_count, gid)).square().mean().backward()
+            phases.add("ft", "fwd_bwd", t)
+            t = time.perf_counter()
+            ok = st.commit()
+            phases.add("ft", "commit", t)
+            if ok:
                 opts["ft"].step()
-            commit_s.append(time.perf_counter() - t)
             opts["ft"].zero_grad()
+            t = time.perf_counter()
+        phases.add("ft", "exit", t)
 
     try:
         out = _timed_blocks({"plain": plain_step, "ft": ft_step}, p)
@@ -211,7 +243,7 @@ def _hsdp_overhead_rank(ctx: Any, addr: str, token: str, p: dict[str, Any]) -> d
         ft.finish()
     equal = all(torch.equal(a.to_local(), b.to_local())
                 for a, b in zip(models["plain"].parameters(), models["ft"].parameters(), strict=True))
-    return {"times": out, "commit_s": commit_s, "plain_equals_ft": equal}
+    return {"times": out, "phases": phases.s, "plain_equals_ft": equal}
 
 
 def overhead(p: dict[str, Any]) -> dict[str, Any]:
@@ -236,7 +268,7 @@ def print_overhead(res: dict[str, Any], p: dict[str, Any]) -> list[dict[str, Any
           "commit ms (FT) | params equal |\n|---|---|---|---|---|---|---|---|---|")
     for kind, base, goal in (("ddp", "plain", 2.0), ("hsdp", "plain", 3.0)):
         reports = res[kind]["reports"]
-        commit = W.median([x for rep in reports for x in rep["commit_s"]]) * 1e3
+        commit = _phase(reports, "ft.commit")
         equal = all(rep["plain_equals_ft"] for rep in reports)
         for ms in p["compute_ms"]:
             med = {v: W.median([x for rep in reports for x in rep["times"][str(ms)].get(v, [])]) * 1e3
@@ -251,7 +283,24 @@ def print_overhead(res: dict[str, Any], p: dict[str, Any]) -> list[dict[str, Any
                          "ft_ms": med["ft"], "overhead_pct": ovh})
     print("\nbaseline = the same torch DDP / FSDP2 on plain torchnext groups (no fault tolerance); raw Gloo = torch's "
           "DDP on ProcessGroupGloo; 'params equal': the FT model ends bitwise equal to the baseline model")
+    print("\nwhere an FT step's extra time goes (medians over every rank's steps, warm-up and both compute settings "
+          "included; fwd+bwd excludes the simulated compute):\n")
+    print("| parallelism | baseline fwd+bwd ms | FT fwd+bwd ms | FT `with ft.step()` enter ms | FT commit ms | FT exit ms |"
+          "\n|---|---|---|---|---|---|")
+    for kind in ("ddp", "hsdp"):
+        reports = res[kind]["reports"]
+        label = "FT-DDP" if kind == "ddp" else "FT-HSDP"
+        print(f"| {label} | {_phase(reports, 'plain.fwd_bwd'):.2f} | {_phase(reports, 'ft.fwd_bwd'):.2f} | "
+              f"{_phase(reports, 'ft.enter'):.3f} | {_phase(reports, 'ft.commit'):.2f} | {_phase(reports, 'ft.exit'):.3f} |")
+        for row in rows:
+            if row["parallelism"] == kind:
+                row.update({f"phase_{k}_ms": _phase(reports, k) for k in ("plain.fwd_bwd", "ft.fwd_bwd", "ft.enter",
+                                                                           "ft.commit", "ft.exit")})
     return rows
+
+
+def _phase(reports: list[dict[str, Any]], key: str) -> float:
+    return W.median([x for rep in reports for x in rep["phases"].get(key, [])]) * 1e3
 
 
 # ============================================================================================== recovery
@@ -536,13 +585,25 @@ def print_torchft(res: dict[str, Any] | str, ours: list[dict[str, Any]], rec: di
         print(f"| {row['compute_ms']:g} ms | {row['plain_ms']:.2f} | {row['torchft_ms']:.2f} | "
               f"{row['overhead_pct']:+.1f} % | {ours_txt} |")
     r = res["recovery"]
-    print(f"\ntorchft recovery (kill inside backward -> every survivor committed a step), {r['n']} of {r['trials']} "
-          f"trials: p50 {r['p50_ms']:.0f} ms, p99 {r['p99_ms']:.0f} ms, max {r['max_ms']:.0f} ms; survivors that "
-          f"crashed or hung: {r['survivor_failures']} in {r['trials']} trials; {r.get('note', '')}")
+    if not r.get("trials"):
+        print(f"\ntorchft recovery: {r.get('note', 'not run')}")
+        return
+    print(f"\ntorchft recovery, kill inside backward ({r['trials']} trials):\n")
+    print("| measure | n | p50 ms | max ms |\n|---|---|---|---|")
+    print(f"| fault -> every survivor committed a step | {r['n']} | {r['p50_ms']:.0f} | {r['max_ms']:.0f} |")
+    print(f"| fault -> every replica (survivors, restarted ones, the replacement) committed at full size | "
+          f"{len(r.get('whole_ms', []))} | {r.get('whole_p50_ms', float('nan')):.0f} | "
+          f"{r.get('whole_max_ms', float('nan')):.0f} |")
+    print(f"\ntrials where a survivor's backward raised (torchft's comm hook; the replica must then be restarted): "
+          f"{r.get('trials_where_backward_raised', 0)} of {r['trials']} ({', '.join(r.get('raised', [])) or '-'}); "
+          f"survivor processes lost: {r['survivor_failures']}; notes: {r.get('note') or '-'}")
     mine = rec.get("ddp")
-    if mine:
+    if mine and r["n"]:
         print(f"torchnext FT-DDP (this run): p50 {mine['p50_ms']:.0f} ms, p99 {mine['p99_ms']:.0f} ms "
-              f"({r['p50_ms'] / mine['p50_ms']:.0f}x faster at p50)")
+              f"(torchft / torchnext at p50: {r['p50_ms'] / mine['p50_ms']:.1f}x)")
+    elif mine:
+        print(f"torchnext FT-DDP (this run): p50 {mine['p50_ms']:.0f} ms, p99 {mine['p99_ms']:.0f} ms; torchft: no "
+              f"trial where every survivor committed without a restart")
 
 
 # ============================================================================================== main
@@ -567,7 +628,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torchft-timeout", type=float, default=1500.0)
     ap.add_argument("--timeout", type=float, default=600.0, help="bound on each job (s)")
     ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--quick", action="store_true", help="smoke run (< 2 min): " + ", ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()) + "; torchft's recovery is skipped")
     args = ap.parse_args(argv)
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
     import torchnext
     from torchnext.ft import MembershipConfig
 
