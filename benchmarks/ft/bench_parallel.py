@@ -599,16 +599,19 @@ def print_torchft(res: dict[str, Any] | str, ours: list[dict[str, Any]], rec: di
         print(res)
         return
     ddp = {r["compute_ms"]: r for r in ours if r["parallelism"] == "ddp"}
-    print("| compute | torch DDP on ProcessGroupGloo ms | torchft DDP ms | torchft overhead | torchnext FT-DDP overhead "
-          "(this run) |\n|---|---|---|---|---|")
+    print("| compute | torch DDP on ProcessGroupGloo ms | torchft DDP ms | torchft vs torch DDP on Gloo | torchnext "
+          "FT-DDP vs torch DDP on Gloo (this run) | torchnext FT-DDP vs its baseline (this run) |\n|---|---|---|---|---|---|")
     for row in res["overhead"]:
         mine = ddp.get(row["compute_ms"])
+        raw_txt = f"{(mine['ft_ms'] / mine['raw_gloo_ms'] - 1) * 100:+.1f} %" if mine else "-"
         ours_txt = f"{mine['overhead_pct']:+.1f} %" if mine else "-"
         print(f"| {row['compute_ms']:g} ms | {row['plain_ms']:.2f} | {row['torchft_ms']:.2f} | "
-              f"{row['overhead_pct']:+.1f} % | {ours_txt} |")
+              f"{row['overhead_pct']:+.1f} % | {raw_txt} | {ours_txt} |")
+    print(f"\ntorchft's should_commit: median {res.get('commit_ms', float('nan')):.2f} ms (torchnext's commit: see the "
+          "overhead breakdown)")
     r = res["recovery"]
     if not r.get("trials"):
-        print(f"\ntorchft recovery: {r.get('note', 'not run')}")
+        print("\ntorchft recovery: not run (--torchft-trials 0; --quick sets it: one trial takes 5-20 s)")
         return
     print(f"\ntorchft recovery, kill inside backward ({r['trials']} trials):\n")
     print("| measure | n | p50 ms | max ms |\n|---|---|---|---|")
@@ -618,7 +621,7 @@ def print_torchft(res: dict[str, Any] | str, ours: list[dict[str, Any]], rec: di
           f"{r.get('whole_max_ms', float('nan')):.0f} |")
     print(f"\ntrials where a survivor's backward raised (torchft's comm hook; the replica must then be restarted): "
           f"{r.get('trials_where_backward_raised', 0)} of {r['trials']} ({', '.join(r.get('raised', [])) or '-'}); "
-          f"survivor processes lost: {r['survivor_failures']}; notes: {r.get('note') or '-'}")
+          f"survivor processes lost: {r['survivor_failures']}; notes: {(r.get('note') or '-')[:400]}")
     mine = rec.get("ddp")
     if mine and r["n"]:
         print(f"torchnext FT-DDP (this run): p50 {mine['p50_ms']:.0f} ms, p99 {mine['p99_ms']:.0f} ms "
