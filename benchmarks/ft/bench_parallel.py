@@ -477,10 +477,22 @@ def recovery(kind: str, trials: int, p: dict[str, Any]) -> dict[str, Any]:
                 job.launch(WorkerSpec(coordinator=coord.address, token=coord.token, member_id=mid, steps=0,
                                       extra=extra), fn)
 
+        def fail(what: str) -> RuntimeError:
+            """Why the job stalled: the members' own reports (errors included) and the coordinator's last events."""
+            for _ in range(50):
+                job._collect(0.02)
+            alive = [m for m, proc in job.procs.items() if proc.is_alive()]
+            errors = {m: str(e).strip().splitlines()[-1][:300] for m, e in job.errors.items()}
+            done = {m: r for m, r in job.reports.items() if r.get("error")}
+            tail = coord.history()[-12:]
+            return RuntimeError(f"{kind}: {what}; members alive {alive}, coordinator members {coord.members} step "
+                                f"{coord.step}; errors {errors}; reports with an error {done}; last coordinator "
+                                f"events {tail}")
+
         for g in range(groups):
             launch_group(g)
         if not coord.wait_until(lambda c: c.step >= 3 and len(c.members) == n, p["timeout"]):
-            raise RuntimeError(f"{kind}: the job did not start (members {coord.members}, step {coord.step})")
+            raise fail("the job did not start")
         for trial in range(trials):
             time.sleep(random.Random(trial).uniform(0.02, 0.1))
             members = list(coord.members)
@@ -490,16 +502,16 @@ def recovery(kind: str, trials: int, p: dict[str, Any]) -> dict[str, Any]:
             g = group_of[victim]
             lost = [m for m in members if group_of[m] == g]
             if not coord.wait_until(lambda c, lost=lost: not set(lost) & set(c.members), 30):
-                raise RuntimeError(f"{kind} trial {trial}: group of member {victim} not removed")
+                raise fail(f"trial {trial}: group of member {victim} not removed")
             records.append({"victim": victim, "lost": lost, "gen0": gen0, "step0": step0})
             if not coord.wait_until(lambda c, st=coord.step: c.step >= st + 2, 30):
-                raise RuntimeError(f"{kind} trial {trial}: survivors did not commit")
+                raise fail(f"trial {trial}: survivors did not commit")
             job.wait(lost, timeout=30)  # the victim is dead; its group mates leave (RemovedFromGroup)
             launch_group(g)
-            if not coord.wait_until(lambda c: len(c.members) == n, p["timeout"]):
-                raise RuntimeError(f"{kind} trial {trial}: the replacement did not join")
+            if not coord.wait_until(lambda c: len(c.members) == n, 60):
+                raise fail(f"trial {trial}: the replacement did not join within 60 s")
             if not coord.wait_until(lambda c, st=coord.step: c.step >= st + 3, 30):
-                raise RuntimeError(f"{kind} trial {trial}: no progress after the replacement joined")
+                raise fail(f"trial {trial}: no progress after the replacement joined")
         with open(files["stop_file"], "w") as fh:
             fh.write(str(coord.step + 5))
         job.wait(list(coord.members), timeout=60)
