@@ -73,9 +73,9 @@ QUICK: dict[str, Any] = {"steps": 10, "block": 5, "hidden": 128, "trials": 3, "h
 
 def _preimport() -> None:
     """Import what torch's DDP and FSDP2 import lazily on first use, before the member's heartbeat thread starts:
-    the first DDP construction imports ``torch._dynamo`` (~1 s, long stretches with the GIL held), which on this
-    loaded machine starves the heartbeat thread past the 0.6 s heartbeat timeout -- the member is then wrongly
-    removed (a finding of this benchmark: docs/benchmarks.md)."""
+    ``torch._dynamo`` (which ``FaultTolerant`` now preloads itself: its import holds the GIL for up to ~0.8 s on this
+    loaded machine, past the 0.6 s heartbeat timeout) and FSDP2, so that no timed step and no member's first
+    heartbeats pay for an import."""
     import torch._dynamo
     import torch.distributed.fsdp
     import torch.optim  # noqa: F401
