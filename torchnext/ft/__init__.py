@@ -6,7 +6,8 @@ A layer above :mod:`torchnext.comms`: the :class:`Coordinator` (the job's TCPSto
 generation, commits steps in two phases (:class:`Step`) and heals joiners from a donor (:mod:`~torchnext.ft.healing`).
 A member may be one rank of a *replica group* (the failure domain); the replicate dimension is one stable torch
 process group (:class:`FaultTolerantProcessGroup`, ``ft.process_group``) on which torch's DDP
-(:class:`DistributedDataParallel`) and FSDP2's HSDP (:func:`device_mesh`) run. See docs/fault_tolerance.md.
+(:class:`DistributedDataParallel`) and FSDP2's HSDP (:func:`device_mesh`) run; :class:`DiLoCo` and :class:`LocalSGD`
+train inside each group and synchronize across the live groups every H steps. See docs/fault_tolerance.md.
 """
 
 from torchnext.ft.config import FaultTolerantConfig as FaultTolerantConfig
@@ -14,6 +15,11 @@ from torchnext.ft.config import Reconfiguration as Reconfiguration
 from torchnext.ft.coordinator import Coordinator as Coordinator
 from torchnext.ft.coordinator import CoordinatorConfig as CoordinatorConfig
 from torchnext.ft.ddp import DistributedDataParallel as DistributedDataParallel
+from torchnext.ft.diloco import DiLoCo as DiLoCo
+from torchnext.ft.diloco import DiLoCoConfig as DiLoCoConfig
+from torchnext.ft.diloco import LocalSGD as LocalSGD
+from torchnext.ft.diloco import LocalSGDConfig as LocalSGDConfig
+from torchnext.ft.diloco import OuterSync as OuterSync
 from torchnext.ft.fault_tolerant import FaultTolerant as FaultTolerant
 from torchnext.ft.healing import HealingError as HealingError
 from torchnext.ft.healing import HealStats as HealStats
@@ -31,6 +37,8 @@ __all__ = [
     "Coordinator",
     "CoordinatorConfig",
     "CoordinatorLost",
+    "DiLoCo",
+    "DiLoCoConfig",
     "DistributedDataParallel",
     "FaultTolerant",
     "FaultTolerantConfig",
@@ -38,8 +46,11 @@ __all__ = [
     "HealStats",
     "HealingError",
     "JobFinished",
+    "LocalSGD",
+    "LocalSGDConfig",
     "MembershipConfig",
     "MembershipError",
+    "OuterSync",
     "QuorumLost",
     "Reconfiguration",
     "RemovedFromGroup",

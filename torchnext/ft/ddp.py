@@ -3,8 +3,8 @@
 ``DistributedDataParallel(module, ft)`` is torch's DDP with two changes, both for fault tolerance:
 
 * its gradients are all-reduced by a comm hook on ``ft.process_group`` (AVG over the live replica groups; with a
-  hook DDP leaves averaging to the hook, so the divisor is the live count, not a size fixed at construction), on a
-  staging copy of each bucket (DDP's own bucket buffer must never reach a backend that a reconfiguration may
+  hook DDP leaves averaging to the hook, so the divisor is the live count, not a size fixed at construction; the
+  group runs it on a staging copy, so DDP's bucket buffer never reaches a backend that a reconfiguration may
   abandon mid-op), and a failure in that hook is recorded -- the step cannot commit -- instead of raising out of
   backward;
 * DDP's own construction-time collectives (parameter-shape check, parameter broadcast) run on a one-rank group of
@@ -55,21 +55,12 @@ _AVG.reduceOp = dist.ReduceOp.AVG  # type: ignore[assignment]  # pybind converts
 
 
 class _HookState:
-    """The comm hook's state: the group, and one staging buffer per bucket. DDP's bucket buffer has views DDP keeps
-    across steps, so it never reaches the backend: an op cancelled by a reconfiguration may still be completed
-    later by an abandoned backend (a hung peer that resumes), and its late writes must land in a buffer nobody
-    reads -- the staging buffer, which the fault-tolerant layer then swaps for fresh storage."""
+    """The comm hook's state: the fault-tolerant group."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
-        self.staging: dict[int, torch.Tensor] = {}
 
 
 def _average_over_live_groups(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    buf = bucket.buffer()
-    staged = state.staging.get(bucket.index())
-    if staged is None or staged.shape != buf.shape or staged.dtype != buf.dtype:
-        staged = state.staging[bucket.index()] = torch.empty_like(buf)
-    staged.copy_(buf)
-    work = state.group.allreduce([staged], _AVG)
+    work = state.group.allreduce([bucket.buffer()], _AVG)
     return work.get_future().then(lambda fut: fut.value()[0])

@@ -227,9 +227,12 @@ class FaultTolerant:
         return child
 
     def register_local_group(self, group: Any) -> None:
-        """Abort ``group`` (a Communicator or a torchnext process group: this replica group's own, e.g. its FSDP
-        shard group) when this member's replica group is removed or membership ends, so that an op blocked on a
-        lost sibling raises instead of waiting for its timeout."""
+        """Register ``group`` (a Communicator or a process group: this replica group's own, e.g. its FSDP shard
+        group; :func:`~torchnext.ft.device_mesh` registers it). It is aborted when this member's replica group is
+        removed or membership ends, so that an op blocked on a lost sibling raises instead of waiting for its
+        timeout; and the first one registered keeps the group's ranks in lockstep: every ``ft.step()`` attempt
+        begins in the same generation on all of them (one small all_reduce on it per attempt, see
+        :meth:`_lockstep`). Register it on every rank of the group, before the first step."""
         if not hasattr(group, "abort"):
             raise TypeError(f"register_local_group: {group!r} has no abort()")
         with self._lock:
@@ -420,6 +423,63 @@ class FaultTolerant:
                 raise QuorumLost(f"member {self.member_id}: no new generation within {limit}s after generation "
                                  f"{self.generation} broke (is the coordinator's quorum reachable?)")
             self._client.news.wait(min(remaining, 0.5))
+
+    def _lockstep(self) -> None:
+        """The ranks of this replica group start every step attempt in the same generation (run at ``ft.step()``).
+
+        A replica group's own collectives (its FSDP shard group: all-gathers, reduce-scatters) pair op by op, in
+        any generation; the fault-tolerant ones belong to one. Without agreement, a rank that settled before a new
+        generation's announcement arrived begins the attempt in the old generation while its sibling begins it in
+        the new one: their shard-group ops still pair, but their attempts no longer do, and every later generation
+        stalls on an op timeout (seen in the HSDP chaos test). Reference, on the group registered with
+        :meth:`register_local_group` (the first one; one tiny all_reduce per round, usually one round)::
+
+            while True:
+                hi, lo = max over the group of generation, min over the group of generation
+                if hi == lo: return
+                if generation < hi: catch up to generation >= hi      # its announcement is on its way
+        """
+        if self.group_size <= 1 or not self._local_groups:
+            return
+        group = self._local_groups[0]
+        while True:
+            t = torch.tensor([self.generation, -self.generation], dtype=torch.int64)
+            try:
+                if isinstance(group, Communicator):
+                    group.all_reduce(t, "max")
+                else:
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            except (CommError, RuntimeError) as exc:  # a sibling is gone: this group's verdict is on its way
+                self._await_verdict(exc)
+            hi, lo = int(t[0]), -int(t[1])
+            if hi == lo:
+                return
+            self._catch_up(hi)
+
+    def _catch_up(self, gen: int) -> None:
+        """Enter generation ``gen`` (or a newer one) whose announcement a sibling has already seen."""
+        limit = self.config.reconfigure_timeout_s
+        deadline = time.monotonic() + limit
+        while self.generation < gen:
+            self._settle(need_new=False)
+            if self.generation >= gen:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise QuorumLost(f"member {self.member_id}: generation {gen}, which a rank of replica group "
+                                 f"{self.replica_group} entered, was not announced here within {limit}s")
+            self._client.news.wait(min(remaining, 0.05))
+
+    def _await_verdict(self, exc: BaseException) -> None:
+        """A replica-group collective failed: a sibling died, so this group is being removed. Raise the
+        coordinator's verdict (``RemovedFromGroup``, ...) once it arrives; ``exc`` if none comes in time."""
+        deadline = time.monotonic() + self.config.timeout_s
+        while time.monotonic() < deadline:
+            self._raise_fatal()
+            self._drain()
+            self._client.news.wait(0.05)
+            self._client.news.clear()
+        raise exc
 
     def _enter(self, msg: dict[str, Any], epoch: int, deadline: float) -> bool:
         """Build generation ``msg``'s Communicator, heal, run callbacks. False if interrupted or failed."""

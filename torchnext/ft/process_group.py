@@ -14,6 +14,15 @@ generation, failed on a dead peer, or refused because the Communicator is alread
 raised: its ``wait()`` returns, its future completes, its outputs are marked invalid (NaN), and the step cannot
 commit (``step.commit()`` is False; the ``with ft.step()`` block retries it after the reconfiguration). That holds
 for DDP's and FSDP2's hooks and for ``dist.*`` calls alike. Bad arguments still raise at once.
+
+**The backend never writes into the caller's tensors.** An op abandoned by a reconfiguration is not cancelled in
+the backend (gloo cannot be): its threads may still finish it later -- when a stopped peer resumes, or a peer that
+already left the generation sends its last chunk -- and write into the op's buffers. The in-place ops
+(``all_reduce``, ``broadcast``, ``reduce``) therefore run on private staging buffers, copied back into the caller's
+tensors only when the op succeeded; the buffer of a failed op is never reused (the backend keeps it alive)::
+
+    staged = pool.take_like(t); staged.copy_(t)     # reused across ops while they succeed
+    op(staged) -> ok ? t.copy_(staged); pool.put(staged) : t.fill_(nan)   # a failed op's buffer is dropped
 """
 
 from __future__ import annotations
@@ -25,12 +34,13 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
 from torchnext.comms.communicator import Communicator
 from torchnext.comms.errors import CommError
 from torchnext.comms.process_group import GroupWork, TorchnextProcessGroup
-from torchnext.comms.process_group.group import BACKEND_NAME
+from torchnext.comms.process_group.group import BACKEND_NAME, _only, _reduce_op, _timeout
 from torchnext.comms.process_group.work import mark_invalid
 
 if TYPE_CHECKING:
@@ -43,9 +53,67 @@ _IDS = itertools.count()
 _LOG = logging.getLogger(__name__)
 
 
+class _Staging:
+    """Private buffers for in-place ops, reused while their ops succeed: ``take(t)`` a buffer shaped like ``t``,
+    ``put`` it back after a successful op; a failed op's buffer is simply not put back (an abandoned backend may
+    still write into it; the backend's own reference keeps its storage alive, so nothing else gets that memory)."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> tuple[Any, ...]:
+        return (tuple(t.shape), t.dtype, t.device)
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get(self._key(t))
+            buf = free.pop() if free else None
+        if buf is None:
+            buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        with torch.no_grad():
+            buf.copy_(t)
+        return buf
+
+    def put(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            free = self._free.setdefault(self._key(buf), [])
+            if len(free) < _STAGING_KEEP:
+                free.append(buf)
+
+
+_STAGING_KEEP = 4  # free buffers kept per (shape, dtype, device): DDP has a few buckets in flight at once
+
+
 class _FTWork(GroupWork):
     """A Work of the fault-tolerant group: ``wait()`` never raises a communication failure (it is recorded: the
-    step cannot commit; outputs are marked invalid). A bounded ``wait(timeout)`` that elapses still raises."""
+    step cannot commit; outputs are marked invalid). A bounded ``wait(timeout)`` that elapses still raises.
+
+    ``unstage``: ``(staged, caller)`` pairs of an in-place op run on staging buffers (``result`` holds the callers'
+    tensors): when the op succeeded, ``caller.copy_(staged)`` exactly once, whoever sees the completion first, and
+    the buffers go back to the pool; when it failed, the callers' tensors are marked invalid and the buffers are
+    dropped."""
+
+    def __init__(self, group: FaultTolerantProcessGroup, works: Any, result: list[Any],
+                 unstage: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        super().__init__(group, works, result)
+        self._unstage = unstage
+        self._settle_lock = threading.Lock()
+
+    def _settle(self, *, failed: bool) -> None:
+        with self._settle_lock:
+            pairs, self._unstage = self._unstage, None
+        if not pairs or failed:
+            return
+        staging = self._group._staging  # type: ignore[attr-defined]
+        with torch.no_grad():
+            for staged, caller in pairs:
+                caller.copy_(staged)
+                staging.put(staged)
+
+    def _terminal(self, failed: bool) -> None:
+        self._settle(failed=failed)
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         limit = None if not timeout else timeout
@@ -53,11 +121,13 @@ class _FTWork(GroupWork):
             try:
                 done = work.wait(limit)
             except CommError:
+                self._settle(failed=True)
                 mark_invalid(self._invalid)
                 self._group._note_swallowed(work)
                 return True
             if not done:
                 raise RuntimeError(f"{work.op}: wait() timed out after {timeout} (the op is still in flight)")
+        self._settle(failed=not self.is_success())
         return True
 
 
@@ -74,6 +144,7 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         self._group_desc = f"{ft.config.name} (fault tolerant)"
         self._lock = threading.Lock()
         self._warned = False
+        self._staging = _Staging()
         self._ft = ft
         me = dist.get_rank() if dist.is_initialized() else 0
         self._mapping: dict[int, int] = {me: ft.rank if ft.members else 0}  # torch's global -> group rank, current
@@ -143,6 +214,50 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         except CommError:  # refused: the generation broke between the check and the issue
             return self._failed(op, result, comm)
         return _FTWork(self, works, result)
+
+    def _run_staged(self, op: str, callers: list[torch.Tensor],
+                    issue: Callable[[Communicator, list[torch.Tensor]], Any]) -> GroupWork:
+        """An in-place op on private staging buffers (see the module docstring): ``issue(comm, staged)``."""
+        ft = self._ft
+        comm = ft._comm
+        for t in callers:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{op}: expected a torch.Tensor, got {type(t).__name__}")
+            if comm is not None and t.device.type != comm.device.type:
+                raise ValueError(f"{op}: a tensor on {t.device}, but the fault-tolerant group communicates "
+                                 f"{comm.device} tensors")
+        if comm is None or comm.errored() is not None or ft._newest_gen > ft.generation:
+            return self._failed(op, callers, comm)
+        staged = [self._staging.take(t) for t in callers]
+        try:
+            works = issue(comm, staged)
+        except CommError:  # refused before anything was issued: the buffers are still private
+            for b in staged:
+                self._staging.put(b)
+            return self._failed(op, callers, comm)
+        return _FTWork(self, works, callers, unstage=list(zip(staged, callers, strict=True)))
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupWork:  # type: ignore[override]
+        t = _only(tensors, "allreduce")
+        op, td = _reduce_op(opts), _timeout(opts)
+        return self._run_staged("all_reduce", [t], lambda c, s: c.all_reduce(s[0], op, async_op=True, timeout=td))
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupWork:
+        if not tensors:
+            raise ValueError("allreduce_coalesced: no tensors")
+        op, td = _reduce_op(opts), _timeout(opts)
+        return self._run_staged("all_reduce", list(tensors),
+                                lambda c, s: [c.all_reduce(b, op, async_op=True, timeout=td) for b in s])
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> GroupWork:  # type: ignore[override]
+        t = _only(tensors, "reduce")
+        root, op, td = int(opts.rootRank), _reduce_op(opts), _timeout(opts)
+        return self._run_staged("reduce", [t], lambda c, s: c.reduce(s[0], root, op, async_op=True, timeout=td))
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupWork:  # type: ignore[override]
+        t = _only(tensors, "broadcast")
+        root, td = (0 if opts is None else int(opts.rootRank)), _timeout(opts)
+        return self._run_staged("broadcast", [t], lambda c, s: c.broadcast(s[0], root, async_op=True, timeout=td))
 
     def _failed(self, op: str, result: list[Any], comm: Communicator | None) -> GroupWork:
         """A completed Work for an op of a broken generation: nothing issued, outputs invalid, step uncommittable."""

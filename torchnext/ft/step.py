@@ -35,6 +35,7 @@ class Step:
         ft = self._ft
         ft._check_not_finished()
         ft._settle(need_new=False)
+        ft._lockstep()  # the ranks of a replica group begin the attempt in the same generation
         with ft._lock:
             ft._in_step = True
         ft._check_not_finished()  # a notice that arrived meanwhile

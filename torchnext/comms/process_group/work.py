@@ -114,6 +114,10 @@ class GroupWork(dist._Work):
                 work.add_done_callback(self._part_done)
         return self._future
 
+    def _terminal(self, failed: bool) -> None:
+        """Called once every part is terminal, before the future completes (a subclass's last word on the
+        outputs: :class:`torchnext.ft.FaultTolerantProcessGroup` copies its staging buffers back here)."""
+
     def _part_done(self, work: Work) -> None:
         with self._group._lock:
             self._left -= 1
@@ -122,6 +126,7 @@ class GroupWork(dist._Work):
             return
         assert self._future is not None
         failed = [w for w in self._works if w.status is not _COMPLETED]
+        self._terminal(bool(failed))
         if failed:
             mark_invalid(self._invalid)
             self._group._note_swallowed(failed[0])
