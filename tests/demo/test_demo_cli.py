@@ -13,6 +13,7 @@ def test_fault_grammar() -> None:
     assert Fault.parse(" HANG : 1 @ 5 ") == Fault(kind="hang", rank=1, step=5)
     assert str(Fault.parse("hang:3@7")) == "hang:3@7"
     assert Fault.parse("coordinator@12") == Fault(kind="coordinator", rank=-1, step=12)
+    assert Fault.parse("partition:3@9") == Fault(kind="partition", rank=3, step=9)
     assert str(Fault.parse(" Coordinator @ 4")) == "coordinator@4"
 
 
@@ -52,6 +53,7 @@ def test_bad_fault_strings_are_refused_by_the_parser(text: str, message: str, ca
     (["--seq-len", "-4"], "--seq-len must be >= 1"),
     (["--fault", "coordinator@5", "--fault", "coordinator@9"], "at most one"),
     (["--fault", "coordinator@200"], "step 200 must be in (0, --steps 200)"),
+    (["--fault", "partition:2@5", "--fault", "coordinator@9"], "cannot be combined"),
 ])
 def test_bad_flag_combinations_are_clear_errors(args: list[str], message: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:

@@ -161,3 +161,34 @@ def test_coordinator_killed_the_standby_takes_over_and_training_goes_on(tmp_path
     assert summary["replica_groups_compared"] == 2 and summary["params_equal_across_ranks"] is True
     history = json.loads((out / "coordinator_history.json").read_text())
     assert any(h["event"] == "takeover" for h in history)
+
+
+def _netns() -> tuple[bool, str]:
+    from torchnext.testing.netns import available
+
+    return available()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.skipif(not _netns()[0], reason=f"network namespaces unavailable: {_netns()[1]}")
+def test_partition_cuts_a_ranks_host_off_its_group_leaves_and_a_restarted_group_heals(tmp_path: Path) -> None:
+    from torchnext.testing.netns import PREFIX
+
+    def labs() -> set[str]:
+        listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+        return {line.split()[0] for line in listing.splitlines() if line.startswith(PREFIX)}
+
+    before = labs()
+    out = tmp_path / "demo"
+    summary = _run(["--steps", "36", "--fault", "partition:2@10", "--rejoin"], out, timeout=180)
+    assert summary["steps_completed"] == 36
+    (failure,) = summary["failures"]
+    assert (failure["kind"], failure["rank"], failure["group"], failure["step"]) == ("partition", 2, 1, 10), failure
+    # the cut-off rank and its sibling left with their group (the demo's heartbeat timeout is 2 s), and the group
+    # restarted from spares on their own hosts healed and trained on
+    assert isinstance(failure["removed_s"], float) and 1.5 <= failure["removed_s"] < 20, failure
+    assert 3 in summary["removed_members"]  # the sibling; the cut-off rank says so once reconnected (may be after the end)
+    assert summary["final_members"] == [0, 1, 6, 7] and summary["replica_groups_compared"] == 2
+    assert summary["params_equal_across_ranks"] is True
+    assert labs() <= before, "the demo left network namespaces behind"

@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight precision of experts and projections (default %(default)s)")
     parser.add_argument("--fault", action="append", type=_fault, default=None, metavar="KIND:RANK@STEP",
                         help="inject a failure after the job committed STEP steps: kill:RANK (SIGKILL) or hang:RANK "
-                             "(SIGSTOP), or coordinator@STEP (kill the coordinator: a standby takes over); "
+                             "(SIGSTOP) or partition:RANK (its host cut off the network; needs root and network "
+                             "namespaces), or coordinator@STEP (kill the coordinator: a standby takes over); "
                              "repeatable (default " + ", ".join(str(f) for f in d.faults) + ")")
     parser.add_argument("--no-fault", action="store_true", help="run without injecting a failure")
     parser.add_argument("--rejoin", action="store_true",
@@ -172,6 +173,10 @@ def run(args: argparse.Namespace) -> int:
         if f["kind"] == "coordinator":
             console.print(f"failure: coordinator killed at step {f['step']}: standby in office after "
                           f"{f['takeover_s']} s, next committed step after {f['next_commit_s']} s")
+            continue
+        if f["kind"] == "partition":
+            console.print(f"failure: rank {f['rank']}'s host cut off at step {f['step']} (replica group {f['group']}): "
+                          f"the survivors' generation without it after {f['removed_s']} s")
             continue
         console.print(f"failure: {f['kind']} rank {f['rank']} (replica group {f['group']}) at step {f['step']}: "
                       f"detect {f['detect_s']} s, "

@@ -32,7 +32,7 @@ from typing import IO, Any
 
 __all__ = ["DemoConfig", "DemoError", "Fault", "run_demo"]
 
-FAULT_KINDS = ("kill", "hang", "coordinator")
+FAULT_KINDS = ("kill", "hang", "partition", "coordinator")
 _FAULT_RE = re.compile(r"^\s*([A-Za-z]+)\s*:\s*(-?\d+)\s*@\s*(-?\d+)\s*$")
 _COORDINATOR_RE = re.compile(r"^\s*coordinator\s*@\s*(-?\d+)\s*$", re.IGNORECASE)
 
@@ -45,7 +45,9 @@ class DemoError(RuntimeError):
 class Fault:
     """One injected failure: ``kind`` (``kill``: SIGKILL; ``hang``: SIGSTOP until the group is removed, then
     SIGCONT -- the rank must learn it was removed) on local rank ``rank`` after the job committed ``step`` steps.
-    Written ``kind:RANK@STEP`` (``kill:2@20``). ``coordinator@STEP``: the coordinator in office is killed (its
+    Written ``kind:RANK@STEP`` (``kill:2@20``). ``partition:RANK@STEP``: every rank runs on its own host (a network
+    namespace of a :class:`~torchnext.testing.NetLab`) and the rank's host is cut off the network until its replica
+    group has left the generation, then reconnected (the rank must learn it was removed). ``coordinator@STEP``: the coordinator in office is killed (its
     membership service and store stop at once) and the standby the launcher started beside it takes over; ``rank``
     is -1."""
 
@@ -79,7 +81,8 @@ class Fault:
             return cls(kind="coordinator", rank=-1, step=step)
         m = _FAULT_RE.match(text)
         if m is None:
-            raise ValueError(f"bad fault {text!r}: expected KIND:RANK@STEP with KIND kill or hang (e.g. kill:2@20), "
+            raise ValueError(f"bad fault {text!r}: expected KIND:RANK@STEP with KIND kill, hang or partition "
+                             "(e.g. kill:2@20), "
                              "or coordinator@STEP")
         kind = m.group(1).lower()
         if kind == "coordinator":
@@ -184,6 +187,15 @@ class DemoConfig:
         for f in coordinator_faults:
             if not 0 < f.step < self.steps:
                 raise ValueError(f"--fault {f}: step {f.step} must be in (0, --steps {self.steps})")
+        if self.partitioned:
+            if coordinator_faults:
+                raise ValueError("--fault partition and --fault coordinator cannot be combined (the partition run "
+                                 "hosts one coordinator process inside the network lab)")
+            from torchnext.testing.netns import available
+
+            ok, why = available()
+            if not ok:
+                raise ValueError(f"--fault partition needs Linux network namespaces (root, iproute2): {why}")
         for f in self.faults:
             if f.kind == "coordinator":
                 continue
@@ -200,6 +212,11 @@ class DemoConfig:
             raise ValueError(f"--fault: the faults take down every replica group ({self.groups}); keep one alive "
                              "or pass --rejoin")
 
+    @property
+    def partitioned(self) -> bool:
+        """Whether the run needs a network lab (a ``partition`` fault)."""
+        return any(f.kind == "partition" for f in self.faults)
+
     def _ranks_of(self, group: int) -> list[int]:
         return list(range(group * self.group_size, (group + 1) * self.group_size))
 
@@ -212,7 +229,7 @@ class _Rank:
     proc: subprocess.Popen[str]
     log: IO[str]
     started: float
-    state: str = "running"  # standby | running | killed | hung | removed | done | failed
+    state: str = "running"  # standby | running | killed | hung | partitioned | removed | done | failed
     joined: bool = False
 
 
@@ -224,14 +241,20 @@ class _Injected:
     group_members: list[int]
     standby: list[int] = field(default_factory=list)
     woken: bool = False
+    removed_at: float | None = None
+    """When the launcher saw the generation without the failed group (``time.monotonic()``)."""
 
 
 class _Launcher:
     def __init__(self, cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None], coordinator: str, token: str,
-                 store_port: int) -> None:
+                 store_port: int, *, store_host: str = "127.0.0.1", lab: Any = None) -> None:
         self.cfg = cfg
         self.on_event = on_event
         self.coordinator, self.token, self.store_port = coordinator, token, store_port
+        self.store_host = store_host
+        self.lab = lab  # a NetLab: rank slot i runs on host i, spares on hosts ranks + 1, ...
+        self.host_of: dict[int, int] = {}
+        self._next_spare_host = cfg.ranks + 1
         self.out = Path(cfg.out)
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.ranks: dict[int, _Rank] = {}
@@ -265,7 +288,13 @@ class _Launcher:
         if cfg.parallel != "ddp":
             cmd += ["--replica-group", str(self.group_of(slot)), "--group-rank", str(slot % cfg.group_size),
                     "--group-size", str(cfg.group_size), "--incarnation", str(incarnation),
-                    "--store", f"127.0.0.1:{self.store_port}"]
+                    "--store", f"{self.store_host}:{self.store_port}"]
+        if self.lab is not None:
+            host = slot if not standby else self._next_spare_host
+            if standby:
+                self._next_spare_host += 1
+            self.host_of[member] = host
+            cmd = [*self.lab.prefix(host), *cmd]
         log = open(self.out / "logs" / f"member_{member}.log", "w")
         try:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
@@ -372,17 +401,25 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
     groups = cfg.groups
     membership = MembershipConfig(min_size=_min_groups(groups), initial_size=groups,
                                   heartbeat_timeout_s=cfg.heartbeat_timeout_s)
-    coord = Coordinator(CoordinatorConfig(membership=membership))
-    coord.start()
-    standby: Coordinator | None = None
-    addresses = coord.address
-    if any(f.kind == "coordinator" for f in faults):  # the standby that takes over when the primary is killed
-        standby = Coordinator(CoordinatorConfig(standby=True, token=coord.token, membership=membership)).start()
-        addresses = f"{coord.address},{standby.address}"
-    # the replica groups' own process groups rendezvous at a store of the launcher's: it outlives any coordinator
-    group_store = _loopback_store()
-    launcher = _Launcher(cfg, emit, addresses, coord.token, group_store.port)
-    coordinators = [coord, *([standby] if standby is not None else [])]
+    lab: Any = None
+    lab_coordinator: Any = None
+    coordinators: list[Any] = []
+    group_store: Any = None
+    if cfg.partitioned:
+        lab, lab_coordinator, launcher = _start_lab(cfg, emit, faults)
+        coord: Any = None
+    else:
+        coord = Coordinator(CoordinatorConfig(membership=membership))
+        coord.start()
+        standby: Coordinator | None = None
+        addresses = coord.address
+        if any(f.kind == "coordinator" for f in faults):  # the standby that takes over when the primary is killed
+            standby = Coordinator(CoordinatorConfig(standby=True, token=coord.token, membership=membership)).start()
+            addresses = f"{coord.address},{standby.address}"
+        # the replica groups' own process groups rendezvous at a store of the launcher's: it outlives any coordinator
+        group_store = _loopback_store()
+        launcher = _Launcher(cfg, emit, addresses, coord.token, group_store.port)
+        coordinators = [coord, *([standby] if standby is not None else [])]
     error: BaseException | None = None
     history: list[dict[str, Any]] = []
     try:
@@ -395,11 +432,11 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
                 g = launcher.group_of(f.rank)
                 restarts[g] = restarts.get(g, 0) + 1
                 spares.append([launcher.spawn(s, restarts[g], standby=True) for s in cfg._ranks_of(g)])
-        emit({"event": "launched", "ranks": cfg.ranks, "groups": groups, "coordinator": coord.address})
+        emit({"event": "launched", "ranks": cfg.ranks, "groups": groups, "coordinator": launcher.coordinator})
         pending = list(range(len(faults)))
         deadline = t_start + cfg.timeout_s
         while True:
-            if not any(r.state in ("running", "hung") for r in launcher.ranks.values()):
+            if not any(r.state in ("running", "hung", "partitioned") for r in launcher.ranks.values()):
                 if launcher.done:
                     break
                 raise DemoError("no rank is left training (every replica group failed or was removed)")
@@ -443,6 +480,10 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
                             if r.state == "hung":
                                 os.killpg(r.proc.pid, signal.SIGCONT)
                                 r.state = "removed"
+                            elif r.state == "partitioned":
+                                launcher.lab.reconnect([launcher.host_of[m]])
+                                r.state = "removed"
+                        inj.removed_at = float(ev["_t"])
                         inj.woken = True
                         for m in inj.standby:
                             launcher.wake(m)
@@ -473,6 +514,10 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
             for c in coordinators:
                 c.stop()
             del group_store
+            if lab_coordinator is not None:
+                lab_coordinator.close()
+            if lab is not None:
+                lab.close()
         summary = _summarize(cfg, launcher, history, time.monotonic() - t_start, error)
     return summary
 
@@ -488,6 +533,35 @@ def _loopback_store() -> Any:
     port = listener.getsockname()[1]
     return dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=60), wait_for_workers=False,
                          master_listen_fd=listener.detach(), use_libuv=True)
+
+
+def _start_lab(cfg: DemoConfig, emit: Callable[[dict[str, Any]], None],
+               faults: Sequence[Fault]) -> tuple[Any, Any, _Launcher]:
+    """The partition run: a NetLab with one host per rank, one for the coordinator (a ``torchnext coordinator``
+    process: an in-process one would not be reachable from the hosts; its store is where the groups rendezvous) and
+    one per spare rank."""
+    import secrets
+
+    from torchnext.testing.coordinators import CoordinatorProcess
+    from torchnext.testing.netns import NetLab
+
+    spares = cfg.group_size * len(faults) if cfg.rejoin else 0
+    lab = NetLab(cfg.ranks + 1 + spares)
+    try:
+        token = secrets.token_hex(16)
+        host = cfg.ranks
+        proc = CoordinatorProcess(token, host=lab.address(host), prefix=lab.prefix(host), min_size=_min_groups(cfg.groups),
+                                  initial_size=cfg.groups, heartbeat_timeout_s=cfg.heartbeat_timeout_s).start()
+        m = re.search(r"store port (\d+)", proc.output())
+        if m is None:
+            proc.close()
+            raise DemoError(f"the coordinator did not say its store port: {proc.output()[-500:]}")
+    except BaseException:
+        lab.close()
+        raise
+    emit({"event": "lab", "hosts": lab.hosts, "coordinator": proc.address})
+    launcher = _Launcher(cfg, emit, proc.address, token, int(m.group(1)), store_host=lab.address(host), lab=lab)
+    return lab, proc, launcher
 
 
 def _kill_coordinator(launcher: _Launcher, f: Fault, coord: Any, step: int,
@@ -509,6 +583,9 @@ def _inject(launcher: _Launcher, f: Fault, victim: _Rank, standby: list[int], st
     if f.kind == "kill":
         os.killpg(victim.proc.pid, signal.SIGKILL)
         victim.state = "killed"
+    elif f.kind == "partition":
+        launcher.lab.isolate([launcher.host_of[victim.member]])
+        victim.state = "partitioned"
     else:
         os.killpg(victim.proc.pid, signal.SIGSTOP)
         victim.state = "hung"
@@ -547,6 +624,7 @@ def _summarize(cfg: DemoConfig, launcher: _Launcher, history: list[dict[str, Any
             "detect_s": None if detected is None else round(detected["at"] - inj.at, 4),
             "agree_s": None if detected is None or gen is None else round(gen["at"] - detected["at"], 4),
             "rebuild_s": None if gen is None or not built else round(max(built) - gen["at"], 4),
+            "removed_s": None if inj.removed_at is None else round(inj.removed_at - inj.at, 4),
         })
     by_group_rank: dict[int, set[str]] = {}
     for m, d in launcher.done.items():
