@@ -53,7 +53,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         group.constructed = True
         self._ft_local = local
         self._ft_group = ft.process_group
-        self.register_comm_hook(_HookState(self._ft_group), _average_over_live_groups)
+        self.register_comm_hook(self._ft_group, _average_over_live_groups)
 
 
 class _DDPGroup(TorchnextProcessGroup):
@@ -78,13 +78,7 @@ _AVG = dist.AllreduceOptions()
 _AVG.reduceOp = dist.ReduceOp.AVG  # type: ignore[assignment]  # pybind converts the RedOpType
 
 
-class _HookState:
-    """The comm hook's state: the fault-tolerant group."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-
-
-def _average_over_live_groups(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    work = state.group.allreduce([bucket.buffer()], _AVG)
+def _average_over_live_groups(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The comm hook (its state is ``ft.process_group``)."""
+    work = group.allreduce([bucket.buffer()], _AVG)
     return work.get_future().then(lambda fut: fut.value()[0])

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torchnext.comms.communicator import Communicator
 from torchnext.comms.errors import CommError
 from torchnext.comms.process_group import GroupWork, TorchnextProcessGroup
-from torchnext.comms.process_group.group import BACKEND_NAME, _only, _reduce_op, _timeout
+from torchnext.comms.process_group.group import BACKEND_NAME
 from torchnext.comms.process_group.work import mark_invalid
 
 if TYPE_CHECKING:
@@ -99,10 +99,10 @@ class _FTWork(GroupWork):
                  unstage: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         super().__init__(group, works, result)
         self._unstage = unstage
-        self._settle_lock = threading.Lock()
+        self._unstage_lock = threading.Lock()
 
-    def _settle(self, *, failed: bool) -> None:
-        with self._settle_lock:
+    def _terminal(self, failed: bool) -> None:
+        with self._unstage_lock:
             pairs, self._unstage = self._unstage, None
         if not pairs or failed:
             return
@@ -112,22 +112,19 @@ class _FTWork(GroupWork):
                 caller.copy_(staged)
                 staging.put(staged)
 
-    def _terminal(self, failed: bool) -> None:
-        self._settle(failed=failed)
-
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         limit = None if not timeout else timeout
         for work in self._works:
             try:
                 done = work.wait(limit)
             except CommError:
-                self._settle(failed=True)
+                self._terminal(True)
                 mark_invalid(self._invalid)
                 self._group._note_swallowed(work)
                 return True
             if not done:
                 raise RuntimeError(f"{work.op}: wait() timed out after {timeout} (the op is still in flight)")
-        self._settle(failed=not self.is_success())
+        self._terminal(not self.is_success())
         return True
 
 
@@ -201,63 +198,46 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         """Nothing: the Communicators belong to ``ft`` (``ft.close()``/``ft.finish()`` release them)."""
 
     # ----------------------------------------------------------------------------------------------- ops
-    def _run(self, op: str, device_tensor: Any, issue: Callable[[Communicator], Any], result: list[Any]) -> GroupWork:
+    def _live(self, op: str, tensors: list[Any]) -> Communicator | None:
+        """The current generation's Communicator for an op on ``tensors``; None when that generation is broken or
+        superseded (the op is then recorded as failed, not issued). Bad arguments raise."""
         ft = self._ft
         comm = ft._comm
-        if device_tensor is not None and comm is not None and device_tensor.device.type != comm.device.type:
-            raise ValueError(f"{op}: a tensor on {device_tensor.device}, but the fault-tolerant group communicates "
-                             f"{comm.device} tensors")
-        if comm is None or comm.errored() is not None or ft._newest_gen > ft.generation:
-            return self._failed(op, result, comm)
-        try:
-            works = issue(comm)
-        except CommError:  # refused: the generation broke between the check and the issue
-            return self._failed(op, result, comm)
-        return _FTWork(self, works, result)
-
-    def _run_staged(self, op: str, callers: list[torch.Tensor],
-                    issue: Callable[[Communicator, list[torch.Tensor]], Any]) -> GroupWork:
-        """An in-place op on private staging buffers (see the module docstring): ``issue(comm, staged)``."""
-        ft = self._ft
-        comm = ft._comm
-        for t in callers:
+        for t in tensors:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{op}: expected a torch.Tensor, got {type(t).__name__}")
             if comm is not None and t.device.type != comm.device.type:
                 raise ValueError(f"{op}: a tensor on {t.device}, but the fault-tolerant group communicates "
                                  f"{comm.device} tensors")
         if comm is None or comm.errored() is not None or ft._newest_gen > ft.generation:
-            return self._failed(op, callers, comm)
-        staged = [self._staging.take(t) for t in callers]
+            return None
+        return comm
+
+    def _run(self, op: str, device_tensor: Any, issue: Callable[[Communicator], Any], result: list[Any]) -> GroupWork:
+        comm = self._live(op, [] if device_tensor is None else [device_tensor])
+        if comm is None:
+            return self._failed(op, result, self._ft._comm)
+        try:
+            works = issue(comm)
+        except CommError:  # refused: the generation broke between the check and the issue
+            return self._failed(op, result, comm)
+        return _FTWork(self, works, result)
+
+    def _run_inplace(self, op: str, tensors: list[torch.Tensor],
+                     issue: Callable[[Communicator, list[torch.Tensor]], Any]) -> GroupWork:
+        """On private staging buffers (see the module docstring): ``issue(comm, staged)``; the callers' tensors
+        get the result only when the op succeeded."""
+        comm = self._live(op, tensors)
+        if comm is None:
+            return self._failed(op, tensors, self._ft._comm)
+        staged = [self._staging.take(t) for t in tensors]
         try:
             works = issue(comm, staged)
         except CommError:  # refused before anything was issued: the buffers are still private
             for b in staged:
                 self._staging.put(b)
-            return self._failed(op, callers, comm)
-        return _FTWork(self, works, callers, unstage=list(zip(staged, callers, strict=True)))
-
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupWork:  # type: ignore[override]
-        t = _only(tensors, "allreduce")
-        op, td = _reduce_op(opts), _timeout(opts)
-        return self._run_staged("all_reduce", [t], lambda c, s: c.all_reduce(s[0], op, async_op=True, timeout=td))
-
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupWork:
-        if not tensors:
-            raise ValueError("allreduce_coalesced: no tensors")
-        op, td = _reduce_op(opts), _timeout(opts)
-        return self._run_staged("all_reduce", list(tensors),
-                                lambda c, s: [c.all_reduce(b, op, async_op=True, timeout=td) for b in s])
-
-    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> GroupWork:  # type: ignore[override]
-        t = _only(tensors, "reduce")
-        root, op, td = int(opts.rootRank), _reduce_op(opts), _timeout(opts)
-        return self._run_staged("reduce", [t], lambda c, s: c.reduce(s[0], root, op, async_op=True, timeout=td))
-
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupWork:  # type: ignore[override]
-        t = _only(tensors, "broadcast")
-        root, td = (0 if opts is None else int(opts.rootRank)), _timeout(opts)
-        return self._run_staged("broadcast", [t], lambda c, s: c.broadcast(s[0], root, async_op=True, timeout=td))
+            return self._failed(op, tensors, comm)
+        return _FTWork(self, works, tensors, unstage=list(zip(staged, tensors, strict=True)))
 
     def _failed(self, op: str, result: list[Any], comm: Communicator | None) -> GroupWork:
         """A completed Work for an op of a broken generation: nothing issued, outputs invalid, step uncommittable."""

@@ -201,23 +201,30 @@ class TorchnextProcessGroup(dist.ProcessGroup):
         comm = self._comm_for(device_tensor, op)
         return GroupWork(self, issue(comm), result)
 
+    def _run_inplace(self, op: str, tensors: list[torch.Tensor],
+                     issue: Callable[[Communicator, list[torch.Tensor]], Any]) -> GroupWork:
+        """An op that writes its result into its own ``tensors`` (all_reduce, reduce, broadcast):
+        ``issue(comm, tensors)``. Here on the caller's tensors; :class:`torchnext.ft.FaultTolerantProcessGroup`
+        issues it on private staging copies instead."""
+        return self._run(op, tensors[0], lambda c: issue(c, tensors), tensors)
+
     # ------------------------------------------------------------------------------------------ reductions
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupWork:  # type: ignore[override]
-        t = _only(tensors, "allreduce")
+        _only(tensors, "allreduce")
         op, td = _reduce_op(opts), _timeout(opts)
-        return self._run("all_reduce", t, lambda c: c.all_reduce(t, op, async_op=True, timeout=td), tensors)
+        return self._run_inplace("all_reduce", tensors, lambda c, s: c.all_reduce(s[0], op, async_op=True, timeout=td))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupWork:
         if not tensors:
             raise ValueError("allreduce_coalesced: no tensors")
         op, td = _reduce_op(opts), _timeout(opts)
-        return self._run("all_reduce", tensors[0],
-                         lambda c: [c.all_reduce(t, op, async_op=True, timeout=td) for t in tensors], tensors)
+        return self._run_inplace("all_reduce", tensors,
+                                 lambda c, s: [c.all_reduce(t, op, async_op=True, timeout=td) for t in s])
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> GroupWork:  # type: ignore[override]
-        t = _only(tensors, "reduce")
+        _only(tensors, "reduce")
         root, op, td = int(opts.rootRank), _reduce_op(opts), _timeout(opts)
-        return self._run("reduce", t, lambda c: c.reduce(t, root, op, async_op=True, timeout=td), tensors)
+        return self._run_inplace("reduce", tensors, lambda c, s: c.reduce(s[0], root, op, async_op=True, timeout=td))
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
                        input_tensors: list[list[torch.Tensor]], opts: Any = None) -> GroupWork:
@@ -247,9 +254,9 @@ class TorchnextProcessGroup(dist.ProcessGroup):
 
     # --------------------------------------------------------------------------------------- data movement
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupWork:  # type: ignore[override]
-        t = _only(tensors, "broadcast")
+        _only(tensors, "broadcast")
         root, td = (0 if opts is None else int(opts.rootRank)), _timeout(opts)
-        return self._run("broadcast", t, lambda c: c.broadcast(t, root, async_op=True, timeout=td), tensors)
+        return self._run_inplace("broadcast", tensors, lambda c, s: c.broadcast(s[0], root, async_op=True, timeout=td))
 
     def allgather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]
                   input_tensors: list[torch.Tensor], opts: Any = None) -> GroupWork:
