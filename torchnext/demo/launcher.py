@@ -384,6 +384,7 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
         DemoError: a rank crashed unexpectedly, or the demo did not finish within ``cfg.timeout_s``.
     """
     from torchnext.ft import Coordinator, CoordinatorConfig, MembershipConfig
+    from torchnext.ft.coordinator import bound_store
 
     cfg.validate()
     if cfg.parallel == "diloco":
@@ -417,7 +418,7 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
             standby = Coordinator(CoordinatorConfig(standby=True, token=coord.token, membership=membership)).start()
             addresses = f"{coord.address},{standby.address}"
         # the replica groups' own process groups rendezvous at a store of the launcher's: it outlives any coordinator
-        group_store = _loopback_store()
+        group_store = bound_store("127.0.0.1")
         launcher = _Launcher(cfg, emit, addresses, coord.token, group_store.port)
         coordinators = [coord, *([standby] if standby is not None else [])]
     error: BaseException | None = None
@@ -520,19 +521,6 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
                 lab.close()
         summary = _summarize(cfg, launcher, history, time.monotonic() - t_start, error)
     return summary
-
-
-def _loopback_store() -> Any:
-    """A c10d TCPStore server on 127.0.0.1 only (``TCPStore`` alone listens on every interface), port in ``.port``."""
-    import socket
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
-    port = listener.getsockname()[1]
-    return dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=60), wait_for_workers=False,
-                         master_listen_fd=listener.detach(), use_libuv=True)
 
 
 def _start_lab(cfg: DemoConfig, emit: Callable[[dict[str, Any]], None],

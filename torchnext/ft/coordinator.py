@@ -43,7 +43,7 @@ from typing import Any
 from torchnext.ft.membership import MembershipConfig
 from torchnext.ft.service import MembershipService
 
-__all__ = ["Coordinator", "CoordinatorConfig", "add_arguments", "run"]
+__all__ = ["Coordinator", "CoordinatorConfig", "add_arguments", "bound_store", "run"]
 
 
 @dataclass(kw_only=True)
@@ -91,15 +91,9 @@ class Coordinator:
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     def start(self) -> Coordinator:
-        import torch.distributed as dist
-
         cfg = self.config
-        store_listener = socket.create_server((cfg.host, cfg.store_port), backlog=1024)
-        self.store_port = store_listener.getsockname()[1]
-        self._store = dist.TCPStore(
-            cfg.host, self.store_port, None, True, timeout=timedelta(seconds=60), wait_for_workers=False,
-            master_listen_fd=store_listener.detach(), use_libuv=True,
-        )
+        self._store = bound_store(cfg.host, cfg.store_port)
+        self.store_port = self._store.port
         self._service = MembershipService(host=cfg.host, port=cfg.port, token=self.token, store_port=self.store_port,
                                           membership=cfg.membership, standby=cfg.standby)
         self.port = self._service.port
@@ -203,6 +197,17 @@ class Coordinator:
 
 
 # ----------------------------------------------------------------------------------------------------- the CLI
+def bound_store(host: str, port: int = 0) -> Any:
+    """A c10d ``TCPStore`` server listening on ``host`` only (``port`` 0: a free one, in ``.port``). ``TCPStore``
+    alone listens on every interface; here we bind the socket and hand it over (``master_listen_fd``)."""
+    import torch.distributed as dist
+
+    listener = socket.create_server((host, port), backlog=1024)
+    bound = listener.getsockname()[1]
+    return dist.TCPStore(host, bound, None, True, timeout=timedelta(seconds=60), wait_for_workers=False,
+                         master_listen_fd=listener.detach(), use_libuv=True)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = MembershipConfig()
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
