@@ -18,25 +18,11 @@ import platform
 import subprocess
 import sys
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import torch
 
 import torchnext.testing.torch_suite as harness
-
-
-def _outcomes(junit: Path) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        name = case.get("name", "?")
-        if case.find("failure") is not None or case.find("error") is not None:
-            out[name] = "failed"
-        elif case.find("skipped") is not None:
-            out[name] = "skipped"
-        else:
-            out[name] = "passed"
-    return out
 
 
 def _run(groups: str, world_size: int, expr: str | None, out: Path) -> tuple[dict[str, str], float]:
@@ -48,7 +34,7 @@ def _run(groups: str, world_size: int, expr: str | None, out: Path) -> tuple[dic
         cmd += ["-k", expr]
     t0 = time.monotonic()
     subprocess.run(cmd, env=env, check=False)
-    return _outcomes(junit), time.monotonic() - t0
+    return harness.junit_outcomes(junit), time.monotonic() - t0
 
 
 def main() -> None:

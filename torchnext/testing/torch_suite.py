@@ -15,6 +15,8 @@ at import. Needs the ``expecttest`` package (in the ``[test]`` extra). Run it wi
 from __future__ import annotations
 
 import os
+import xml.etree.ElementTree as ET
+from pathlib import Path
 
 os.environ.setdefault("BACKEND", "gloo")
 os.environ.setdefault("WORLD_SIZE", "2")
@@ -27,7 +29,7 @@ from torch.testing._internal.distributed.distributed_test import (
 
 from torchnext._config import env_config
 
-__all__ = ["GROUPS", "TestTorchSuite"]
+__all__ = ["GROUPS", "TestTorchSuite", "junit_outcomes"]
 
 GROUPS = env_config().suite_groups
 """Which groups the suite runs on in this process: ``gloo`` or ``torchnext``."""
@@ -44,3 +46,18 @@ class TestTorchSuite(TestDistBackend, DistributedTest._DistTestBase):
     def setUp(self) -> None:
         super().setUp()
         self._spawn_processes()
+
+
+def junit_outcomes(junit: str | Path) -> dict[str, str]:
+    """``{test name: "passed" | "failed" | "skipped"}`` from the JUnit XML of a run of this module (an error
+    counts as failed)."""
+    out: dict[str, str] = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = case.get("name", "?")
+        if case.find("failure") is not None or case.find("error") is not None:
+            out[name] = "failed"
+        elif case.find("skipped") is not None:
+            out[name] = "skipped"
+        else:
+            out[name] = "passed"
+    return out

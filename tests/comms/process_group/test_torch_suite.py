@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -46,14 +45,6 @@ def test_pytorch_distributed_suite_subset_passes_on_torchnext_groups(tmp_path: P
            f"--junitxml={junit}", "-k", " or ".join(f"{n} and not {n}_" for n in SUBSET), harness.__file__]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=840, check=False)
     assert junit.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    outcome: dict[str, str] = {}
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        name = case.get("name", "?")
-        if case.find("failure") is not None or case.find("error") is not None:
-            outcome[name] = "failed"
-        elif case.find("skipped") is not None:
-            outcome[name] = "skipped"
-        else:
-            outcome[name] = "passed"
+    outcome = harness.junit_outcomes(junit)
     assert sorted(outcome) == sorted(SUBSET), (sorted(outcome), proc.stdout[-2000:])
     assert all(v == "passed" for v in outcome.values()), (outcome, proc.stdout[-4000:])
