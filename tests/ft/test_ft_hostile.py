@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from torchnext.ft import Coordinator, CoordinatorConfig, MembershipConfig
 from torchnext.ft._wire import MAX_LINE, MEMBER_MESSAGES, PROTOCOL_VERSION, LineReader, encode, mac, new_nonce
 from torchnext.ft.member import MemberClient
+from torchnext.testing.sockets import read_to_close, send_all
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -81,27 +82,6 @@ def _read_msgs(s: socket.socket, n: int, timeout: float = 5.0) -> list[dict[str,
     return out
 
 
-def _read_to_close(s: socket.socket, timeout: float = 5.0) -> bytes:
-    """Everything until the peer closes (``TimeoutError`` if it keeps the connection open)."""
-    got = b""
-    s.settimeout(timeout)
-    while True:
-        try:
-            data = s.recv(1 << 16)
-        except ConnectionResetError:
-            return got
-        if not data:
-            return got
-        got += data
-
-
-def _send_all(s: socket.socket, data: bytes) -> None:
-    try:
-        s.sendall(data)
-    except (BrokenPipeError, ConnectionResetError):  # the service may close before reading everything
-        pass
-
-
 def _authenticated(coord: Coordinator, **hello: Any) -> socket.socket:
     """A raw connection that passed the challenge-response (a joined member, no heartbeat thread)."""
     s = socket.create_connection(("127.0.0.1", coord.port), timeout=5)
@@ -123,8 +103,8 @@ def test_deeply_nested_line_before_hello(session: _Session, caplog: pytest.LogCa
     with caplog.at_level(logging.WARNING, logger="torchnext.ft"), \
             socket.create_connection(("127.0.0.1", session.coord.port), timeout=5) as s:
         _read_msgs(s, 1)
-        _send_all(s, b"[" * depth + b"\n")
-        lines = [json.loads(x) for x in _read_to_close(s).splitlines()]
+        send_all(s, b"[" * depth + b"\n")
+        lines = [json.loads(x) for x in read_to_close(s).splitlines()]
     assert lines and lines[-1]["t"] == "reject" and lines[-1]["code"] == "bad_request", lines
     assert reason in lines[-1]["reason"]
     assert any(reason in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
@@ -136,7 +116,7 @@ def test_vote_with_a_string_generation_after_hello(session: _Session, caplog: py
     s = _authenticated(session.coord)
     with caplog.at_level(logging.WARNING, logger="torchnext.ft"), s:
         s.sendall(b'{"t":"vote","gen":"abc"}\n')
-        _read_to_close(s)  # closed by the service
+        read_to_close(s)  # closed by the service
     assert any("vote.gen must be an int" in r.getMessage() for r in caplog.records), \
         [r.getMessage() for r in caplog.records]
     session.healthy()
@@ -147,19 +127,19 @@ def test_other_hostile_inputs(session: _Session, case: str) -> None:
     with socket.create_connection(("127.0.0.1", session.coord.port), timeout=5) as s:
         challenge = _read_msgs(s, 1)[0]
         if case == "random_bytes":
-            _send_all(s, os.urandom(4096) + b"\n")
+            send_all(s, os.urandom(4096) + b"\n")
         elif case == "eight_mib_line":
-            _send_all(s, b"x" * (8 << 20) + b"\n")
+            send_all(s, b"x" * (8 << 20) + b"\n")
         elif case == "bad_json":
-            _send_all(s, b'{"t": "hello", "nonce": \n')
+            send_all(s, b'{"t": "hello", "nonce": \n')
         elif case == "pickle":
-            _send_all(s, b"\x80\x04\x95pickle\n")
+            send_all(s, b"\x80\x04\x95pickle\n")
         else:
             mine = new_nonce()
-            _send_all(s, encode({"t": "hello", "nonce": mine, "proof": mac("not-the-token", "member",
+            send_all(s, encode({"t": "hello", "nonce": mine, "proof": mac("not-the-token", "member",
                                                                              challenge["nonce"], mine),
                                  "proto": PROTOCOL_VERSION, "step": 0}))
-        got = _read_to_close(s)
+        got = read_to_close(s)
     if got:
         last = json.loads(got.splitlines()[-1])
         assert last["t"] == "reject", last
@@ -212,5 +192,5 @@ def test_fuzz_the_membership_port(session: _Session, payload: list[bytes], authe
         if not authenticate:
             _read_msgs(s, 1)
         for chunk in payload:
-            _send_all(s, chunk)
+            send_all(s, chunk)
     session.healthy()

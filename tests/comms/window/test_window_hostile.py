@@ -15,30 +15,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from torchnext.testing.sockets import read_to_close, send_all
+
 pytestmark = pytest.mark.timeout(120)
 
 _FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-
-
-def _read_to_close(s: socket.socket, timeout: float = 5.0) -> bytes:
-    """Everything until the peer closes (``TimeoutError`` if it keeps the connection open)."""
-    got = b""
-    s.settimeout(timeout)
-    while True:
-        try:
-            data = s.recv(1 << 16)
-        except ConnectionResetError:
-            return got
-        if not data:
-            return got
-        got += data
-
-
-def _send_all(s: socket.socket, data: bytes) -> None:
-    try:
-        s.sendall(data)
-    except (BrokenPipeError, ConnectionResetError):  # the service may close before reading everything
-        pass
 
 
 class _Window:
@@ -104,8 +85,8 @@ def test_window_service_hostile_hello(window: _Window, case: str) -> None:
         data = {"wrong_token": HELLO.pack(MAGIC, 1, os.urandom(32)), "random_bytes": os.urandom(4096),
                 "nested": b"[" * 100_000 + b"\n", "eight_mib": b"x" * (8 << 20),
                 "old_protocol": HELLO.pack(b"TNW1", 1, window.token)}[case]
-        _send_all(s, data)
-        got = _read_to_close(s)
+        send_all(s, data)
+        got = read_to_close(s)
     assert got in (b"", b"\x01"), got[:16]
     window.healthy()
 
@@ -119,10 +100,10 @@ def test_window_service_hostile_requests_after_auth(window: _Window) -> None:
                    REQUEST.pack(3, 0, 0, 3, 0, 1 << 40, 8 << 40), REQUEST.pack(99, 0, 0, 4, 0, 0, 0),
                    REQUEST.pack(4, 0, 250, 5, 0, 1, 4) + b"\0" * 4):
         with _window_conn(window, authenticate=True) as s:
-            _send_all(s, header)
+            send_all(s, header)
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_WR)
-            got = _read_to_close(s)
+            got = read_to_close(s)
         if got:
             status = REPLY.unpack(got[:REPLY.size])[0]
             assert status != 0, got
@@ -142,14 +123,14 @@ def test_fuzz_the_window_service(window: _Window, hello: bytes, authenticate: bo
 
     with _window_conn(window, authenticate) as s:
         if not authenticate:
-            _send_all(s, hello)
+            send_all(s, hello)
         else:
             for op, code, aux, offset, numel, plen, payload in requests:
-                _send_all(s, REQUEST.pack(op, code, aux, 1, offset, numel, plen) + payload)
+                send_all(s, REQUEST.pack(op, code, aux, 1, offset, numel, plen) + payload)
         with contextlib.suppress(OSError):  # the service may have closed it already
             s.shutdown(socket.SHUT_WR)
         try:
-            _read_to_close(s, timeout=2.0)
+            read_to_close(s, timeout=2.0)
         except TimeoutError:
             pass  # the service waits for the rest of a payload we declared: our close ends it
     window.healthy()
