@@ -104,37 +104,11 @@ def _ddp_overhead_rank(ctx: Any, addr: str, token: str, p: dict[str, Any]) -> di
         "ft": DistributedDataParallel(models["ft"], ft, **kw),
     }
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
-    step_no = dict.fromkeys(models, 0)
-
     phases = _Phases()
-
-    def plain_step(name: str, ms: float) -> None:
-        W.compute(ms, p["compute_kind"])
-        t = time.perf_counter()
-        wrapped[name](W.batch(step_no[name], r)).square().mean().backward()
-        phases.add(name, "fwd_bwd", t)
-        opts[name].step()
-        opts[name].zero_grad()
-        step_no[name] += 1
-
-    def ft_step(ms: float) -> None:
-        t = time.perf_counter()
-        with ft.step() as st:
-            phases.add("ft", "enter", t)
-            W.compute(ms, p["compute_kind"])
-            t = time.perf_counter()
-            wrapped["ft"](W.batch(ft.step_count, r)).square().mean().backward()
-            phases.add("ft", "fwd_bwd", t)
-            t = time.perf_counter()
-            ok = st.commit()
-            phases.add("ft", "commit", t)
-            if ok:
-                opts["ft"].step()
-            opts["ft"].zero_grad()
-            t = time.perf_counter()
-        phases.add("ft", "exit", t)
-
-    steps = {"gloo": lambda ms: plain_step("gloo", ms), "plain": lambda ms: plain_step("plain", ms), "ft": ft_step}
+    compute = lambda ms: W.compute(ms, p["compute_kind"])  # noqa: E731
+    batch = lambda step: W.batch(step, r)  # noqa: E731
+    steps = {name: _plain_step(phases, name, wrapped[name], opts[name], batch, compute) for name in ("gloo", "plain")}
+    steps["ft"] = _ft_step(phases, ft, wrapped["ft"], opts["ft"], batch, compute)
     try:
         out = _timed_blocks(steps, p)
     finally:
@@ -152,6 +126,45 @@ class _Phases:
 
     def add(self, variant: str, phase: str, t0: float) -> None:
         self.s.setdefault(f"{variant}.{phase}", []).append(time.perf_counter() - t0)
+
+
+def _plain_step(phases: _Phases, name: str, net: Any, opt: Any, batch: Any, compute: Any) -> Any:
+    """One timed step of a variant without fault tolerance (``phases``: its forward + backward)."""
+    done = [0]
+
+    def step(ms: float) -> None:
+        compute(ms)
+        t = time.perf_counter()
+        net(batch(done[0])).square().mean().backward()
+        phases.add(name, "fwd_bwd", t)
+        opt.step()
+        opt.zero_grad()
+        done[0] += 1
+
+    return step
+
+
+def _ft_step(phases: _Phases, ft: Any, net: Any, opt: Any, batch: Any, compute: Any) -> Any:
+    """One timed fault-tolerant step (``phases``: entering ``ft.step()``, forward + backward, the commit, leaving)."""
+
+    def step(ms: float) -> None:
+        t = time.perf_counter()
+        with ft.step() as st:
+            phases.add("ft", "enter", t)
+            compute(ms)
+            t = time.perf_counter()
+            net(batch(ft.step_count)).square().mean().backward()
+            phases.add("ft", "fwd_bwd", t)
+            t = time.perf_counter()
+            ok = st.commit()
+            phases.add("ft", "commit", t)
+            if ok:
+                opt.step()
+            opt.zero_grad()
+            t = time.perf_counter()
+        phases.add("ft", "exit", t)
+
+    return step
 
 
 def _timed_blocks(steps: dict[str, Any], p: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
@@ -209,38 +222,13 @@ def _hsdp_overhead_rank(ctx: Any, addr: str, token: str, p: dict[str, Any]) -> d
         fully_shard(m, mesh=meshes[name])
         opts[name] = torch.optim.SGD(m.parameters(), lr=1e-3)
     ft.join()
-    step_no = [0]
-
     phases = _Phases()
-
-    def plain_step(ms: float) -> None:
-        W.compute(ms, p["compute_kind"])
-        t = time.perf_counter()
-        models["plain"](W.batch(step_no[0], gid)).square().mean().backward()
-        phases.add("plain", "fwd_bwd", t)
-        opts["plain"].step()
-        opts["plain"].zero_grad()
-        step_no[0] += 1
-
-    def ft_step(ms: float) -> None:
-        t = time.perf_counter()
-        with ft.step() as st:
-            phases.add("ft", "enter", t)
-            W.compute(ms, p["compute_kind"])
-            t = time.perf_counter()
-            models["ft"](W.batch(ft.step_count, gid)).square().mean().backward()
-            phases.add("ft", "fwd_bwd", t)
-            t = time.perf_counter()
-            ok = st.commit()
-            phases.add("ft", "commit", t)
-            if ok:
-                opts["ft"].step()
-            opts["ft"].zero_grad()
-            t = time.perf_counter()
-        phases.add("ft", "exit", t)
-
+    compute = lambda ms: W.compute(ms, p["compute_kind"])  # noqa: E731
+    batch = lambda step: W.batch(step, gid)  # noqa: E731
+    steps = {"plain": _plain_step(phases, "plain", models["plain"], opts["plain"], batch, compute),
+             "ft": _ft_step(phases, ft, models["ft"], opts["ft"], batch, compute)}
     try:
-        out = _timed_blocks({"plain": plain_step, "ft": ft_step}, p)
+        out = _timed_blocks(steps, p)
     finally:
         ft.finish()
     diff = max((a.to_local() - b.to_local()).abs().max().item()
