@@ -1,8 +1,19 @@
 """A torchnext process group vs a plain Gloo group: same processes, same run, ops interleaved ABBA.
 
 Every rank initialises the default group with ``backend="torchnext"`` (Flight Recorder on, as by default, plus a
-pre and a post hook of our own on its Communicator) and makes a plain Gloo group over the same ranks with
-``dist.new_group(backend="gloo")``. Then, alternating the two groups sample by sample (A B B A ...):
+pre and a post hook of our own on its Communicator) and makes a plain torch group over the same ranks -- the peer.
+``--peer`` chooses it:
+
+* ``shared`` (default): torch's own ``ProcessGroup`` (dispatcher and all) over **the very ProcessGroupGloo our
+  Communicator drives** (a torch backend whose creator returns it). Same sockets, same Gloo threads: the ratio is
+  what our layers cost, nothing else.
+* ``independent``: ``dist.new_group(backend="gloo")``, a second Gloo instance. Two Gloo instances in one process
+  differ by where the kernel happens to place their threads on a small machine: measured with ``--peer aa`` (two
+  independent Gloo groups against each other), 1 MiB all_reduces differ 0.3-2x and 16 MiB ones up to 11 % between
+  identical groups -- larger than the 3 % this benchmark must resolve.
+* ``aa``: two independent plain Gloo groups (no torchnext op at all): the noise floor of ``independent``.
+
+Then, alternating the two groups sample by sample (A B B A ...):
 
 * ``dist.all_reduce`` latency at 4 B and time at 1 MiB and 16 MiB (medians; ratio = gloo time / ours);
 * a DDP training step (forward + backward + SGD) of MLPs with ~4 MiB and ~64 MiB of gradients;
@@ -11,7 +22,8 @@ pre and a post hook of our own on its Communicator) and makes a plain Gloo group
 Goals (issue 14): DDP and FSDP2 steps >= 0.97x Gloo's throughput, collectives >= 1 MiB >= 0.97x, added latency at
 4 B <= 10 us per op.
 
-    python benchmarks/comms/bench_process_group.py [--world-size 2] [--reps 200] [--step-reps 15] [--json out.json]
+    python benchmarks/comms/bench_process_group.py [--world-size 2] [--reps 400] [--step-reps 15]
+        [--peer shared|independent|aa] [--only collectives ddp fsdp] [--json out.json]
 """
 
 from __future__ import annotations
@@ -64,7 +76,20 @@ def _ddp_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> 
     return step
 
 
-def _rank_main(ctx: RankContext, reps: int, step_reps: int, only: list[str]) -> dict[str, Any]:
+_SHARED = "bench_shared_gloo"
+
+
+def _shared_gloo_group(backend: Any, ranks: list[int]) -> dist.ProcessGroup:
+    """torch's own ProcessGroup (bookkeeping, dispatcher, everything ``dist.new_group`` does) over ``backend``, an
+    existing ProcessGroupGloo, through a torch backend whose creator hands it out."""
+    if _SHARED not in dist.Backend.backend_list:
+        dist.Backend.register_backend(_SHARED, lambda store, rank, size, timeout: backend, devices=["cpu"])
+    group = dist.new_group(ranks, backend=_SHARED)
+    assert group is not None
+    return group
+
+
+def _rank_main(ctx: RankContext, reps: int, step_reps: int, only: list[str], peer: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -76,7 +101,13 @@ def _rank_main(ctx: RankContext, reps: int, step_reps: int, only: list[str]) -> 
     comm.register_pre_hook(lambda info: None)
     comm.register_post_hook(lambda args: None)
     assert comm.flight_recorder is not None and comm.flight_recorder.enabled
-    gloo = dist.new_group(list(range(ctx.world_size)), backend="gloo")
+    ranks = list(range(ctx.world_size))
+    if peer == "shared":
+        gloo = _shared_gloo_group(comm.backend_handle.pg, ranks)
+    else:
+        gloo = dist.new_group(ranks, backend="gloo")
+    if peer == "aa":  # the noise floor: "torchnext" is a second, independent plain Gloo group
+        ours = dist.new_group(ranks, backend="gloo")
     out: dict[str, Any] = {}
 
     for nbytes in (4, 1 << 20, 16 << 20) if "collectives" in only else ():
@@ -116,11 +147,16 @@ def main() -> None:
     parser.add_argument("--step-reps", type=int, default=15, help="samples per side for training steps")
     parser.add_argument("--only", nargs="+", choices=["collectives", "ddp", "fsdp"],
                         default=["collectives", "ddp", "fsdp"])
+    parser.add_argument("--peer", choices=["shared", "independent", "aa"], default="shared",
+                        help="the plain group: over our Communicator's own Gloo (default), a second Gloo instance, "
+                             "or (aa) two plain Gloo groups against each other")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, torchnext {torchnext.__version__}, python {platform.python_version()}, "
-          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, world size {args.world_size}", flush=True)
-    results = run_ranks(_rank_main, args.world_size, args=(args.reps, args.step_reps, args.only), timeout=3600)
+          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, world size {args.world_size}, peer {args.peer}",
+          flush=True)
+    results = run_ranks(_rank_main, args.world_size, args=(args.reps, args.step_reps, args.only, args.peer),
+                        timeout=3600)
     rank0 = results[0]
     rows = []
     print(f"{'case':22s} {'gloo':>12s} {'torchnext':>12s} {'ratio':>7s} {'added':>10s}")
@@ -136,7 +172,7 @@ def main() -> None:
           f"{rank0['recorded']} ops in rank 0's Flight Recorder ring)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"load": os.getloadavg()[0], "rows": rows}, f, indent=1)
+            json.dump({"load": os.getloadavg()[0], "peer": args.peer, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

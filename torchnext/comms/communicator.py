@@ -530,7 +530,11 @@ class Communicator(CollectiveOps):
                 # first slice (Work._watch).
                 work._bw = work._fut = backend_works[0]
                 work._racy = True
-                self._watcher().put(work)
+                watcher = self._unwaited
+                if watcher is None:
+                    watcher = self._unwaited = UnwaitedWatcher(self._name, self._in_flight, self._lock)
+                if watcher.idle:  # it sleeps: nothing per op otherwise (it looks at _in_flight itself)
+                    watcher.wake()
             else:
                 for bw in backend_works:
                     if has_future:
@@ -549,12 +553,6 @@ class Communicator(CollectiveOps):
         finally:
             self._sync_work = None
             self._issue_lock.release()
-
-    def _watcher(self) -> UnwaitedWatcher:
-        watcher = self._unwaited
-        if watcher is None:
-            watcher = self._unwaited = UnwaitedWatcher(self._name)
-        return watcher
 
     def _wait_in_thread(self, backend_work: Any, work: Work, td: timedelta | None) -> None:
         if self._waiter is None:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torchnext.comms.communicator import Communicator
 from torchnext.comms.errors import CommError, PeerFailure
 from torchnext.comms.process_group.work import GroupWork
-from torchnext.comms.reduce_op import ReduceOp
+from torchnext.comms.reduce_op import _FROM_C10D, ReduceOp
 from torchnext.comms.work import Work
 
 __all__ = ["BACKEND_NAME", "TorchnextProcessGroup"]
@@ -104,6 +104,7 @@ class TorchnextProcessGroup(dist.ProcessGroup):
         super().__init__(main.rank, main.size)  # type: ignore[call-arg]
         self._comms: dict[str, Communicator] = dict(comms)
         self._main = main
+        self._cpu: Communicator | None = self._comms.get("cpu")  # the hot path's one lookup (see _comm_for)
         self._group_name = ""
         self._group_desc = description or main.name
         self._lock = threading.Lock()
@@ -173,6 +174,10 @@ class TorchnextProcessGroup(dist.ProcessGroup):
     # ------------------------------------------------------------------------------------------ internals
     def _comm_for(self, t: Any, op: str) -> Communicator:
         """The Communicator for ``t``'s device (``t=None``: the group's main one), refusing once it is errored."""
+        if isinstance(t, torch.Tensor) and t.is_cpu:  # the hot path: a CPU tensor, a healthy CPU communicator
+            cpu = self._cpu
+            if cpu is not None and cpu._error is None and cpu._aborted is None:
+                return cpu
         if t is None:
             comm: Communicator | None = self._main
         elif not isinstance(t, torch.Tensor):
@@ -206,11 +211,12 @@ class TorchnextProcessGroup(dist.ProcessGroup):
         """An op that writes its result into its own ``tensors`` (all_reduce, reduce, broadcast):
         ``issue(comm, tensors)``. Here on the caller's tensors; :class:`torchnext.ft.FaultTolerantProcessGroup`
         issues it on private staging copies instead."""
-        return self._run(op, tensors[0], lambda c: issue(c, tensors), tensors)
+        return GroupWork(self, issue(self._comm_for(tensors[0], op), tensors), tensors)
 
     # ------------------------------------------------------------------------------------------ reductions
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupWork:  # type: ignore[override]
-        _only(tensors, "allreduce")
+        if len(tensors) != 1:
+            _only(tensors, "allreduce")
         op, td = _reduce_op(opts), _timeout(opts)
         return self._run_inplace("all_reduce", tensors, lambda c, s: c.all_reduce(s[0], op, async_op=True, timeout=td))
 
@@ -360,4 +366,7 @@ class TorchnextProcessGroup(dist.ProcessGroup):
 
 
 def _reduce_op(opts: Any) -> ReduceOp:
-    return ReduceOp.SUM if opts is None else ReduceOp.from_c10d(opts.reduceOp)
+    if opts is None:
+        return ReduceOp.SUM
+    found = _FROM_C10D.get(opts.reduceOp.op)  # (ReduceOp.from_c10d without its frame: the hot path)
+    return ReduceOp.from_c10d(opts.reduceOp) if found is None else found  # (None: raises naming the op)

@@ -50,6 +50,8 @@ class GroupWork(dist._Work):
     mark invalid when the op fails under a future (default: ``result``).
     """
 
+    __slots__ = ("_future", "_group", "_invalid", "_left", "_result", "_works")
+
     def __init__(self, group: TorchnextProcessGroup, works: Work | Sequence[Work], result: list[Any],
                  invalid: Sequence[Any] | None = None) -> None:
         super().__init__()
@@ -72,7 +74,7 @@ class GroupWork(dist._Work):
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         """Block until the op finished; raise its exception if it failed. ``timeout`` (0: none, as in torch)
         bounds only this wait: when it elapses first, ``RuntimeError`` is raised and the op keeps running."""
-        limit = None if not timeout else timeout
+        limit = timeout or None  # timedelta(0) is false
         for work in self._works:
             if not work.wait(limit):
                 raise RuntimeError(f"{work.op}: wait() timed out after {timeout} (the op is still in flight; "
