@@ -27,6 +27,10 @@ _C10D = torch._C._distributed_c10d
 Timeout = float | timedelta | None
 
 
+SUM_ARGS: tuple[ReduceOp, Any, bool] = (ReduceOp.SUM, torch.distributed.ReduceOp.SUM, False)
+"""``_reduce_args`` of SUM: (op, c10d op, divide after) -- the hot path skips the call."""
+
+
 @dataclass(frozen=True, slots=True)
 class P2POp:
     """One point-to-point op of :meth:`Communicator.batch_p2p`: ``P2POp("send", t, peer)`` / ``P2POp("recv", t, peer)``."""
@@ -53,6 +57,7 @@ class CollectiveOps:
         _device: torch.device
         _pg: Any
         _backend: BackendHandle
+        _opts: dict[tuple[str, object], Any]
 
         def _issue(
             self,
@@ -88,11 +93,14 @@ class CollectiveOps:
         """In place on every rank: ``tensor = op(xs[0], ..., xs[size-1])``. A sparse COO ``tensor`` is summed as
         the backend does it (Gloo: SUM of COO tensors, the result replaces ``tensor``'s values)."""
         t = v.check_tensor(tensor, "tensor", "all_reduce", self._device, sparse=True)
-        rop, c_op, divide = self._reduce_args("all_reduce", op, t.dtype)
+        rop, c_op, divide = SUM_ARGS if op is ReduceOp.SUM else self._reduce_args("all_reduce", op, t.dtype)
         pg = self._pg
+        cached = self._opts.get(("allreduce", rop._value_))  # the default-timeout options, once made (hot path)
 
         def launch(td: timedelta | None) -> list[Any]:
-            return [pg.allreduce([t], self._opt("allreduce", c_op, lambda: _options(_C10D.AllreduceOptions, reduceOp=c_op), td))]
+            if td is None and cached is not None:
+                return [pg.allreduce([t], cached)]
+            return [pg.allreduce([t], self._opt("allreduce", rop._value_, lambda: _options(_C10D.AllreduceOptions, reduceOp=c_op), td))]
 
         return self._issue("all_reduce", async_op, timeout, launch, (t,), (t,), reduce_op=rop,
                            finalize=self._divide(t) if divide else None)
@@ -114,7 +122,7 @@ class CollectiveOps:
 
         def launch(td: timedelta | None) -> list[Any]:
             make = lambda: _options(_C10D.ReduceOptions, reduceOp=c_op, rootRank=root, rootTensor=0)  # noqa: E731
-            return [pg.reduce([t], self._opt("reduce", (c_op, root), make, td))]
+            return [pg.reduce([t], self._opt("reduce", (rop._value_, root), make, td))]
 
         finalize = self._divide(t) if divide and self._rank == root else None
         return self._issue("reduce", async_op, timeout, launch, (t,), (t,), root=root, reduce_op=rop, finalize=finalize)
@@ -139,7 +147,7 @@ class CollectiveOps:
 
         def launch(td: timedelta | None) -> list[Any]:
             make = lambda: _options(_C10D.ReduceScatterOptions, reduceOp=c_op)  # noqa: E731
-            return [pg.reduce_scatter([out], [ins], self._opt("reduce_scatter", c_op, make, td))]
+            return [pg.reduce_scatter([out], [ins], self._opt("reduce_scatter", rop._value_, make, td))]
 
         return self._issue(name, async_op, timeout, launch, ins, (out,), reduce_op=rop,
                            finalize=self._divide(out) if divide else None)
@@ -168,7 +176,7 @@ class CollectiveOps:
 
         def launch(td: timedelta | None) -> list[Any]:
             make = lambda: _options(_C10D.ReduceScatterOptions, reduceOp=c_op)  # noqa: E731
-            return [pg._reduce_scatter_base(out.view(-1), inp.view(-1), self._opt("reduce_scatter", c_op, make, td))]
+            return [pg._reduce_scatter_base(out.view(-1), inp.view(-1), self._opt("reduce_scatter", rop._value_, make, td))]
 
         return self._issue(name, async_op, timeout, launch, (inp,), (out,), reduce_op=rop,
                            finalize=self._divide(out) if divide else None)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from torchnext.comms import _peer_reports
 from torchnext.comms import _validate as v
-from torchnext.comms._ops import CollectiveOps, P2POp
+from torchnext.comms._ops import SUM_ARGS, CollectiveOps, P2POp
 from torchnext.comms.backends import BackendConfig, BackendHandle, get_backend
 from torchnext.comms.errors import CommAborted, CommError, PeerFailure
 from torchnext.comms.extension import factory, option
@@ -426,7 +426,9 @@ class Communicator(CollectiveOps):
         raise CommError("communicator was shut down", **self._error_context(op, None))
 
     def _opt(self, kind: str, key: object, make: Callable[[], Any], timeout: timedelta | None) -> Any:
-        """Backend options object; cached when the default timeout is used (the backend copies it per call)."""
+        """Backend options object; cached when the default timeout is used (the backend copies it per call). ``key``
+        must determine the options' content; hot ops key by plain strings (a ReduceOp's ``_value_``, not the enum:
+        hashing an enum runs Python code, hashing a c10d RedOpType runs pybind's)."""
         if timeout is None:
             opts = self._opts.get((kind, key))
             if opts is None:
@@ -562,7 +564,7 @@ class Communicator(CollectiveOps):
     def _reduce_args(self, op_name: str, op: object, dtype: torch.dtype) -> tuple[ReduceOp, Any, bool]:
         """(ReduceOp, c10d op to pass, whether to divide by size on completion)."""
         if op is ReduceOp.SUM:
-            return _SUM_ARGS
+            return SUM_ARGS
         rop = ReduceOp.coerce(op)
         rop.check_dtype(dtype)
         if rop is ReduceOp.AVG and not self._backend.native_avg:
@@ -675,7 +677,6 @@ class Communicator(CollectiveOps):
         return child
 
 
-_SUM_ARGS = (ReduceOp.SUM, dist.ReduceOp.SUM, False)
 
 
 

@@ -368,7 +368,10 @@ class Work:
             else:
                 self._part_done(exc)
                 return
-        self._part_done(None)
+        if self._pending == 1 and self._finalize is None:
+            self._finish(_COMPLETED, None)  # = _part_done(None) for one part without a finalizer, minus a frame
+        else:
+            self._part_done(None)
 
     def _wait_sync(self, backend_work: Any) -> bool:
         """Synchronous op on an interruptible backend, waited for in the issuing thread (which then completes it and

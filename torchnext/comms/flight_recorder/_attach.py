@@ -67,32 +67,21 @@ class Attachment:
 
     def pre(self, info: Any) -> None:
         try:
-            td = info.timeout
+            # one unpack of the OpInfo tuple instead of a dozen attribute loads (the hot path)
+            op, op_id, _, _, _, _, async_op, root, peer, reduce_op, inputs, outputs, td, tag, batch, _ = info
             ms = self._default_ms if td is self._default_td or td == self._default_td else int(td.total_seconds() * 1e3)
-            if info.batch:
+            if batch:
                 # batch_p2p: one send/recv entry per op (peer, tag, tensor), so the analyzer pairs each of them
                 now = time_ns()
                 self._rids[id(info)] = [
                     self.recorder._record(self.pg_id, p.kind, (p.tensor,) if p.kind == "send" else (),
-                                          (p.tensor,) if p.kind == "recv" else (), info.op_id, p.peer, p.tag, ms,
-                                          info.async_op, True, now, None, None)
-                    for p in info.batch
+                                          (p.tensor,) if p.kind == "recv" else (), op_id, p.peer, p.tag, ms,
+                                          async_op, True, now, None, None)
+                    for p in batch
                 ]
                 return
             self._rids[id(info)] = self.recorder._record(
-                self.pg_id,
-                info.op,
-                info.inputs,
-                info.outputs,
-                info.op_id,
-                info.peer,
-                info.tag or 0,
-                ms,
-                info.async_op,
-                True,
-                time_ns(),
-                info.root,
-                info.reduce_op,
+                self.pg_id, op, inputs, outputs, op_id, peer, tag or 0, ms, async_op, True, time_ns(), root, reduce_op,
             )
         except Exception as exc:  # the recorder must never stop an op from being issued
             self.recorder._internal_error("pre hook", exc)
