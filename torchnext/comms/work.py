@@ -515,7 +515,8 @@ class UnwaitedWatcher:
     def __init__(self, name: str, in_flight: dict[int, Work], lock: threading.Lock) -> None:
         self._in_flight = in_flight
         self._lock = lock
-        self._wake = threading.Event()
+        self._bell = _thread.allocate_lock()  # held while the thread sleeps; wake() releases it (an Event's set()
+        self._bell.acquire()                  # runs Python-level Condition code: 10x the cost of a release)
         self._closed = False
         self.idle = True
         """True while the thread sleeps: the issuing thread then calls :meth:`wake` (read without a lock)."""
@@ -525,19 +526,24 @@ class UnwaitedWatcher:
     def wake(self) -> None:
         """Start looking (the issuing thread, after entering an op in the table, when :attr:`idle`)."""
         self.idle = False
-        self._wake.set()
+        self._ring()
 
     def close(self) -> None:
         self._closed = True
-        self._wake.set()
+        self._ring()
+
+    def _ring(self) -> None:
+        try:
+            self._bell.release()
+        except RuntimeError:  # already rung (a wake and a close): the thread will look anyway
+            pass
 
     def _run(self) -> None:
         in_flight, lock = self._in_flight, self._lock
         while True:
-            self._wake.wait()
+            self._bell.acquire()
             if self._closed:
                 return
-            self._wake.clear()
             while not self._closed:
                 time.sleep(_NAP_S)
                 now = time.perf_counter()
