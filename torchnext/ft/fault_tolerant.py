@@ -114,6 +114,7 @@ class FaultTolerant:
         self._wait_epoch = 0
         self._interrupt_at: dict[int, float] = {}
         self._reported_gen = -1
+        self._reported: tuple[int, str] = (0, "")  # (the client's failover count at the report, its reason)
         self._step = step
         self._callbacks: HookList[Reconfiguration] = HookList("reconfigure")
         self._attempted = 0
@@ -415,7 +416,19 @@ class FaultTolerant:
         gen = self.generation
         if gen and self._reported_gen != gen and self._newest_gen <= gen:
             self._reported_gen = gen
+            self._reported = (self._client.failovers, reason[:300])
             self._client.send({"t": "fail", "gen": gen, "reason": reason[:300]})
+
+    def _report_again_after_failover(self) -> None:
+        """A failure report made around a failover can be lost: sent to the coordinator that died, or to a standby
+        before it took office (it drops them: no generation exists there yet), and a member's failover report
+        does not carry it. Once a coordinator is in office since the report, report again (the coordinator
+        ignores a report of a generation it already replaced)."""
+        gen = self.generation
+        failovers, reason = self._reported
+        if gen and self._reported_gen == gen and self._newest_gen <= gen and self._client.failovers != failovers:
+            self._reported = (self._client.failovers, reason)
+            self._client.send({"t": "fail", "gen": gen, "reason": f"(again, after a failover) {reason}"[:300]})
 
     def _settle(self, *, need_new: bool, timeout: float | None = None) -> None:
         """Bring this member into the newest generation announced; with ``need_new`` wait for one newer than the
@@ -438,6 +451,7 @@ class FaultTolerant:
                 continue
             if not need_new:
                 return
+            self._report_again_after_failover()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise QuorumLost(f"member {self.member_id}: no new generation within {limit}s after generation "
