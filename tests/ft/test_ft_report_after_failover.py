@@ -26,8 +26,7 @@ def _member(gen: int) -> tuple[FaultTolerant, _Client]:
     ft._client = client  # type: ignore[assignment]
     ft._gen = {"gen": gen, "members": [0, 1]}
     ft._newest_gen = gen
-    ft._reported_gen = -1
-    ft._reported = (0, "")
+    ft._reported = (-1, 0, "")
     return ft, client
 
 

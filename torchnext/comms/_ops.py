@@ -27,10 +27,6 @@ _C10D = torch._C._distributed_c10d
 Timeout = float | timedelta | None
 
 
-SUM_ARGS: tuple[ReduceOp, Any, bool] = (ReduceOp.SUM, torch.distributed.ReduceOp.SUM, False)
-"""``_reduce_args`` of SUM: (op, c10d op, divide after) -- the hot path skips the call."""
-
-
 @dataclass(frozen=True, slots=True)
 class P2POp:
     """One point-to-point op of :meth:`Communicator.batch_p2p`: ``P2POp("send", t, peer)`` / ``P2POp("recv", t, peer)``."""
@@ -57,7 +53,6 @@ class CollectiveOps:
         _device: torch.device
         _pg: Any
         _backend: BackendHandle
-        _opts: dict[tuple[str, object], Any]
 
         def _issue(
             self,
@@ -93,13 +88,10 @@ class CollectiveOps:
         """In place on every rank: ``tensor = op(xs[0], ..., xs[size-1])``. A sparse COO ``tensor`` is summed as
         the backend does it (Gloo: SUM of COO tensors, the result replaces ``tensor``'s values)."""
         t = v.check_tensor(tensor, "tensor", "all_reduce", self._device, sparse=True)
-        rop, c_op, divide = SUM_ARGS if op is ReduceOp.SUM else self._reduce_args("all_reduce", op, t.dtype)
+        rop, c_op, divide = self._reduce_args("all_reduce", op, t.dtype)
         pg = self._pg
-        cached = self._opts.get(("allreduce", rop._value_))  # the default-timeout options, once made (hot path)
 
         def launch(td: timedelta | None) -> list[Any]:
-            if td is None and cached is not None:
-                return [pg.allreduce([t], cached)]
             return [pg.allreduce([t], self._opt("allreduce", rop._value_, lambda: _options(_C10D.AllreduceOptions, reduceOp=c_op), td))]
 
         return self._issue("all_reduce", async_op, timeout, launch, (t,), (t,), reduce_op=rop,

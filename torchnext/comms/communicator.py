@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from torchnext.comms import _peer_reports
 from torchnext.comms import _validate as v
-from torchnext.comms._ops import SUM_ARGS, CollectiveOps, P2POp
+from torchnext.comms._ops import CollectiveOps, P2POp
 from torchnext.comms.backends import BackendConfig, BackendHandle, get_backend
 from torchnext.comms.errors import CommAborted, CommError, PeerFailure
 from torchnext.comms.extension import factory, option
@@ -564,7 +564,7 @@ class Communicator(CollectiveOps):
     def _reduce_args(self, op_name: str, op: object, dtype: torch.dtype) -> tuple[ReduceOp, Any, bool]:
         """(ReduceOp, c10d op to pass, whether to divide by size on completion)."""
         if op is ReduceOp.SUM:
-            return SUM_ARGS
+            return _SUM_ARGS
         rop = ReduceOp.coerce(op)
         rop.check_dtype(dtype)
         if rop is ReduceOp.AVG and not self._backend.native_avg:
@@ -677,6 +677,7 @@ class Communicator(CollectiveOps):
         return child
 
 
+_SUM_ARGS = (ReduceOp.SUM, dist.ReduceOp.SUM, False)
 
 
 

@@ -368,10 +368,7 @@ class Work:
             else:
                 self._part_done(exc)
                 return
-        if self._pending == 1 and self._finalize is None:
-            self._finish(_COMPLETED, None)  # = _part_done(None) for one part without a finalizer, minus a frame
-        else:
-            self._part_done(None)
+        self._part_done(None)
 
     def _wait_sync(self, backend_work: Any) -> bool:
         """Synchronous op on an interruptible backend, waited for in the issuing thread (which then completes it and
@@ -549,7 +546,7 @@ class UnwaitedWatcher:
                 now = time.perf_counter()
                 with lock:
                     due = [w for w in in_flight.values() if w._fut is not None and now - w._t0 >= _GRACE_S]
-                    if not in_flight and not due:
+                    if not in_flight:
                         self.idle = True  # under the lock: an op entered after this sees it and wakes us
                         break
                 for work in due:

@@ -113,8 +113,8 @@ class FaultTolerant:
         self._newest_gen = 0
         self._wait_epoch = 0
         self._interrupt_at: dict[int, float] = {}
-        self._reported_gen = -1
-        self._reported: tuple[int, str] = (0, "")  # (the client's failover count at the report, its reason)
+        # the last failure report: (generation, the client's failover count when it was sent, reason)
+        self._reported: tuple[int, int, str] = (-1, 0, "")
         self._step = step
         self._callbacks: HookList[Reconfiguration] = HookList("reconfigure")
         self._attempted = 0
@@ -414,9 +414,8 @@ class FaultTolerant:
     def _report(self, reason: str) -> None:
         """Tell the coordinator this generation is broken (once per generation; not if a newer one is known)."""
         gen = self.generation
-        if gen and self._reported_gen != gen and self._newest_gen <= gen:
-            self._reported_gen = gen
-            self._reported = (self._client.failovers, reason[:300])
+        if gen and self._reported[0] != gen and self._newest_gen <= gen:
+            self._reported = (gen, self._client.failovers, reason[:300])
             self._client.send({"t": "fail", "gen": gen, "reason": reason[:300]})
 
     def _report_again_after_failover(self) -> None:
@@ -425,9 +424,9 @@ class FaultTolerant:
         does not carry it. Once a coordinator is in office since the report, report again (the coordinator
         ignores a report of a generation it already replaced)."""
         gen = self.generation
-        failovers, reason = self._reported
-        if gen and self._reported_gen == gen and self._newest_gen <= gen and self._client.failovers != failovers:
-            self._reported = (self._client.failovers, reason)
+        reported_gen, failovers, reason = self._reported
+        if gen and reported_gen == gen and self._newest_gen <= gen and self._client.failovers != failovers:
+            self._reported = (gen, self._client.failovers, reason)
             self._client.send({"t": "fail", "gen": gen, "reason": f"(again, after a failover) {reason}"[:300]})
 
     def _settle(self, *, need_new: bool, timeout: float | None = None) -> None:

@@ -47,9 +47,7 @@ BACKEND_NAME = "torchnext"
 
 _LOG = logging.getLogger("torchnext.comms")
 _UNSET_MS = -1  # c10d's "no timeout given" in an options object
-
-
-_UNSET_TD = timedelta(milliseconds=_UNSET_MS)
+_UNSET_TD = timedelta(milliseconds=_UNSET_MS)  # the same, compared without two total_seconds() calls (hot path)
 
 
 def _timeout(opts: Any) -> timedelta | None:
