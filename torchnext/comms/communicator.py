@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import zlib
 from collections.abc import Callable, Sequence
@@ -19,6 +18,7 @@ from torchnext.comms.backends import BackendConfig, BackendHandle, get_backend
 from torchnext.comms.errors import CommAborted, CommError, PeerFailure
 from torchnext.comms.extension import factory, option
 from torchnext.comms.hooks import AbortHookArgs, HookList, OpInfo, PostHookArgs, RemovableHandle
+from torchnext.comms.reaper import Grave, bury
 from torchnext.comms.reduce_op import ReduceOp
 from torchnext.comms.work import CompletionWaiter, UnwaitedWatcher, Work, WorkStatus, _new_tuple, future_callback
 
@@ -32,14 +32,11 @@ __all__ = ["Communicator", "P2POp"]
 _C10D = torch._C._distributed_c10d
 Timeout = float | timedelta | None
 
-# Backends abandoned by abort(): kept alive forever so their destructors (which join worker threads still blocked in
-# the aborted op, up to the op's timeout) never run -- not even at interpreter exit.
-_GRAVEYARD: list[BackendHandle] = []
 
-
-def _abandon(handle: BackendHandle) -> None:
-    _GRAVEYARD.append(handle)
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(handle.pg))  # survives module teardown at exit too
+def _abandon(handle: BackendHandle, name: str, works: Sequence[Any] = (), keep: Sequence[Any] = (), *,
+             issuing: bool = False) -> Grave:
+    """Cancel what still runs on ``handle`` and let the reaper release it once idle (:mod:`torchnext.comms.reaper`)."""
+    return bury(handle, name, works, keep, issuing=issuing)
 
 
 class Communicator(CollectiveOps):
@@ -190,6 +187,9 @@ class Communicator(CollectiveOps):
         self._error: CommError | None = None
         self._aborted: CommAborted | None = None
         self._closed = False
+        self._grave: Grave | None = None  # the abandoned backend, once aborted (or shut down errored)
+        self._orphans: list[Any] = []  # backend Works of failed ops that may still run (buried with the backend)
+        self._retained: list[Any] = []  # objects the backend may still write into (see retain())
         self._op_counter = 0
         self._split_seq = 0
         self._opts: dict[tuple[str, object], Any] = {}
@@ -341,10 +341,12 @@ class Communicator(CollectiveOps):
         )
         if self._unwaited is not None:
             self._unwaited.close()
+        if self._waiter is not None:
+            self._waiter.close()  # its thread leaves once its current wait ends (promptly: the backend is cancelled)
         for _, work in in_flight:
             exc = CommAborted(f"cancelled by abort(){f' ({reason})' if reason else ''}",
                               **self._error_context(work.op, work.op_id))
-            work._finish(WorkStatus.ABORTED, exc)
+            work._finish(WorkStatus.ABORTED, exc)  # its backend Works become orphans (buried below)
         if not self._closed:
             self._closed = True
             backend = self._backend
@@ -353,9 +355,41 @@ class Communicator(CollectiveOps):
                     backend.abort_fn()
                 except Exception:  # the backend is abandoned either way
                     pass
-            _abandon(backend)
+            self._bury()
         if hook_error is not None:
             raise hook_error
+
+    def retain(self, obj: object) -> None:
+        """Keep ``obj`` alive until this communicator's backend is released -- until nothing can write into it any
+        more. For the buffers of cancelled ops: an abandoned backend may still write into them until its ops end
+        (:mod:`torchnext.comms.reaper`), so freeing them earlier would turn a late write into heap corruption. On a
+        communicator whose backend was already released, does nothing."""
+        with self._lock:
+            grave = self._grave
+            if grave is None:
+                self._retained.append(obj)
+            elif not grave.released:
+                grave.keep.append(obj)
+
+    def _bury(self) -> None:
+        """Hand the backend to the reaper with what may still run on it (the caller marked the communicator
+        closed). An op being issued meanwhile adds its backend Works when it leaves (``_left_issue``)."""
+        with self._lock:
+            works, self._orphans = self._orphans, []
+            keep, self._retained = self._retained, []
+            issuing = self._issue_lock.locked()
+            self._grave = _abandon(self._backend, self._name, works, keep, issuing=issuing)
+            self._pg = None
+
+    def _left_issue(self, launched: Sequence[Any]) -> None:
+        """The issuing thread leaves an op on an aborted communicator: its backend Works go to the grave."""
+        with self._lock:
+            grave = self._grave
+            if grave is None:  # abort() has not buried the backend yet: it takes them
+                self._orphans.extend(launched)
+            else:
+                grave.works.extend(launched)
+                grave.issuing = False
 
     def shutdown(self) -> None:
         """Release the backend cleanly (idempotent). Waits for async ops still in flight (each bounded by its
@@ -394,7 +428,7 @@ class Communicator(CollectiveOps):
             self._unwaited.close()
         backend = self._backend
         if self._error is not None:
-            _abandon(backend)
+            self._bury()
             return
         if backend.shutdown_fn is not None:
             backend.shutdown_fn()
@@ -467,6 +501,7 @@ class Communicator(CollectiveOps):
             timeout_s = td.total_seconds()
             if timeout_s <= 0:
                 raise ValueError(f"{op}: timeout must be positive, got {timeout!r}")
+        backend_works: Sequence[Any] = ()
         if not self._issue_lock.acquire(blocking=False):
             raise RuntimeError(
                 f"{op}: another thread is issuing an op on communicator {self._name!r}; ops must be issued by one "
@@ -498,6 +533,10 @@ class Communicator(CollectiveOps):
                     exc, breaks = refusal
                     work._finish(WorkStatus.ERROR, exc, breaks_comm=breaks)
                     raise exc
+            work._finalize = finalize
+            # IN_PROGRESS before the Work is published: from here on only Work._finish changes its status (the first
+            # caller wins), so an abort() at any later point is never overwritten.
+            work.status = _IN_PROGRESS
             if not sliced:
                 with self._lock:
                     raced = self._aborted is not None  # abort() ran since the check above
@@ -509,16 +548,19 @@ class Communicator(CollectiveOps):
             if raced:
                 work._finish(WorkStatus.ABORTED, self._aborted)
                 self._refuse(op)
-            work._finalize = finalize
-            work.status = WorkStatus.IN_PROGRESS
             try:
                 backend_works = launch(td)
+                work._launched = backend_works
             except Exception as exc:
                 # Raised while issuing: a broken peer/timeout breaks the communicator; anything else is the backend
                 # refusing the arguments (nothing was issued), which leaves the communicator usable.
                 wrapped = work._wrap_backend_error(exc)
                 work._finish(WorkStatus.ERROR, wrapped, breaks_comm=type(wrapped) is not CommError)
                 raise wrapped from exc
+            if work.status is not _IN_PROGRESS:  # abort() finished it while it was launched: nothing to watch
+                if async_op:
+                    return work
+                work._outcome()
             if sliced:
                 if len(backend_works) == 1:
                     work._wait_sync(backend_works[0])
@@ -555,6 +597,8 @@ class Communicator(CollectiveOps):
         finally:
             self._sync_work = None
             self._issue_lock.release()
+            if self._aborted is not None:  # aborted while issuing (or before): what was launched goes to the grave
+                self._left_issue(backend_works)
 
     def _wait_in_thread(self, backend_work: Any, work: Work, td: timedelta | None) -> None:
         if self._waiter is None:
@@ -678,6 +722,7 @@ class Communicator(CollectiveOps):
 
 
 _SUM_ARGS = (ReduceOp.SUM, dist.ReduceOp.SUM, False)
+_IN_PROGRESS = WorkStatus.IN_PROGRESS
 
 
 

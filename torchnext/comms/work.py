@@ -101,6 +101,7 @@ class Work:
         "_finalize",
         "_fut",
         "_hook_error",
+        "_launched",
         "_outputs",
         "_pending",
         "_racy",
@@ -136,6 +137,7 @@ class Work:
         self._hook_error: HookError | None = None
         self._finalize: Callable[[], None] | None = None
         self._pending = 1
+        self._launched: Sequence[Any] | None = None  # the backend Works, once launched (cleared when terminal)
         self._bw: Any = None  # the backend Work a waiting thread may wait on directly (see wait())
         self._fut: Any = None  # the backend Work whose future gets no completion callback yet (see _watch)
         self._racy = False  # completion may be observed twice (the backend's callback and a direct waiter)
@@ -228,6 +230,11 @@ class Work:
         return list(self._outputs)
 
     @property
+    def communicator(self) -> Communicator:
+        """The communicator that issued this op."""
+        return self._comm
+
+    @property
     def duration_s(self) -> float | None:
         """Seconds from issue to the terminal state (None while in flight)."""
         return self._t_end - self._t0 if self.status is not _IP and self.status is not _NS else None
@@ -309,6 +316,9 @@ class Work:
             self._exc = exc
             self._t_end = time.perf_counter()
             self._bw = self._fut = None  # no backend object outlives the op here (their destruction order matters)
+            launched, self._launched = self._launched, None
+            if launched and status is not _COMPLETED:  # a failed op's backend Works may still run: the communicator
+                comm._orphans.extend(launched)  # buried with its backend (done ones cost nothing)
             comm._in_flight.pop(self.op_id, None)
             if status is WorkStatus.ERROR or status is WorkStatus.TIMED_OUT:
                 if breaks_comm and comm._error is None and isinstance(exc, CommError):

@@ -709,20 +709,17 @@ def _replica_group(cfg: FaultTolerantConfig, env_group: int) -> tuple[int | None
     return group, rank, size
 
 
-_QUARANTINED: list[Any] = []
-"""Storages taken away from the tensors of aborted ops: kept alive forever, because the abandoned backend may still
-write into them (freeing them would turn a late write into heap corruption)."""
-
-
 def _quarantine_cancelled(args: PostHookArgs) -> None:
     """Post hook: give the tensors of an aborted op fresh storage, so the abandoned backend's late writes land in
-    the old storage (kept alive, never read again)."""
+    the old storage -- kept alive by the communicator (``Communicator.retain``) until its backend is released, when
+    no late write can land any more (:mod:`torchnext.comms.reaper`), then freed."""
     if args.status is not WorkStatus.ABORTED:
         return
+    comm = args.work.communicator
     with torch.no_grad():
         for t in args.info.outputs:
             try:
-                _QUARANTINED.append(t.untyped_storage())
+                comm.retain(t.untyped_storage())
                 fresh = t.clone()
                 t.set_(fresh.untyped_storage(), fresh.storage_offset(), fresh.size(), fresh.stride())
             except RuntimeError:

@@ -65,6 +65,10 @@ class BackendHandle:
     """Cancels in-flight work in the backend itself (NCCL); None when the backend cannot (Gloo)."""
     shutdown_fn: Callable[[], None] | None = None
     """Clean release of resources, called by ``Communicator.shutdown()``; None: drop the reference."""
+    cancel_fn: Callable[[], int] | None = None
+    """Makes every op still running on an abandoned backend end promptly (with an error), so that it can be
+    released (see :mod:`torchnext.comms.reaper`); returns how many channels it cut. Gloo: shuts the device's pair
+    sockets down (:mod:`.gloo_sockets`). None: the ops end at their own timeout."""
 
 
 BackendFactory = Callable[[BackendConfig], BackendHandle]

@@ -79,6 +79,7 @@ class Checker:
         cfg = BackendConfig(store=dist.PrefixStore("side", base), rank=comm.rank, size=comm.size,
                             timeout=comm.timeout, device=torch.device("cpu"), name=f"{comm.name}.consistency")
         self._side: BackendHandle | None = get_backend("gloo")(cfg)
+        self._side_work: Any = None
         self._seq = 0
         self._p2p_counts: dict[tuple[str, int, int], int] = {}
         self._any_posted: set[int] = set()
@@ -151,6 +152,7 @@ class Checker:
             work = launch(self._options(kind, info.timeout))
         except Exception as exc:
             raise _SideFailure() from exc
+        self._side_work = work  # side ops run one at a time: only the last one can still be running
         try:
             work.wait(SYNC_WAIT_SLICE)  # the fast path: every member is already there
             return True
@@ -451,7 +453,11 @@ class Checker:
         if side is not None:
             from torchnext.comms.communicator import _abandon
 
-            _abandon(side)  # a side op may still be in flight: never destroy it (Gloo would join its threads)
+            _abandon(side, f"{args.comm_name}/consistency", self._side_works())  # a side op may be in flight: cancelled, released when done
+
+    def _side_works(self) -> list[Any]:
+        work, self._side_work = self._side_work, None
+        return [] if work is None else [work]
 
     def _on_shutdown(self, comm: Communicator) -> None:
         self._post_left("shut down its communicator")
@@ -461,7 +467,7 @@ class Checker:
         if self._broken is not None:
             from torchnext.comms.communicator import _abandon
 
-            _abandon(side)
+            _abandon(side, f"{comm.name}/consistency", self._side_works())
             return
         if side.shutdown_fn is not None:
             side.shutdown_fn()

@@ -1,0 +1,299 @@
+"""Long-haul: thousands of aborts in one process -- bounded threads/fds/RSS, no lost abort, a cancel that unblocks.
+
+The child scripts run in their own processes so that their thread, fd and RSS counts are theirs alone (pytest's own
+process carries every other test's leftovers)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torchnext.comms import CommAborted, Communicator, PeerFailure, WorkStatus
+from torchnext.comms.reaper import reaper
+
+_LOOP = textwrap.dedent("""
+    import json, os, resource, sys, threading, time
+    import torch, torch.distributed as dist
+    from torchnext.comms import Communicator, CommError
+    from torchnext.comms.reaper import reaper
+
+    ranks, gens, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    store = dist.TCPStore("127.0.0.1", 0, ranks, True, wait_for_workers=False)
+    clients = [store] + [dist.TCPStore("127.0.0.1", store.port, ranks, False) for _ in range(ranks - 1)]
+
+    def counts():
+        reaper().drain(10.0)
+        rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd")), rss
+
+    def generation(g):
+        comms = [None] * ranks
+        def build(r):
+            comms[r] = Communicator(clients[r], r, ranks, name=f"g{g}", timeout=30)
+        ts = [threading.Thread(target=build, args=(r,)) for r in range(ranks)]
+        [t.start() for t in ts]; [t.join(60) for t in ts]
+        def work(r):
+            t = torch.ones(1024)
+            comms[r].all_reduce(t)
+            if r == ranks - 1 and mode == "abandon":  # an op the others never join: cancelled by the abort
+                w = comms[r].all_gather_single(torch.empty(1024 * ranks), t, async_op=True)
+                comms[r].abort("generation over")
+                try:
+                    w.wait()
+                except CommError:
+                    pass
+        ts = [threading.Thread(target=work, args=(r,)) for r in range(ranks)]
+        [t.start() for t in ts]; [t.join(60) for t in ts]
+        for c in comms:
+            c.abort("generation over")
+
+    for g in range(50):
+        generation(g)
+    warm = counts()
+    for g in range(50, gens):
+        generation(g)
+    end = counts()
+    print(json.dumps({"warm": warm, "end": end, "reaped": reaper().reaped, "pending": reaper().pending}))
+""")
+
+
+def _loop(ranks: int, gens: int, mode: str, nofile: int | None = None) -> dict[str, list[int]]:
+    def limit() -> None:
+        if nofile is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    proc = subprocess.run([sys.executable, "-c", _LOOP, str(ranks), str(gens), mode], capture_output=True,
+                          text=True, timeout=240, preexec_fn=limit)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out: dict[str, list[int]] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+@pytest.mark.parametrize("ranks,mode", [(1, "plain"), (2, "plain"), (2, "abandon")])
+def test_500_generations_leave_threads_and_fds_flat(ranks: int, mode: str) -> None:
+    out = _loop(ranks, 500, mode)
+    (t0, f0, rss0), (t1, f1, rss1) = out["warm"], out["end"]
+    assert (t1, f1) == (t0, f0), out  # every aborted backend's threads and sockets were released
+    assert rss1 <= rss0 * 1.10 + (8 << 20), out
+    assert out["pending"] == 0 and out["reaped"] >= 500 * ranks, out
+
+
+def test_generations_under_ulimit_256() -> None:
+    out = _loop(2, 500, "abandon", nofile=256)  # leaked at 4 fds per abort, this died of EMFILE at ~60 generations
+    assert out["end"][:2] == out["warm"][:2], out
+
+
+# ------------------------------------------------------------------------------------------ cancel that unblocks
+def _pair(name: str, timeout: float = 60.0) -> list[Communicator]:
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    other = dist.TCPStore("127.0.0.1", store.port, 2, False)
+    comms: list[Communicator | None] = [None, None]
+
+    def build(r: int) -> None:
+        comms[r] = Communicator([store, other][r], r, 2, name=name, timeout=timeout)
+
+    ts = [threading.Thread(target=build, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert all(c is not None for c in comms)
+    return comms  # type: ignore[return-value]
+
+
+def test_abort_cancels_an_op_blocked_on_an_absent_peer_and_releases_its_backend() -> None:
+    a, b = _pair("absent", timeout=60.0)
+    assert a.backend_handle.cancel_fn is not None and b.backend_handle.cancel_fn is not None  # the epoll was found
+    before = reaper().reaped
+    w = b.all_reduce(torch.ones(8), async_op=True)  # rank 0 never joins: runs to its 60 s timeout without a cancel
+    time.sleep(0.05)
+    b.abort("test")
+    t0 = time.monotonic()
+    with pytest.raises(CommAborted):
+        w.wait()
+    assert time.monotonic() - t0 < 0.1  # the waiter raises at once (the op itself is cancelled below)
+    # rank 0 sees the connection closed at once (a peer failure), not after its timeout
+    t1 = time.monotonic()
+    with pytest.raises(PeerFailure):
+        a.all_reduce(torch.ones(8))
+    assert time.monotonic() - t1 < 5.0
+    a.abort("test")
+    deadline = time.monotonic() + 5.0
+    while reaper().reaped < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reaper().reaped >= before + 2  # both backends released long before the op's 60 s timeout
+
+
+def test_retained_objects_are_released_with_the_backend() -> None:
+    import weakref
+
+    (c,) = [Communicator(dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False), 0, 1, name="keep")]
+    buf = torch.ones(4)
+    ref = weakref.ref(buf)
+    c.retain(buf)
+    del buf
+    assert ref() is not None
+    c.abort()
+    deadline = time.monotonic() + 5.0
+    while ref() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ref() is None
+    c.retain(torch.ones(1))  # after the release: nothing to keep
+    assert c._grave is not None and c._grave.keep == []
+
+
+# ------------------------------------------------------------------------------------------------- no lost abort
+class _Ledger:
+    """Post-hook record: every op's terminal states (must be exactly one each)."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.states: dict[int, list[WorkStatus]] = {}
+        self._lock = threading.Lock()
+        comm.register_post_hook(self._post)
+
+    def _post(self, args: object) -> None:
+        with self._lock:
+            self.states.setdefault(args.info.op_id, []).append(args.status)  # type: ignore[attr-defined]
+
+
+def _issue_until_aborted(comm: Communicator, ledger: _Ledger, n: int, abort_at: threading.Event,
+                         seen: dict[int, str]) -> None:
+    """Issue up to ``n`` ops (sync and async alternately) until one raises CommAborted."""
+    t = torch.ones(16)
+    for i in range(n):
+        op_id = comm._op_counter + 1
+        try:
+            if i % 2:
+                comm.all_reduce(t)
+            else:
+                w = comm.all_reduce(t, async_op=True)
+                w.wait()
+            seen[op_id] = "completed"
+        except CommAborted:
+            seen[op_id] = "aborted"
+            return
+        except PeerFailure:  # the other rank's abort cut the connection
+            seen[op_id] = "peer"
+            return
+
+
+def _check_ledger(ledger: _Ledger, seen: dict[int, str]) -> None:
+    for op_id, states in ledger.states.items():
+        assert len(states) == 1, f"op {op_id} reached {states}"
+    for op_id, how in seen.items():
+        states = ledger.states.get(op_id)
+        if how == "completed":
+            assert states == [WorkStatus.COMPLETED], (op_id, states)
+        elif how == "aborted":
+            assert states is None or states in ([WorkStatus.ABORTED],), (op_id, states)  # None: refused before issue
+
+
+def test_abort_from_a_thread_at_random_times_over_10000_ops() -> None:
+    import random
+
+    rng = random.Random(7)
+    total = 0
+    lags: list[float] = []
+    while total < 10_000:
+        comms = _pair(f"rand{total}", timeout=30.0)
+        ledgers = [_Ledger(c) for c in comms]
+        seen: list[dict[int, str]] = [{}, {}]
+        go = threading.Event()
+        ts = [threading.Thread(target=_issue_until_aborted, args=(comms[r], ledgers[r], 2000, go, seen[r]))
+              for r in range(2)]
+        for t in ts:
+            t.start()
+        time.sleep(rng.uniform(0.0, 0.25))
+        victim = rng.randrange(2)
+        t_abort = time.monotonic()
+        comms[victim].abort("random")
+        ts[victim].join(5.0)
+        lags.append(time.monotonic() - t_abort)
+        comms[1 - victim].abort("random")
+        for t in ts:
+            t.join(10.0)
+            assert not t.is_alive()
+        for r in range(2):
+            _check_ledger(ledgers[r], seen[r])
+        total += sum(len(s) for s in seen)
+    lags.sort()
+    assert lags[-1] < 0.1, lags[-5:]  # every waiter of the aborted rank raised within 100 ms
+
+
+def _line_aborter(comm: Communicator, target: int) -> tuple[object, dict[str, object]]:
+    """A trace function that, at the ``target``-th line executed in the comms core on this thread, makes another
+    thread call ``comm.abort()`` and gives it 20 ms (it may block on a lock this thread holds: it lands then)."""
+    import torchnext.comms.communicator as cm
+    import torchnext.comms.work as wk
+
+    files = {cm.__file__, wk.__file__}
+    state: dict[str, object] = {"n": 0, "where": None, "t": None, "done": None}
+
+    def local(frame: object, event: str, arg: object) -> object:
+        if event == "line":
+            state["n"] = n = int(state["n"]) + 1  # type: ignore[call-overload]
+            if n == target:
+                state["where"] = f"{frame.f_code.co_name}:{frame.f_lineno}"  # type: ignore[attr-defined]
+                state["t"] = time.monotonic()
+                def abort() -> None:
+                    comm.abort("injected")
+                    state["done"] = time.monotonic()
+
+                t = threading.Thread(target=abort, daemon=True)
+                t.start()
+                t.join(0.02)
+        return local
+
+    def glob(frame: object, event: str, arg: object) -> object:
+        return local if frame.f_code.co_filename in files else None  # type: ignore[attr-defined]
+
+    return glob, state
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_abort_injected_at_every_line_of_the_issue_and_wait_path(async_op: bool) -> None:
+    """For k = 1, 2, ...: abort lands at the k-th line the comms core executes for one op, until the op completes
+    before any abort. Every op reaches exactly one terminal state; a caller that did not complete raises
+    CommAborted within 100 ms of abort() returning."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    k = 0
+    while True:
+        k += 1
+        comm = Communicator(store, 0, 1, name=f"line{async_op}{k}")
+        ledger = _Ledger(comm)
+        trace, state = _line_aborter(comm, k)
+        raised: BaseException | None = None
+        sys.settrace(trace)  # type: ignore[arg-type]
+        try:
+            w = comm.all_reduce(torch.ones(4), async_op=async_op)
+            if w is not None:
+                w.wait()
+        except CommAborted as exc:
+            raised = exc
+        finally:
+            sys.settrace(None)
+        t_end = time.monotonic()
+        comm.abort()
+        states = [s for ss in ledger.states.values() for s in ss]
+        assert len(states) <= 1, (k, state["where"], states)
+        if state["t"] is None:  # the op finished in fewer than k lines: every line was tried
+            assert raised is None and states == [WorkStatus.COMPLETED]
+            break
+        if raised is not None:
+            assert states in ([], [WorkStatus.ABORTED]), (k, state["where"], states)
+            done = state["done"]
+            if done is not None:  # (None: the caller raised before abort() had even returned)
+                assert t_end - float(done) < 0.1, (k, state["where"])  # type: ignore[arg-type]
+        else:
+            assert states == [WorkStatus.COMPLETED], (k, state["where"], states)
+    assert k > 20  # the path has that many lines: the injection reached them

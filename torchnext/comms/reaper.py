@@ -1,0 +1,185 @@
+"""The reaper: releases abandoned backends -- their threads, sockets and store clients -- once nothing runs on them.
+
+An aborted (or errored) communicator cannot destroy its backend on the spot: Gloo cannot cancel an op, and a
+``ProcessGroupGloo`` destructor joins worker threads that may still be blocked in one (up to the op's timeout, with
+the GIL held). Kept alive forever, every abort leaked 3 threads and 4 fds (a long-lived fault-tolerant rank died of
+``EMFILE`` after a few hundred generations). So an abandoned backend becomes a :class:`Grave`::
+
+    grave = Grave(handle, works)     # the backend Works that may still run on it, and objects to keep alive
+    handle.cancel_fn()               # Gloo: shut its pair sockets down -> every op on it fails within ms
+    REAPER.bury(grave)
+    # reaper thread, every REAP_PERIOD while graves exist:
+    #   if not grave.issuing and all(w.is_completed() for w in grave.works) for at least SETTLE:
+    #       grave.works = grave.keep = []; handle.pg = None    # the destructor joins idle threads: fast
+
+``keep`` holds what the backend may still write into (the output storages of aborted ops, quarantined by fault
+tolerance): released with the backend, when no late write can land any more. ``issuing`` is set while an op was
+being issued on the aborted communicator: its backend Works are added when the issuing thread leaves.
+
+At interpreter exit (:func:`drain`, an ``atexit`` handler) the graves are reaped in the exiting thread, waiting at
+most :data:`EXIT_DRAIN` for their ops to end: a backend thread that finishes an op while the interpreter finalizes
+would take the GIL (or touch destroyed C++ statics) and abort the process (SIGABRT, "terminate called after throwing
+an instance of 'gloo::IoException'"). Graves whose ops outlive that are left alone and reported on stderr.
+"""
+
+from __future__ import annotations
+
+import _thread
+import atexit
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchnext.comms.backends import BackendHandle
+
+__all__ = ["EXIT_DRAIN", "REAP_PERIOD", "SETTLE", "Grave", "Reaper", "drain", "reaper"]
+
+REAP_PERIOD = 0.02
+"""Seconds between two looks at the graves."""
+SETTLE = 0.05
+"""A grave is reaped once its Works have all been complete for this long: a backend thread that just completed the
+last one may still be running its completion callbacks (Python code: the GIL), and the destructor joins it while
+holding the GIL."""
+EXIT_DRAIN = 5.0
+"""At interpreter exit, wait at most this many seconds for the graves' ops to end (cancelled Gloo ops end in
+milliseconds; an uncancellable op runs to its own timeout)."""
+
+
+@dataclass(eq=False)
+class Grave:
+    """An abandoned backend and what must stay alive with it (see the module docstring)."""
+
+    handle: BackendHandle
+    name: str
+    works: list[Any] = field(default_factory=list)
+    """Backend Works that may still run on it."""
+    keep: list[Any] = field(default_factory=list)
+    """Objects the backend may still write into (released with it)."""
+    issuing: bool = False
+    """An op is being issued on its communicator: more Works may come (the issuing thread clears it)."""
+    done_since: float | None = None
+    released: bool = False
+
+    def busy(self) -> bool:
+        return self.issuing or not all(_completed(w) for w in self.works)
+
+    def release(self) -> None:
+        """Drop every reference this grave holds: the backend's destructor runs here, on the calling thread."""
+        self.released = True
+        self.works = []
+        self.keep = []
+        pg, self.handle.pg = self.handle.pg, None
+        del pg
+
+
+def _completed(work: Any) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:  # a Work that raises on is_completed is finished with an error
+        return True
+
+
+class Reaper:
+    """One daemon thread per process that releases :class:`Grave` s once they are idle."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # guards _graves (bury() takes it from any thread)
+        self._reaping = threading.Lock()  # one reap at a time (the thread's and drain()'s)
+        self._graves: list[Grave] = []
+        self._bell = _thread.allocate_lock()
+        self._bell.acquire()
+        self._thread: threading.Thread | None = None
+        self.reaped = 0
+        """Graves released so far (a count, for tests and diagnostics)."""
+
+    @property
+    def pending(self) -> int:
+        """Graves not yet released."""
+        return len(self._graves)
+
+    def bury(self, grave: Grave) -> None:
+        """Release ``grave`` once it is idle (its ops done, nothing being issued)."""
+        with self._lock:
+            self._graves.append(grave)
+            if self._thread is None:
+                atexit.register(drain)
+                self._thread = threading.Thread(target=self._run, name="torchnext-comms-reaper", daemon=True)
+                self._thread.start()
+        try:
+            self._bell.release()
+        except RuntimeError:  # already rung
+            pass
+
+    def reap(self) -> int:
+        """Release the graves that have been idle for ``SETTLE``; returns how many remain (after those released
+        here or by a concurrent call are gone: one reap at a time)."""
+        with self._reaping:
+            now = time.monotonic()
+            ready: list[Grave] = []
+            with self._lock:
+                keep: list[Grave] = []
+                for g in self._graves:
+                    if g.busy():
+                        g.done_since = None
+                        keep.append(g)
+                    elif g.done_since is not None and now - g.done_since >= SETTLE:
+                        ready.append(g)
+                    else:
+                        if g.done_since is None:
+                            g.done_since = now
+                        keep.append(g)
+                self._graves = keep
+            for g in ready:
+                g.release()
+            self.reaped += len(ready)
+            with self._lock:
+                return len(self._graves)
+
+    def _run(self) -> None:
+        while True:
+            self._bell.acquire()
+            while self.reap():
+                time.sleep(REAP_PERIOD)
+
+    def drain(self, timeout: float = EXIT_DRAIN) -> list[Grave]:
+        """Reap every grave, waiting up to ``timeout`` for their ops to end; returns those still busy."""
+        deadline = time.monotonic() + timeout
+        while self.reap() and time.monotonic() < deadline:
+            time.sleep(REAP_PERIOD)
+        with self._lock:
+            return list(self._graves)
+
+
+_REAPER = Reaper()
+
+
+def reaper() -> Reaper:
+    """The process's reaper."""
+    return _REAPER
+
+
+def bury(handle: BackendHandle, name: str, works: Sequence[Any] = (), keep: Sequence[Any] = (), *,
+         issuing: bool = False) -> Grave:
+    """Cancel what runs on ``handle`` (its ``cancel_fn``, if any) and hand it to the reaper; returns the grave (the
+    caller may still add Works or kept objects to it, under its own lock, and clear ``issuing``)."""
+    grave = Grave(handle, name, list(works), list(keep), issuing)
+    cancel = handle.cancel_fn
+    if cancel is not None:
+        try:
+            cancel()
+        except Exception:  # best effort: the ops then end at their own timeout
+            pass
+    _REAPER.bury(grave)
+    return grave
+
+
+def drain() -> None:
+    """``atexit``: reap every abandoned backend before the interpreter finalizes (see the module docstring)."""
+    left = _REAPER.drain()
+    if left:
+        names = ", ".join(sorted({g.name for g in left}))
+        print(f"torchnext: {len(left)} abandoned backend(s) still running ops at exit ({names}); their threads may "
+              "end the process abnormally", file=sys.stderr)
