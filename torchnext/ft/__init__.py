@@ -3,7 +3,8 @@
 A layer above :mod:`torchnext.comms`: the :class:`Coordinator` (the job's TCPStore plus the membership service,
 :mod:`~torchnext.ft.membership`) decides generations; each member's :class:`FaultTolerant` talks to it
 (:mod:`~torchnext.ft.member`, line-delimited JSON over TCP: :mod:`~torchnext.ft._wire`), builds one Communicator per
-generation, commits steps in two phases (:class:`Step`) and heals joiners from a donor (:mod:`~torchnext.ft.healing`).
+generation, commits steps in two phases (:class:`Step`; what ends an attempt is classified by
+:mod:`~torchnext.ft.errors`: retried, or raised on every member) and heals joiners from a donor (:mod:`~torchnext.ft.healing`).
 A member may be one rank of a *replica group* (the failure domain); the replicate dimension is one stable torch
 process group (:class:`FaultTolerantProcessGroup`, ``ft.process_group``) on which torch's DDP
 (:class:`DistributedDataParallel`) and FSDP2's HSDP (:func:`device_mesh`) run; :class:`DiLoCo` and :class:`LocalSGD`
@@ -20,6 +21,11 @@ from torchnext.ft.diloco import DiLoCoConfig as DiLoCoConfig
 from torchnext.ft.diloco import LocalSGD as LocalSGD
 from torchnext.ft.diloco import LocalSGDConfig as LocalSGDConfig
 from torchnext.ft.diloco import OuterSync as OuterSync
+from torchnext.ft.errors import FailureKind as FailureKind
+from torchnext.ft.errors import RetriesExhausted as RetriesExhausted
+from torchnext.ft.errors import StepFailed as StepFailed
+from torchnext.ft.errors import classify_failure as classify_failure
+from torchnext.ft.errors import register_failure_kind as register_failure_kind
 from torchnext.ft.fault_tolerant import FaultTolerant as FaultTolerant
 from torchnext.ft.healing import HealingError as HealingError
 from torchnext.ft.healing import HealStats as HealStats
@@ -40,6 +46,7 @@ __all__ = [
     "DiLoCo",
     "DiLoCoConfig",
     "DistributedDataParallel",
+    "FailureKind",
     "FaultTolerant",
     "FaultTolerantConfig",
     "FaultTolerantProcessGroup",
@@ -54,6 +61,10 @@ __all__ = [
     "QuorumLost",
     "Reconfiguration",
     "RemovedFromGroup",
+    "RetriesExhausted",
     "Step",
+    "StepFailed",
+    "classify_failure",
     "device_mesh",
+    "register_failure_kind",
 ]

@@ -332,11 +332,13 @@ MEMBER_MESSAGES: dict[str, Schema] = {
     ),
     "hb": Schema(),
     "vote": Schema(required={"gen": _ID, "step": _ID}),
-    "fail": Schema(required={"gen": _ID}, optional={"reason": _REASON}, defaults={"reason": ""}),
+    "fail": Schema(required={"gen": _ID}, optional={"reason": _REASON, "end": text(32)}, defaults={"reason": ""}),
     "bye": Schema(optional={"done": boolean}, defaults={"done": False}),
     "promise": Schema(required={"term": integer(1)}),
 }
-"""Messages a member sends to a coordinator (its first one is a ``hello``)."""
+"""Messages a member sends to a coordinator (its first one is a ``hello``). A ``fail`` with ``end`` (a code of
+:data:`torchnext.ft.membership.END_CODES`) ends the job instead of asking for a new generation; a coordinator that
+predates the field drops it and regenerates."""
 
 GENERATION = Schema(
     required={"gen": integer(1), "members": int_list(), "step": _ID, "donor": _ID, "joiners": int_list(),

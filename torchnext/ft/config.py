@@ -39,6 +39,21 @@ class FaultTolerantConfig:
     failover_timeout_s: float = 10.0
     """After losing its coordinator, look this long for one in office (a standby that takes over, a restarted one)
     before ``CoordinatorLost``: a member cut off from the majority stops after this."""
+    max_retries: int = 100
+    """Failed attempts in a row one step may take before ``ft.step()`` gives up: when the same committed-step count
+    fails ``max_retries + 1`` attempts (transient failures -- a peer died, an op was aborted or timed out, the
+    commit was refused), the member raises :class:`~torchnext.ft.RetriesExhausted` naming the step and the last
+    failures, and ends the job (every other member raises it too). A commit resets the count; 0: the first failure
+    raises. Default 100: every real failure costs one attempt and removes its cause (a dead member leaves, a joiner
+    heals), so a healthy job fails one step a handful of times at most -- even a large job whose members fail
+    together (each simultaneous failure batched into one generation) -- while 100 consecutive failures at one step
+    mean a systematic cause (a member that crashes at this step after every restart, a flapping link, an error
+    misclassified as transient) that would otherwise cycle through generations forever; at a reconfiguration's
+    cost (well under a second to a few seconds) 100 attempts end it within minutes."""
+    check_collectives: bool | None = None
+    """Consistency mode of every generation's Communicator (``Communicator(..., check_collectives=)``): a collective
+    whose members disagree raises ``CollectiveMismatch`` on every member, which ``ft.step()`` re-raises (no retry,
+    no new generation). None: ``TORCHNEXT_CHECK_COLLECTIVES`` (see :mod:`torchnext.comms.consistency`)."""
     heal_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     name: str = "ft"
     """Communicator name prefix; generation g is named ``<name>.g<g>`` (``<name>.g<g>.r<rank>`` in replica groups
@@ -60,6 +75,11 @@ class FaultTolerantConfig:
                 raise ValueError(f"FaultTolerantConfig.{f} must be a positive number of seconds, got {v!r}")
         if not isinstance(self.min_size, int) or self.min_size < 1:
             raise ValueError(f"FaultTolerantConfig.min_size must be an int >= 1, got {self.min_size!r}")
+        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or self.max_retries < 0:
+            raise ValueError(f"FaultTolerantConfig.max_retries must be an int >= 0, got {self.max_retries!r}")
+        if self.check_collectives is not None and not isinstance(self.check_collectives, bool):
+            raise ValueError(f"FaultTolerantConfig.check_collectives must be None or a bool, got "
+                             f"{self.check_collectives!r}")
         if self.heal_chunk_bytes <= 0:
             raise ValueError(f"FaultTolerantConfig.heal_chunk_bytes must be positive, got {self.heal_chunk_bytes}")
         for f, low in (("replica_group", 0), ("group_rank", 0), ("group_size", 1)):

@@ -13,8 +13,10 @@ Usage (every process runs the same loop; a replacement process runs it too and j
             if step.commit():                 # two-phase commit through the coordinator
                 opt.step()
             opt.zero_grad()
-        # a failed step (PeerFailure, CommAborted, ...) was swallowed by the context: the group reconfigured and
-        # healed; ft.step_count did not move, so the loop simply retries the step.
+        # a step failed by a transient error (PeerFailure, CommAborted, a refused commit, ...) was swallowed by
+        # the context: the group reconfigured and healed; ft.step_count did not move, so the loop simply retries
+        # the step (at most config.max_retries times in a row, then RetriesExhausted). A deterministic error
+        # (CollectiveMismatch, an exception of the loop's own code) is raised on every member instead.
     ft.finish()                               # the job's end: leaving is not a failure
 
 Semantics
@@ -35,6 +37,8 @@ Semantics
   content is unspecified (views taken earlier keep the old storage).
 * Split children (``ft.split``/``ft.split_by_color``) are **invalidated** at every reconfiguration: their ops raise
   ``CommAborted`` naming the superseded generation. Split again in an ``on_reconfigure`` callback.
+* What ends a step attempt is classified (:mod:`torchnext.ft.errors`, :mod:`torchnext.ft.step`): transient
+  failures are retried, deterministic errors raised on every member without a new generation.
 * Fatal conditions raise :class:`~torchnext.ft.membership.MembershipError` subclasses from any call:
   ``RemovedFromGroup`` ("you were removed"), ``CoordinatorLost``, ``QuorumLost``, ``JobFinished`` (another member
   called ``finish()`` and this one tried to commit a later step).
@@ -63,7 +67,7 @@ from torchnext.ft.config import FaultTolerantConfig, Reconfiguration
 from torchnext.ft.healing import HealStats, recv_state, send_state
 from torchnext.ft.member import MemberClient
 from torchnext.ft.membership import JobFinished, QuorumLost, RemovedFromGroup
-from torchnext.ft.step import Step
+from torchnext.ft.step import Step, _FailedAttempts
 
 __all__ = ["FaultTolerant"]
 
@@ -121,6 +125,9 @@ class FaultTolerant:
         self._closed = False
         self._in_step = False
         self._finished_step: int | None = None
+        self._step_error: BaseException | None = None  # a deterministic error ft.process_group recorded in the step
+        self._failed_attempts = _FailedAttempts()
+        self._refusal = ""  # why the last should_commit() returned False
         self.reconfigurations: list[Reconfiguration] = []
         self.fault_hook: Callable[[str], None] | None = None
         """Testing seam (``torchnext.testing``): called with ``"reconfigure"`` before a generation's Communicator is
@@ -276,8 +283,14 @@ class FaultTolerant:
         Raises ``RemovedFromGroup``/``CoordinatorLost``/``QuorumLost`` when membership ended.
         """
         self._raise_fatal()
+        recorded = self._step_error
+        if recorded is not None:
+            raise recorded  # a deterministic error ft.process_group recorded: the step cannot succeed on retry
         comm = self._comm
         if comm is None or comm.errored() is not None or self._newest_gen > self.generation:
+            broken = comm.errored() if comm is not None else None
+            self._refusal = (f"generation {self.generation} broken before the vote"
+                             + (f" ({type(broken).__name__}: {broken})" if broken is not None else ""))
             self._report("communicator broken before the vote")
             return False
         gen = self.generation
@@ -289,7 +302,8 @@ class FaultTolerant:
             while True:
                 ev = self._client.next_event(deadline - time.monotonic())
                 if ev is None:
-                    self._report(f"no commit decision within {self.config.timeout_s}s")
+                    self._refusal = f"no commit decision within {self.config.timeout_s}s"
+                    self._report(self._refusal)
                     return False
                 kind = ev["t"]
                 if kind == "decision" and ev["gen"] == gen and ev["step"] == self._step:
@@ -302,8 +316,10 @@ class FaultTolerant:
                     return True
                 if kind == "gen":
                     self._note_gen(ev)
+                    self._refusal = f"generation {ev['gen']} announced before the decision ({ev.get('reason')})"
                     return False
                 if kind == "wait":
+                    self._refusal = f"the coordinator is waiting for a quorum ({ev.get('reason')})"
                     return False
                 if kind == "fatal":
                     self._raise_fatal()
@@ -353,10 +369,27 @@ class FaultTolerant:
             raise JobFinished(f"member {self.member_id}: the job finished at step {done} (another member called "
                               f"finish()); step {self._step} cannot commit") from cause
 
-    def _raise_fatal(self) -> None:
+    def _raise_fatal(self, cause: BaseException | None = None) -> None:
         fatal = self._client.fatal
         if fatal is not None:
+            if cause is not None:
+                raise fatal from cause
             raise fatal
+
+    def _record_step_error(self, exc: BaseException) -> None:
+        """``ft.process_group`` met a deterministic error (it records failures instead of raising them): the step
+        ends with it -- ``step.commit()`` raises it, and so does the ``with ft.step()`` block. The first one wins."""
+        with self._lock:
+            if self._in_step and self._step_error is None:
+                self._step_error = exc
+
+    def _end_job(self, code: str, reason: str) -> bool:
+        """Ask the coordinator to end the job with ``code`` (one of ``membership.END_CODES``): every member gets
+        ``fatal`` -- no new generation. False when membership had already ended (nobody to tell)."""
+        if self._closed or self._client.fatal is not None:
+            return False
+        self._client.send({"t": "fail", "gen": self.generation, "reason": reason[:500], "end": code})
+        return True
 
     def _on_interrupt(self, msg: dict[str, Any]) -> None:
         """Heartbeat thread: a new generation (abort), quorum wait, removal, fatal or lost coordinator; or the
@@ -592,7 +625,7 @@ class FaultTolerant:
                 name = f"{cfg.name}.g{gen}" + (f".r{self.group_rank}" if self.group_size > 1 else "")
                 c = Communicator(store, rank, size, backend=cfg.backend, name=name,
                                  timeout=timedelta(seconds=cfg.timeout_s), device=cfg.device,
-                                 global_ranks=members)
+                                 global_ranks=members, check_collectives=cfg.check_collectives)
                 c.register_post_hook(_quarantine_cancelled)
                 with self._lock:
                     if box.get("abandoned"):

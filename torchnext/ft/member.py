@@ -47,6 +47,7 @@ from torchnext.ft._wire import (
     tune_socket,
     verify,
 )
+from torchnext.ft.errors import RetriesExhausted, StepFailed
 from torchnext.ft.membership import (
     CoordinatorLost,
     JobFinished,
@@ -466,6 +467,14 @@ class MemberClient:
         self.news.set()
 
 
+_FATAL_CODES: dict[str, type[MembershipError]] = {
+    "quorum_lost": QuorumLost,
+    "finished": JobFinished,
+    "step_failed": StepFailed,
+    "retries_exhausted": RetriesExhausted,
+}
+"""The code of a coordinator's ``fatal`` -> the error the member raises (any other code: ``MembershipError``)."""
+
+
 def _fatal_for(code: str, text: str) -> MembershipError:
-    cls = QuorumLost if code == "quorum_lost" else JobFinished if code == "finished" else MembershipError
-    return cls(text)
+    return _FATAL_CODES.get(code, MembershipError)(text)

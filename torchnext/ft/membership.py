@@ -63,6 +63,7 @@ from typing import Any
 from torchnext.ft.election import Takeover
 
 __all__ = [
+    "END_CODES",
     "CoordinatorLost",
     "JobFinished",
     "MembershipConfig",
@@ -72,6 +73,11 @@ __all__ = [
     "Rejected",
     "RemovedFromGroup",
 ]
+
+
+END_CODES = frozenset({"step_failed", "retries_exhausted"})
+"""The codes with which a member may end the job (a ``fail`` report with ``end``): the ``fatal`` code every member
+then receives (:class:`~torchnext.ft.StepFailed`, :class:`~torchnext.ft.RetriesExhausted`)."""
 
 
 class MembershipError(RuntimeError):
@@ -337,11 +343,23 @@ class Membership:
         self.history.append({"event": "finish", "member": mid, "step": self.finished_step, "at": now})
         self.to_close.append(mid)
 
-    def report_failure(self, mid: int, gen: int, reason: str, now: float) -> None:
+    def report_failure(self, mid: int, gen: int, reason: str, now: float, *, end: str | None = None) -> None:
         """A member's collective failed in generation ``gen``: regenerate (stale reports are ignored). After the job
-        finished there is nothing to regenerate: the member is told so."""
+        finished there is nothing to regenerate: the member is told so.
+
+        With ``end`` (a code of :data:`END_CODES`; any other is read as ``"step_failed"``) the member hit an error
+        that retrying cannot fix (``ft.step()``'s deterministic errors, its retry cap): the job fails with that code
+        -- every live member gets ``fatal`` (``StepFailed``/``RetriesExhausted``), no new generation -- whatever
+        generation the report names."""
         if self.finished_step is not None and mid in self.live:
             self._tell_finished(mid, "no new generation")
+            return
+        if end is not None:
+            if mid in self.live:
+                code = end if end in END_CODES else "step_failed"
+                self.history.append({"event": "end", "member": mid, "gen": gen, "code": code, "reason": reason,
+                                     "at": now})
+                self._fail_job(code, f"member {mid} ended the job in generation {gen}: {reason}")
             return
         if gen == self.gen and mid in self.members and mid in self.live:
             self.history.append({"event": "report", "member": mid, "reason": reason, "at": now})

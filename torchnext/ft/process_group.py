@@ -42,6 +42,7 @@ from torchnext.comms.errors import CommError
 from torchnext.comms.process_group import GroupWork, TorchnextProcessGroup
 from torchnext.comms.process_group.group import BACKEND_NAME
 from torchnext.comms.process_group.work import mark_invalid
+from torchnext.ft.errors import FailureKind, classify_failure
 
 if TYPE_CHECKING:
     from torchnext.ft.config import Reconfiguration
@@ -98,6 +99,7 @@ class _FTWork(GroupWork):
     def __init__(self, group: FaultTolerantProcessGroup, works: Any, result: list[Any],
                  unstage: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         super().__init__(group, works, result)
+        self._ft_group = group
         self._unstage = unstage
         self._unstage_lock = threading.Lock()
 
@@ -117,10 +119,10 @@ class _FTWork(GroupWork):
         for work in self._works:
             try:
                 done = work.wait(limit)
-            except CommError:
+            except CommError as exc:
                 self._terminal(True)
                 mark_invalid(self._invalid)
-                self._group._note_swallowed(work)
+                self._ft_group._note_swallowed(work, exc)
                 return True
             if not done:
                 raise RuntimeError(f"{work.op}: wait() timed out after {timeout} (the op is still in flight)")
@@ -183,10 +185,20 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         comm = self._ft._comm
         return 0 if comm is None else int(comm._op_counter)
 
-    def _note_swallowed(self, work: Any) -> None:
-        """A failed op inside a step is expected (a member died): recorded, the step cannot commit; log at INFO."""
+    def _note_swallowed(self, work: Any, exc: BaseException | None = None) -> None:
+        """A failed op inside a step is expected (a member died): recorded, the step cannot commit; log at INFO.
+        A deterministic error (``CollectiveMismatch``) is recorded on ``ft``: the step ends with it, not a retry."""
+        exc = exc if exc is not None else work.exception()
         _LOG.info("fault-tolerant group %r: %s failed in generation %d (%s); recorded: the step will not commit",
-                  self._group_name, work.op, self._ft.generation, work.exception())
+                  self._group_name, work.op, self._ft.generation, exc)
+        if exc is not None:
+            self._record_if_deterministic(exc)
+
+    def _record_if_deterministic(self, exc: BaseException) -> bool:
+        if classify_failure(exc) is not FailureKind.DETERMINISTIC:
+            return False
+        self._ft._record_step_error(exc)
+        return True
 
     def abort(self) -> None:
         """Abort the current generation's Communicator (its ops raise inside the step, which then cannot commit)."""
@@ -219,8 +231,8 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
             return self._failed(op, result, self._ft._comm)
         try:
             works = issue(comm)
-        except CommError:  # refused: the generation broke between the check and the issue
-            return self._failed(op, result, comm)
+        except CommError as exc:  # refused: the generation broke between the check and the issue, or a mismatch
+            return self._failed(op, result, comm, exc)
         return _FTWork(self, works, result)
 
     def _run_inplace(self, op: str, tensors: list[torch.Tensor],
@@ -233,15 +245,20 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         staged = [self._staging.take(t) for t in tensors]
         try:
             works = issue(comm, staged)
-        except CommError:  # refused before anything was issued: the buffers are still private
+        except CommError as exc:  # refused before anything was issued: the buffers are still private
             for b in staged:
                 self._staging.put(b)
-            return self._failed(op, tensors, comm)
+            return self._failed(op, tensors, comm, exc)
         return _FTWork(self, works, tensors, unstage=list(zip(staged, tensors, strict=True)))
 
-    def _failed(self, op: str, result: list[Any], comm: Communicator | None) -> GroupWork:
-        """A completed Work for an op of a broken generation: nothing issued, outputs invalid, step uncommittable."""
+    def _failed(self, op: str, result: list[Any], comm: Communicator | None,
+                refusal: BaseException | None = None) -> GroupWork:
+        """A completed Work for an op of a broken generation, or one the Communicator refused (``refusal``):
+        nothing issued, outputs invalid, step uncommittable. A deterministic refusal (``CollectiveMismatch``) is
+        recorded on ``ft`` -- the step raises it instead of retrying -- and leaves the Communicator as it is."""
         mark_invalid(result)
+        if refusal is not None and self._record_if_deterministic(refusal):
+            return _FTWork(self, (), result)
         if comm is not None and comm.errored() is None:
             comm.abort(f"{op} issued in a superseded generation")  # so that the vote sees it broken
         return _FTWork(self, (), result)

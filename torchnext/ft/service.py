@@ -272,7 +272,7 @@ class MembershipService:
                 st.heartbeat(mid, now)
                 st.vote(mid, msg["gen"], msg["step"], now)
             elif kind == "fail":
-                st.report_failure(mid, msg["gen"], msg["reason"][:500], now)
+                st.report_failure(mid, msg["gen"], msg["reason"][:500], now, end=msg["end"])
             elif kind == "bye":
                 if msg["done"]:
                     st.finish(mid, now)
