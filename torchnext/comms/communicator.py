@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 import zlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -18,7 +20,7 @@ from torchnext.comms.backends import BackendConfig, BackendHandle, get_backend
 from torchnext.comms.errors import CommAborted, CommError, PeerFailure
 from torchnext.comms.extension import factory, option
 from torchnext.comms.hooks import AbortHookArgs, HookList, OpInfo, PostHookArgs, RemovableHandle
-from torchnext.comms.reaper import Grave, bury
+from torchnext.comms.reaper import Grave, bury, drain
 from torchnext.comms.reduce_op import ReduceOp
 from torchnext.comms.work import CompletionWaiter, UnwaitedWatcher, Work, WorkStatus, _new_tuple, future_callback
 
@@ -31,6 +33,27 @@ __all__ = ["Communicator", "P2POp"]
 
 _C10D = torch._C._distributed_c10d
 Timeout = float | timedelta | None
+
+
+_LIVE: weakref.WeakSet[Communicator] = weakref.WeakSet()
+"""Every Communicator not yet garbage-collected: looked at once, at interpreter exit (:func:`_at_exit`)."""
+
+
+def _at_exit() -> None:
+    """``atexit``: abort every communicator that still has ops in flight or is errored (nobody waits for them any
+    more), so that their backends are cancelled and reaped before the interpreter finalizes -- a Gloo thread that
+    ends an op during finalization aborts the process (see :mod:`torchnext.comms.reaper`). Healthy idle ones are
+    left to their owners."""
+    for comm in list(_LIVE):
+        if not comm._closed and (comm._in_flight or comm._sync_work is not None or comm._error is not None):
+            try:
+                comm.abort("interpreter exit")
+            except Exception:
+                pass
+    drain()
+
+
+atexit.register(_at_exit)
 
 
 def _abandon(handle: BackendHandle, name: str, works: Sequence[Any] = (), keep: Sequence[Any] = (), *,
@@ -211,6 +234,7 @@ class Communicator(CollectiveOps):
         self._interruptible = self._backend.interruptible_wait
         self._futureless = self._backend.futureless_ops
         self._device = self._backend.device
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------------------------------------ properties
     @property
