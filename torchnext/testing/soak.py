@@ -410,9 +410,10 @@ def _job_thread(job: _Job, todo: list[tuple[int, Planned]], shared: _Shared, rng
                 shared.injected.append(inj)
             shared.log(f"{job.kind}: fault {index} {p.kind.value} {inj.victim}: recovered in "
                        f"{inj.recovery_s if inj.recovery_s is not None else float('nan'):.3f}s")
-    except Exception as exc:  # a bounded wait ran out, or a process could not start: the run stops and fails
+    except Exception as exc:  # a bounded wait ran out, or a process could not start: this job stops injecting (the
+        # other goes on, so its figures still come), and the run fails
         shared.errors.append(f"{job.kind}: {type(exc).__name__}: {exc}")
-        shared.stop.set()
+        shared.log(f"{job.kind}: stopped injecting: {exc}")
 
 
 def run_soak(config: SoakConfig) -> SoakResult:
