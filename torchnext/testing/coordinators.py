@@ -117,6 +117,22 @@ class CoordinatorProcess:
             self.proc.wait(timeout=30)
         return at
 
+    def terminate(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (the coordinator stops serving and exits 0) and reap; returns the exit code (None: still running
+        after ``timeout`` -- then it is SIGKILLed by ``close()``)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            return int(self.proc.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            return None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.returncode
+
     def output(self) -> str:
         return "".join(self._lines)
 

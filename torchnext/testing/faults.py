@@ -12,7 +12,7 @@ from typing import Any
 
 __all__ = [
     "Fault", "FaultInjector", "FaultKind", "FaultPoint", "crash_now", "drop_coordinator", "freeze_self", "kill",
-    "resume",
+    "refuse_next_op", "resume",
 ]
 
 
@@ -46,6 +46,12 @@ class FaultKind(enum.Enum):
     """SIGSTOP itself for ``seconds`` (a hang: sockets stay open, heartbeats stop); a helper process sends SIGCONT."""
     RAISE = "raise"
     """Raise ``PeerFailure`` from the collective (as if a connection broke), on this member only."""
+    RAISE_IN_OP = "raise_in_op"
+    """The member's next collective raises ``PeerFailure`` from inside the op call, on this member only: a one-shot
+    check hook of its Communicator refuses the op (:func:`refuse_next_op`), so the error takes the Communicator's
+    own path (the op is not issued here, the Communicator is errored; the fault-tolerant group records the op as
+    failed and the step cannot commit) -- unlike RAISE, it also works where the collective is issued by a library
+    (DDP's comm hook, FSDP2's reductions) that must not see a Python exception mid-backward."""
     KILL_PID = "kill_pid"
     """SIGKILL another process, ``Fault.pid`` (say the coordinator in office), at this member's fault point; the
     member goes on. Places a coordinator kill exactly: inside a step, during a reconfiguration, during healing."""
@@ -115,7 +121,8 @@ class FaultInjector:
         if f is not None:
             self.fire(f)
 
-    def fire(self, f: Fault) -> None:
+    def fire(self, f: Fault, comm: Any = None) -> None:
+        """Fire ``f`` now (RAISE_IN_OP needs the member's current Communicator, ``comm``)."""
         if f.kind is FaultKind.KILL:
             os.kill(os.getpid(), signal.SIGKILL)
         elif f.kind is FaultKind.STOP:
@@ -128,6 +135,10 @@ class FaultInjector:
             from torchnext.comms.errors import PeerFailure
 
             raise PeerFailure(f"injected fault at step {f.step} ({f.where.value})", op="all_reduce")
+        elif f.kind is FaultKind.RAISE_IN_OP:
+            if comm is None:
+                raise ValueError("a RAISE_IN_OP fault needs the member's Communicator: fire(fault, comm=...)")
+            refuse_next_op(comm, f"injected fault at step {f.step} ({f.where.value})")
         elif f.kind is FaultKind.KILL_PID:
             try:
                 os.kill(f.pid, signal.SIGKILL)
@@ -142,6 +153,21 @@ class FaultInjector:
                 p.kill()
                 p.wait()
         self._helpers.clear()
+
+
+def refuse_next_op(comm: Any, reason: str) -> None:
+    """Make the next op issued on Communicator ``comm`` raise ``PeerFailure(reason)`` from inside the op call (a
+    one-shot check hook: the op is refused on this rank only, the Communicator is errored)."""
+    from torchnext.comms.errors import PeerFailure
+
+    fired = [False]
+
+    def hook(info: Any) -> None:
+        if not fired[0]:
+            fired[0] = True
+            raise PeerFailure(f"{reason}: {info.op} refused by an injected fault", op=info.op)
+
+    comm.register_check_hook(hook)
 
 
 def drop_coordinator(target: Any) -> None:

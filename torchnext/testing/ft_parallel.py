@@ -25,6 +25,7 @@ SIGUSR2 = die at the next idle point, SIGRTMIN = die inside the next backward.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import time
@@ -71,6 +72,24 @@ class ParallelSpec:
     signal_kills: bool = False
     fault_log: str | None = None
     """Append ``"<time.time()> <member>"`` right before a self-inflicted fault (benchmarks time recovery from it)."""
+    signal_raises: bool = False
+    """SIGUSR1: inside this process's next backward (the hook of ``signal_kills``' SIGRTMIN), its next fault-tolerant
+    collective raises ``PeerFailure`` from inside the op call, on this process only (``FaultKind.RAISE_IN_OP``)."""
+    start_file: str | None = None
+    """A warm spare: build the model (HSDP: and the replica group's process group), then wait until this file exists
+    before joining. If ``stop_file`` appears first, end without joining (report ``error`` "spare not used")."""
+    event_log: str | None = None
+    """Append one JSON line per generation this process commits in: ``{"member", "gen", "members", "step",
+    "commit"}`` (``step``: the step index of its first commit here; ``commit``: ``time.monotonic()`` of it)."""
+    resource_log: str | None = None
+    """Append ``{"t", "step", "threads", "fds", "rss_kib"}`` (this process's own ``/proc/self`` counts, taken between
+    steps) every ``resource_every_s`` seconds."""
+    resource_every_s: float = 0.5
+    group_store_file: str | None = None
+    """HSDP: rank 0 of the replica group hosts the group's rendezvous TCPStore on 127.0.0.1 (port 0) and writes its
+    port here; the other ranks read it (instead of ``store_port``). The store lives and dies with its group."""
+    netns: str | None = None
+    """Run inside this network namespace (a host of a :class:`~torchnext.testing.netns.NetLab`)."""
 
     def __post_init__(self) -> None:
         if self.parallel not in ("ddp", "hsdp"):
@@ -156,13 +175,15 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
     if spec.signal_kills:
         signal.signal(signal.SIGUSR2, lambda *_: doomed.__setitem__(0, "idle"))
         signal.signal(signal.SIGRTMIN, lambda *_: doomed.__setitem__(0, "collective"))
+    if spec.signal_raises:
+        signal.signal(signal.SIGUSR1, lambda *_: doomed.__setitem__(0, "raise"))
     hsdp = spec.parallel == "hsdp"
     report: dict[str, Any] = {"member": spec.member_id, "group": spec.group if hsdp else spec.member_id,
                               "group_rank": spec.group_rank if hsdp else 0, "pid": os.getpid(), "error": None}
     ft = None
     opt: Any = None
     if hsdp:
-        store = dist.TCPStore("127.0.0.1", spec.store_port, is_master=False, timeout=timedelta(seconds=60))
+        store = _group_store(spec)
         dist.init_process_group("torchnext", store=dist.PrefixStore(f"hsdp/g{spec.group}/i{spec.incarnation}", store),
                                 rank=spec.group_rank, world_size=spec.group_size, timeout=timedelta(seconds=60))
         model: torch.nn.Module = hsdp_model()
@@ -172,6 +193,11 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
             with torch.no_grad():
                 for p in model.parameters():
                     p.fill_(12345.0)
+    if spec.start_file is not None and not _wait_to_start(spec):
+        report["error"] = "spare not used"
+        if hsdp and dist.is_initialized():
+            dist.destroy_process_group()
+        return report
     try:
         ft = FaultTolerant(
             FaultTolerantConfig(coordinator=spec.coordinator, token=spec.token, member_id=spec.member_id,
@@ -217,6 +243,8 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
                 reconfigurations=[{"gen": r.generation, "groups": [list(g) for g in r.groups], "joiners": list(r.joiners),
                                    "timings": r.timings, "healed": None if r.healed is None
                                    else [r.healed.bytes, r.healed.seconds]} for r in ft.reconfigurations],
+                optim_steps=sorted({int(v["step"]) for v in opt.state.values() if "step" in v}) if opt is not None
+                else [],  # Adam's step counters: equal to the committed step count when no update was lost or doubled
                 digest=_digest(state), params=[t.detach().tolist() for t in state["model"].values()],  # lists: a tensor
                 # would travel as a shared-memory handle that dies with this process
             )
@@ -229,6 +257,54 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
     return report
 
 
+def _group_store(spec: ParallelSpec) -> Any:
+    """The replica group's rendezvous store: the coordinator's (``store_port``) or, with ``group_store_file``, one
+    hosted by the group's rank 0 (its port passed through the file)."""
+    import torch.distributed as dist
+
+    if spec.group_store_file is None:
+        return dist.TCPStore("127.0.0.1", spec.store_port, is_master=False, timeout=timedelta(seconds=60))
+    if spec.group_rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+        tmp = f"{spec.group_store_file}.{os.getpid()}"
+        with open(tmp, "w") as fh:
+            fh.write(str(store.port))
+        os.replace(tmp, spec.group_store_file)
+        return store
+    deadline = time.monotonic() + 60.0
+    while not os.path.exists(spec.group_store_file):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"member {spec.member_id}: group {spec.group}'s rank 0 did not publish its store port "
+                               f"in {spec.group_store_file} within 60 s")
+        time.sleep(0.01)
+    with open(spec.group_store_file) as fh:
+        port = int(fh.read())
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+
+
+def _wait_to_start(spec: ParallelSpec) -> bool:
+    """A warm spare waits for ``start_file`` (True) or ``stop_file`` (False); it also ends when its parent is gone."""
+    assert spec.start_file is not None
+    parent = os.getppid()
+    while not os.path.exists(spec.start_file):
+        if (spec.stop_file is not None and os.path.exists(spec.stop_file)) or os.getppid() != parent:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def _resources() -> dict[str, int]:
+    """This process's thread count, open fds and resident set (KiB), from ``/proc/self``."""
+    out = {"fds": len(os.listdir("/proc/self/fd"))}
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("Threads:"):
+                out["threads"] = int(line.split()[1])
+            elif line.startswith("VmRSS:"):
+                out["rss_kib"] = int(line.split()[1])
+    return out
+
+
 def _backward_fault(spec: ParallelSpec, ft: Any, injector: FaultInjector,
                     doomed: list[str]) -> Any:
     """A gradient hook that fires this step's COLLECTIVE fault: registered on what backward reaches last (DDP:
@@ -239,10 +315,14 @@ def _backward_fault(spec: ParallelSpec, ft: Any, injector: FaultInjector,
         f = injector.due(FaultPoint.COLLECTIVE, ft.step_count)
         if doomed[0] == "collective":
             f = Fault(kind=FaultKind.KILL, member=spec.member_id, step=ft.step_count, where=FaultPoint.COLLECTIVE)
+        elif doomed[0] == "raise":
+            doomed[0] = ""
+            f = Fault(kind=FaultKind.RAISE_IN_OP, member=spec.member_id, step=ft.step_count,
+                      where=FaultPoint.COLLECTIVE)
         if f is not None:
             time.sleep(0.005)  # the peers are now blocked in this step's first bucket all-reduces
             _log_fault(spec)
-            injector.fire(f)
+            injector.fire(f, comm=ft.comm)
         return grad
 
     return hook
@@ -254,6 +334,10 @@ def _train(spec: ParallelSpec, ft: Any, net: Any, opt: Any, injector: FaultInjec
     backward_fault = _backward_fault(spec, ft, injector, doomed)
     history: list[list[Any]] = []  # [step, groups] of each commit this process saw
     report["history"] = history
+    logged_gen = -1
+    last_commit = [0.0]
+    report["max_commit_gap"] = [0.0, -1, 0.0]  # seconds, the step that ended it, time.monotonic() of that commit
+    next_sample = [0.0]
 
     def more() -> bool:
         if spec.stop_file is not None and target[0] == 1 << 62 and os.path.exists(spec.stop_file):
@@ -280,9 +364,29 @@ def _train(spec: ParallelSpec, ft: Any, net: Any, opt: Any, injector: FaultInjec
             if st.commit():
                 opt.step()
                 history.append([s, groups])
+                now = time.monotonic()
+                if last_commit[0] and now - last_commit[0] > report["max_commit_gap"][0]:
+                    report["max_commit_gap"] = [now - last_commit[0], s, now]
+                last_commit[0] = now
+                if spec.event_log is not None and ft.generation != logged_gen:
+                    logged_gen = ft.generation
+                    _append(spec.event_log, {"member": spec.member_id, "gen": logged_gen, "members": list(ft.members),
+                                             "step": s, "commit": now})
             opt.zero_grad()
+        if spec.resource_log is not None and time.monotonic() >= next_sample[0]:
+            next_sample[0] = time.monotonic() + spec.resource_every_s
+            _append(spec.resource_log, {"t": time.monotonic(), "step": ft.step_count, **_resources()})
         if spec.step_sleep_s:
             time.sleep(spec.step_sleep_s)
+
+
+def _append(path: str, record: dict[str, Any]) -> None:
+    """One JSON line, in one ``write`` of an ``O_APPEND`` file (lines of concurrent writers do not interleave)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+    finally:
+        os.close(fd)
 
 
 def _log_fault(spec: ParallelSpec) -> None:

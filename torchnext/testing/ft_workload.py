@@ -426,6 +426,16 @@ class FTJob:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"members {running} still running after {timeout}s")
 
+    def poll(self, timeout: float = 0.0) -> None:
+        """Read every report that arrived (waiting up to ``timeout`` for the first): a long-running caller must, since
+        a child blocks on exit until its report is read."""
+        self._collect(timeout)
+        while True:
+            n = len(self.reports) + len(self.errors)
+            self._collect(0.0)
+            if len(self.reports) + len(self.errors) == n:
+                return
+
     def _results_may_lag(self, m: int) -> bool:
         p = self.procs[m]
         if p.exitcode is None:

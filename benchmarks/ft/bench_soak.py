@@ -1,0 +1,126 @@
+"""Long-haul soak (issue 24): one FT-HSDP job and one FT-DDP job survive thousands of seeded faults.
+
+    python benchmarks/ft/bench_soak.py                               # 2000 faults over 30 minutes (the default)
+    python benchmarks/ft/bench_soak.py --faults 100 --minutes 3 --warmup-faults 20 --json soak.json
+    python benchmarks/ft/bench_soak.py --kinds kill,hang --jobs ddp  # a subset
+
+Jobs (local ranks, forkserver, torch preloaded): FT-HSDP -- ``--hsdp-groups`` replica groups of ``--group-size``
+ranks (FSDP2 inside a group, ``ft.device_mesh`` across); FT-DDP -- ``--ddp-members`` processes, each its own group.
+Each job has a coordinator in office and a standby, one warm spare (a spare group for HSDP: processes that imported
+and built everything and wait to join) refilled after every fault. The seeded schedule spreads ``--faults`` over
+``--minutes`` (fault ``i`` at ``(i + U(0,1)) * span / N``, a random job and kind); a fault is injected at its time or
+once its job is whole again, whichever is later; the run lasts until both the count and the time are reached.
+Kinds: kill (SIGKILL), hang (SIGSTOP, SIGCONT after removal), raise (``PeerFailure`` from inside one rank's
+collective during backward), partition (the victim's host's link down; root + network namespaces only, otherwise
+skipped and the reason printed), coordinator (SIGKILL of the one in office; the standby takes over; a new standby
+is started at the dead one's address). See :mod:`torchnext.testing.soak`.
+
+Checks (printed, in ``--json``; the exit status is 1 when one fails):
+
+* every committed step replays exactly: one generation per step, gap-free logs, DDP weights bitwise equal to the
+  replay of the commit record, HSDP Adam step counters equal to the committed step count;
+* counterparts bitwise equal across >= 2 replica groups at the end (not made -- and failed -- with fewer);
+* the survivor (a member never targeted) has the same thread and fd counts at the end as after the first
+  ``--warmup-faults`` faults, RSS within +5 %;
+* the survivor's longest gap between two commits <= heartbeat timeout + 1 s;
+* every process exits 0, or -9 where it was SIGKILLed (SIGABRT counted apart).
+
+Recovery = injection -> the survivor's first commit in a generation without the victim (raise, coordinator: in a
+newer generation); p50/p99/max per job and kind. There is no peer to measure in the same run: the figures are
+absolute (bench_parallel.py and bench_failover.py hold the peer comparisons for single faults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # this checkout's torchnext
+from torchnext import __version__
+from torchnext.testing.soak import SoakConfig, SoakFault, SoakResult, run_soak
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return str(v)
+
+
+def report(result: SoakResult) -> None:
+    faults = result.faults
+    kinds = {k.value: sum(1 for f in faults if f.kind is k) for k in SoakFault}
+    print(f"# {len(faults)} faults injected in {result.seconds:.0f} s: "
+          f"{', '.join(f'{k} {n}' for k, n in kinds.items() if n)}")
+    for kind, why in result.skipped.items():
+        print(f"# {kind}: skipped ({why})")
+    print("\n| job/fault | n | p50 ms | p99 ms | max ms |\n|---|---|---|---|---|")
+    for name, st in result.recovery().items():
+        print(f"| {name} | {st['n']:.0f} | {st['p50'] * 1e3:.0f} | {st['p99'] * 1e3:.0f} | {st['max'] * 1e3:.0f} |")
+    print("\n| check | result | figures |\n|---|---|---|")
+    for name, c in result.checks.items():
+        figures = {k: v for k, v in c.items() if k not in ("ok", "base", "end", "problems")}
+        if "base" in c and isinstance(c.get("base"), dict) and isinstance(c.get("end"), dict):
+            figures["warm-up"] = {k: c["base"][k] for k in ("threads", "fds", "rss_kib", "faults")}
+            figures["end"] = {k: c["end"][k] for k in ("threads", "fds", "rss_kib", "faults")}
+        text = "; ".join(f"{k} {_fmt(v)}" for k, v in figures.items())
+        if c.get("problems"):
+            text += f"; problems {c['problems'][:3]}"
+        print(f"| {name} | {'PASS' if c['ok'] else 'FAIL'} | {text} |")
+    codes: dict[str, int] = {}
+    for c in result.exit_codes.values():
+        codes[str(c)] = codes.get(str(c), 0) + 1
+    print(f"\n# exit codes of {len(result.exit_codes)} processes: {codes}")
+    for e in result.errors:
+        print(f"# ERROR: {e}")
+    print(f"# soak {'PASSED' if result.ok else 'FAILED'}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--faults", type=int, default=2000, help="faults in all (default 2000)")
+    ap.add_argument("--minutes", type=float, default=30.0, help="the schedule spreads the faults over this (default 30)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kinds", default=",".join(k.value for k in SoakFault),
+                    help=f"comma-separated fault kinds (default: all of {[k.value for k in SoakFault]})")
+    ap.add_argument("--jobs", default="hsdp,ddp", help="comma-separated: hsdp, ddp (default both)")
+    ap.add_argument("--ddp-members", type=int, default=3)
+    ap.add_argument("--hsdp-groups", type=int, default=2)
+    ap.add_argument("--group-size", type=int, default=2)
+    ap.add_argument("--warmup-faults", type=int, default=100, help="resources are compared from after this many")
+    ap.add_argument("--heartbeat-timeout", type=float, default=0.6, help="coordinators' heartbeat timeout (s)")
+    ap.add_argument("--step-sleep", type=float, default=0.01, help="sleep per step (s): simulated compute")
+    ap.add_argument("--wait", type=float, default=90.0, help="bound on every wait (s)")
+    ap.add_argument("--no-netns", action="store_true", help="do not use network namespaces (no partitions)")
+    ap.add_argument("--workdir", default=None, help="keep the logs here (default: a temporary directory, removed)")
+    ap.add_argument("--quiet", action="store_true", help="no line per fault")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+    print(f"# bench_soak  {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
+    print(f"# torchnext {__version__}, torch {torch.__version__}, python {platform.python_version()}, "
+          f"{platform.machine()}, {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}")
+    print(f"# command: {' '.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])}", flush=True)
+    cfg = SoakConfig(faults=args.faults, minutes=args.minutes, seed=args.seed,
+                     kinds=[SoakFault(k) for k in args.kinds.split(",") if k],
+                     jobs=[j for j in args.jobs.split(",") if j], ddp_members=args.ddp_members,
+                     hsdp_groups=args.hsdp_groups, group_size=args.group_size, warmup_faults=args.warmup_faults,
+                     heartbeat_timeout_s=args.heartbeat_timeout, step_sleep_s=args.step_sleep, wait_s=args.wait,
+                     netns=False if args.no_netns else None, workdir=args.workdir,
+                     log=None if args.quiet else (lambda s: print(s, flush=True)))
+    result = run_soak(cfg)
+    report(result)
+    print(f"# load average at the end {os.getloadavg()[0]:.2f}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result.to_json(), fh, indent=1)
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,540 @@
+"""Long-haul soak: one FT-HSDP job and one FT-DDP job on local ranks, thousands of seeded faults, exact checks.
+
+Shared by ``benchmarks/ft/bench_soak.py`` (2000 faults over 30 minutes) and ``tests/ft/test_ft_soak.py`` (100 in
+under 3 minutes). What :func:`run_soak` does::
+
+    schedule = plan(config)                 # fault i at (i + U(0,1)) * minutes * 60 / faults, a random job and kind
+    for each job, in its own thread:        # HSDP: groups of group_size ranks; DDP: every process its own group
+        for fault in its share of schedule: # injected at its time or once the job is whole again, whichever is later
+            inject(fault)                   # kill | hang | raise | partition | coordinator
+            wake a warm spare (or a spare group) at once; wait (bounded) until the survivor commits in a generation
+            without the victim (a raise, a coordinator kill: in any newer generation) -> recovery time;
+            resume a hung victim, reconnect a cut-off one, start a new standby; wait until the spare committed;
+            launch a new warm spare (the pool is refilled after every fault: the job can run forever)
+    stop: every member stops at one step; every process is reaped; checks (``SoakResult.checks``)
+
+Fault kinds (:class:`SoakFault`): ``kill`` SIGKILL; ``hang`` SIGSTOP, SIGCONT once removed (it is then told so and
+exits 0); ``raise`` ``PeerFailure`` raised inside backward on one rank (SIGUSR1; the job regenerates); ``partition``
+the victim's host loses its link (network namespaces, root only; otherwise not scheduled, the reason recorded);
+``coordinator`` SIGKILL of the coordinator in office (the standby takes over; a new standby is started at the dead
+one's address, so the next coordinator kill is survivable too).
+
+One member per job is never a fault target (DDP: member 0; HSDP: group 0, whose rank 0 reports): the **survivor**.
+It logs its own ``/proc/self`` thread, fd and RSS counts between steps and its longest gap between two commits.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import random
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchnext.testing.coordinators import CoordinatorProcess
+from torchnext.testing.ft_parallel import ParallelSpec, run_parallel
+from torchnext.testing.ft_workload import FTJob
+from torchnext.testing.soak_checks import check_job, percentile, resources_flat
+
+__all__ = ["SoakConfig", "SoakFault", "SoakResult", "plan", "run_soak"]
+
+
+class SoakFault(str, enum.Enum):
+    """What a scheduled soak fault does (see the module docstring)."""
+
+    KILL = "kill"
+    HANG = "hang"
+    RAISE = "raise"
+    PARTITION = "partition"
+    COORDINATOR = "coordinator"
+
+
+@dataclass(kw_only=True)
+class SoakConfig:
+    """One soak run."""
+
+    faults: int = 100
+    """Faults to inject in all (both jobs)."""
+    minutes: float = 2.0
+    """The schedule spreads ``faults`` over this long; the run lasts until both are reached."""
+    seed: int = 0
+    kinds: Sequence[SoakFault] = tuple(SoakFault)
+    jobs: Sequence[str] = ("hsdp", "ddp")
+    ddp_members: int = 3
+    hsdp_groups: int = 2
+    group_size: int = 2
+    warmup_faults: int = 100
+    """Resources are compared between the survivor's counts after this many faults (of all) and at the end."""
+    rss_tolerance: float = 0.05
+    heartbeat_timeout_s: float = 0.6
+    """The coordinators' ``--heartbeat-timeout`` (the library default); a commit gap over this + 1 s fails."""
+    step_sleep_s: float = 0.01
+    wait_s: float = 90.0
+    """Bound on every wait (a recovery, a start, the end); past it the run stops and fails."""
+    netns: bool | None = None
+    """Run on NetLab hosts (needed for partitions). None: when ``partition`` is among ``kinds`` and it is available."""
+    workdir: str | None = None
+    log: Callable[[str], None] | None = None
+
+
+@dataclass(frozen=True)
+class Planned:
+    at: float
+    job: str
+    kind: SoakFault
+
+
+@dataclass(kw_only=True)
+class Injected:
+    index: int
+    job: str
+    kind: SoakFault
+    victim: str
+    at: float
+    recovery_s: float | None = None
+
+
+@dataclass(kw_only=True)
+class SoakResult:
+    config: dict[str, Any]
+    skipped: dict[str, str] = field(default_factory=dict)
+    faults: list[Injected] = field(default_factory=list)
+    jobs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    exit_codes: dict[str, int | None] = field(default_factory=dict)
+    checks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and all(c["ok"] for c in self.checks.values())
+
+    def recovery(self) -> dict[str, dict[str, float]]:
+        """Per job and fault kind: n, p50, p99, max of the recovery times (seconds)."""
+        out: dict[str, dict[str, float]] = {}
+        for job in sorted({f.job for f in self.faults}):
+            for kind in SoakFault:
+                xs = [f.recovery_s for f in self.faults if f.job == job and f.kind is kind and f.recovery_s is not None]
+                if xs:
+                    out[f"{job}/{kind.value}"] = {"n": len(xs), "p50": percentile(xs, 50), "p99": percentile(xs, 99),
+                                                  "max": max(xs)}
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"config": self.config, "skipped": self.skipped, "ok": self.ok, "seconds": self.seconds,
+                "errors": self.errors, "checks": self.checks, "recovery": self.recovery(), "jobs": self.jobs,
+                "exit_codes": self.exit_codes,
+                "faults": [{"i": f.index, "job": f.job, "kind": f.kind.value, "victim": f.victim, "at": f.at,
+                            "recovery_s": f.recovery_s} for f in self.faults]}
+
+
+class SoakError(RuntimeError):
+    """A soak job could not go on (a bounded wait ran out); the message says what it waited for."""
+
+
+def plan(config: SoakConfig, kinds: Sequence[SoakFault] | None = None) -> list[Planned]:
+    """The seeded schedule: fault ``i`` at ``(i + U(0, 1)) * minutes * 60 / faults`` s, a random job and kind."""
+    rng = random.Random(config.seed)
+    kinds = list(config.kinds if kinds is None else kinds)
+    span = config.minutes * 60.0
+    return [Planned(at=span * (i + rng.random()) / config.faults, job=rng.choice(list(config.jobs)),
+                    kind=rng.choice(kinds)) for i in range(config.faults)] if kinds and config.faults else []
+
+
+class _Tail:
+    """A JSON-lines file read incrementally (members append, the harness reads)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+        self._pos = 0
+        self._lock = threading.Lock()
+
+    def read(self) -> list[dict[str, Any]]:
+        with self._lock:
+            if os.path.exists(self.path):
+                with open(self.path, "rb") as fh:
+                    fh.seek(self._pos)
+                    data = fh.read()
+                end = data.rfind(b"\n") + 1
+                self._pos += end
+                self.records += [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+            return self.records
+
+
+class _Shared:
+    """State the two job threads share: the global fault count, the warm-up mark, the stop flag."""
+
+    def __init__(self, config: SoakConfig, t0: float) -> None:
+        self.config = config
+        self.t0 = t0
+        self.lock = threading.Lock()
+        self.injected: list[Injected] = []
+        self.stop = threading.Event()
+        self.errors: list[str] = []
+
+    def log(self, text: str) -> None:
+        if self.config.log is not None:
+            self.config.log(f"[{time.monotonic() - self.t0:7.1f}s] {text}")
+
+
+class _Job:
+    """One fault-tolerant job (``ddp`` or ``hsdp``), its two coordinators, its members and its warm spares."""
+
+    def __init__(self, kind: str, shared: _Shared, workdir: str, lab: Any, hosts: list[int]) -> None:
+        cfg = shared.config
+        self.kind = kind
+        self.cfg = cfg
+        self.shared = shared
+        self.dir = os.path.join(workdir, kind)
+        os.makedirs(self.dir)
+        self.lab = lab
+        self.token = f"soak-{kind}-{cfg.seed}"
+        self.stop_file = os.path.join(self.dir, "stop")
+        self.events = _Tail(os.path.join(self.dir, "events.jsonl"))
+        self.resources = _Tail(os.path.join(self.dir, "survivor-resources.jsonl"))
+        self.hsdp = kind == "hsdp"
+        self.gsize = cfg.group_size if self.hsdp else 1
+        self.n_groups = cfg.hsdp_groups if self.hsdp else cfg.ddp_members
+        self.job = FTJob()
+        self.coord_hosts = hosts[:2]
+        self.free_hosts = hosts[2:]
+        self.host_of: dict[int, int] = {}  # group -> host (netns)
+        self.groups: dict[int, list[int]] = {}  # live group -> its member ids
+        self.spares: list[int] = []  # launched spare groups, waiting
+        self.next_group = 0
+        self.expected_kill: set[int] = set()  # members that get SIGKILL: exit code -9 expected
+        self.coords: dict[str, CoordinatorProcess] = {}
+        self.retired: list[CoordinatorProcess] = []
+        self.office = "A"
+        self.ports: dict[str, int] = {}
+        self.samples: dict[str, dict[str, Any]] = {}
+        self.survivor = 0
+        self.ids_of: dict[int, list[int]] = {}  # group -> its member ids (live, spare or gone)
+        self.gone: list[int] = []  # groups left whose processes may still run (their hosts are not free yet)
+
+    # ------------------------------------------------------------------------------------------ processes
+    def _coordinator(self, name: str, *, standby: bool, port: int = 0) -> CoordinatorProcess:
+        host = self.coord_hosts[0 if name == "A" else 1]
+        kw: dict[str, Any] = {}
+        if self.lab is not None:
+            kw = {"host": self.lab.address(host), "prefix": self.lab.prefix(host)}
+        return CoordinatorProcess(self.token, port=port, standby=standby, min_size=1,
+                                  initial_size=None if standby else self.n_groups,
+                                  heartbeat_timeout_s=self.cfg.heartbeat_timeout_s, start_timeout_s=self.cfg.wait_s,
+                                  **kw).launch()
+
+    @property
+    def addresses(self) -> str:
+        return ",".join(self.coords[n].address for n in ("A", "B"))
+
+    def _launch_group(self, *, spare: bool) -> int:
+        g = self.next_group
+        self.next_group += 1
+        host = self.free_hosts.pop(0) if self.lab is not None else -1
+        self.host_of[g] = host
+        ids = [g * self.gsize + r + (100 if g >= self.n_groups and not self.hsdp else 0) for r in range(self.gsize)]
+        for r, m in enumerate(ids):
+            spec = ParallelSpec(
+                coordinator=self.addresses, token=self.token, store_port=0, member_id=m, steps=0, parallel=self.kind,
+                group=g, group_rank=r, group_size=self.gsize, stop_file=self.stop_file, signal_raises=True,
+                step_sleep_s=self.cfg.step_sleep_s, event_log=self.events.path,
+                start_file=os.path.join(self.dir, f"go-{g}") if spare else None,
+                group_store_file=os.path.join(self.dir, f"store-{g}") if self.hsdp else None,
+                resource_log=self.resources.path if m == self.survivor else None,
+                netns=self.lab.netns(host) if self.lab is not None else None,
+            )
+            self.job.launch(spec, run_parallel)  # type: ignore[arg-type]
+        self.ids_of[g] = ids
+        if spare:
+            self.spares.append(g)
+        else:
+            self.groups[g] = ids
+        return g
+
+    def start(self) -> None:
+        self.coords = {"A": self._coordinator("A", standby=False), "B": self._coordinator("B", standby=True)}
+        for c in self.coords.values():
+            c.wait_ready()
+        self.ports = {n: int(c.address.rsplit(":", 1)[1]) for n, c in self.coords.items()}
+        for _ in range(self.n_groups):
+            self._launch_group(spare=False)
+        self._launch_group(spare=True)
+        self._wait(lambda: self._committed_with(self.members()), "the first generation to commit")
+
+    def members(self) -> list[int]:
+        return sorted(m for ids in self.groups.values() for m in ids)
+
+    def _pid(self, m: int) -> int:
+        return self.job.pid(m)
+
+    # ----------------------------------------------------------------------------------------- observing
+    def _survivor_gens(self) -> list[dict[str, Any]]:
+        return [e for e in self.events.read() if e["member"] == self.survivor]
+
+    def _committed_with(self, ids: Sequence[int]) -> bool:
+        return any(set(ids) <= set(e["members"]) for e in self._survivor_gens())
+
+    def _wait(self, pred: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self.cfg.wait_s
+        while not pred():
+            self.job.poll(0.01)
+            if time.monotonic() > deadline:
+                raise SoakError(f"{self.kind}: no {what} within {self.cfg.wait_s}s (members {self.members()}, last "
+                                f"generations {[(e['gen'], e['members']) for e in self._survivor_gens()[-3:]]})")
+
+    def _sample(self, name: str) -> None:
+        """Keep the survivor's latest resource counts as ``name`` (taken just before a fault or the stop)."""
+        recs = self.resources.read()
+        if recs:
+            self.samples[name] = dict(recs[-1], faults=len([f for f in self.shared.injected if f.job == self.kind]))
+
+    # ------------------------------------------------------------------------------------------- faults
+    def inject(self, kind: SoakFault, rng: random.Random, index: int) -> Injected:
+        gens = self._survivor_gens()
+        gen_before = gens[-1]["gen"] if gens else 0
+        if kind is SoakFault.COORDINATOR:
+            victim = self.coords[self.office]
+            at = victim.kill()
+            inj = Injected(index=index, job=self.kind, kind=kind, victim=f"coordinator {self.office}", at=at)
+            self._wait(lambda: any(e["gen"] > gen_before and e["commit"] > at for e in self._survivor_gens()),
+                       f"commit after coordinator {self.office} was killed")
+            inj.recovery_s = next(e["commit"] for e in self._survivor_gens() if e["gen"] > gen_before) - at
+            self.retired.append(victim)
+            self.coords[self.office] = self._coordinator(self.office, standby=True, port=self.ports[self.office])
+            self.coords[self.office].wait_ready()
+            self.office = "B" if self.office == "A" else "A"
+            return inj
+        g = rng.choice(sorted(x for x in self.groups if x != 0))
+        ids = self.groups[g]
+        m = rng.choice(ids)
+        inj = Injected(index=index, job=self.kind, kind=kind, victim=f"member {m} (group {g})", at=time.monotonic())
+        if kind is SoakFault.RAISE:
+            os.kill(self._pid(m), signal.SIGUSR1)
+            self._wait(lambda: any(e["gen"] > gen_before for e in self._survivor_gens()), "generation after a raise")
+            inj.recovery_s = next(e["commit"] for e in self._survivor_gens() if e["gen"] > gen_before) - inj.at
+            # a raise may also cost the group (HSDP: its sibling may be blocked); then it is replaced below
+            if self._committed_with(ids):
+                return inj
+            inj.victim += " -> group left"
+        elif kind is SoakFault.KILL:
+            self.expected_kill.add(m)
+            inj.at = time.monotonic()
+            os.kill(self._pid(m), signal.SIGKILL)
+        elif kind is SoakFault.HANG:
+            inj.at = time.monotonic()
+            os.kill(self._pid(m), signal.SIGSTOP)
+        elif kind is SoakFault.PARTITION:
+            inj.at = time.monotonic()
+            self.lab.isolate([self.host_of[g]])
+        spare = self.spares.pop(0)
+        open(os.path.join(self.dir, f"go-{spare}"), "w").close()
+        del self.groups[g]
+        self.groups[spare] = self.ids_of[spare]
+
+        def without() -> list[dict[str, Any]]:
+            return [e for e in self._survivor_gens() if e["gen"] > gen_before and not set(ids) & set(e["members"])]
+
+        self._wait(lambda: bool(without()), f"generation without {inj.victim} ({kind.value})")
+        if inj.recovery_s is None:
+            inj.recovery_s = without()[0]["commit"] - inj.at
+        if kind is SoakFault.HANG:
+            os.kill(self._pid(m), signal.SIGCONT)
+        elif kind is SoakFault.PARTITION:
+            self.lab.reconnect([self.host_of[g]])
+        self._wait(lambda: self._committed_with(self.groups[spare]), f"spare group {spare} to commit")
+        self._reclaim(g)
+        self._launch_group(spare=True)
+        return inj
+
+    def _reclaim(self, gone: int) -> None:
+        """Hosts of groups whose processes all exited are free again (netns)."""
+        self.gone.append(gone)
+        for g in list(self.gone):
+            if all(self.job.exitcode(m) is not None for m in self.ids_of[g]):
+                self.gone.remove(g)
+                if self.lab is not None:
+                    self.free_hosts.append(self.host_of[g])
+
+    # --------------------------------------------------------------------------------------------- the end
+    def finish(self) -> dict[int, dict[str, Any]]:
+        self._sample("end")
+        gens = self._survivor_gens()
+        last = gens[-1]["step"] if gens else 0
+        # a target past every member's step: all stop at the same one
+        steps = [r["step"] for r in self.resources.read()[-1:]] or [last]
+        with open(self.stop_file, "w") as fh:
+            fh.write(str(max(steps[0], last) + 20))
+        everyone = sorted(self.job.procs)
+        deadline = time.monotonic() + self.cfg.wait_s
+        try:
+            self.job.wait_exited(everyone, max(1.0, deadline - time.monotonic()))
+        except TimeoutError as exc:
+            self.shared.errors.append(f"{self.kind}: {exc}")
+        self.job.poll(0.1)
+        return dict(self.job.reports)
+
+    def close(self) -> dict[str, int | None]:
+        codes: dict[str, int | None] = {}
+        for c in [*self.coords.values()]:
+            c.terminate(10.0)
+        self.job.close()
+        for m in sorted(self.job.procs):
+            codes[f"{self.kind}/member {m}"] = self.job.exitcode(m)
+        for i, c in enumerate(self.retired):
+            c.close()
+            codes[f"{self.kind}/coordinator #{i} (killed)"] = c.returncode
+        for name, c in self.coords.items():
+            c.close()
+            codes[f"{self.kind}/coordinator {name}"] = c.returncode
+        return codes
+
+
+def _job_thread(job: _Job, todo: list[tuple[int, Planned]], shared: _Shared, rng: random.Random) -> None:
+    try:
+        for index, p in todo:
+            while not shared.stop.is_set() and time.monotonic() - shared.t0 < p.at:
+                job.job.poll(0.02)
+            if shared.stop.is_set():
+                return
+            job._sample(f"before {index}")
+            inj = job.inject(p.kind, rng, index)
+            with shared.lock:
+                shared.injected.append(inj)
+            shared.log(f"{job.kind}: fault {index} {p.kind.value} {inj.victim}: recovered in "
+                       f"{inj.recovery_s if inj.recovery_s is not None else float('nan'):.3f}s")
+    except Exception as exc:  # a bounded wait ran out, or a process could not start: this job stops injecting (the
+        # other goes on, so its figures still come), and the run fails
+        shared.errors.append(f"{job.kind}: {type(exc).__name__}: {exc}")
+        shared.log(f"{job.kind}: stopped injecting: {exc}")
+
+
+def run_soak(config: SoakConfig) -> SoakResult:
+    """Run the soak described in the module docstring; never leaves a process behind. ``result.ok`` says whether
+    every check passed."""
+    from torchnext.testing.netns import NetLab, available
+
+    result = SoakResult(config={k: (list(v) if isinstance(v, (list, tuple)) else v)
+                                for k, v in config.__dict__.items() if k != "log"})
+    result.config["kinds"] = [k.value for k in config.kinds]
+    kinds = list(config.kinds)
+    use_lab = config.netns
+    if SoakFault.PARTITION in kinds or use_lab:
+        ok, why = available()
+        if not ok:
+            result.skipped["partition"] = f"network namespaces unavailable: {why}"
+            kinds.remove(SoakFault.PARTITION) if SoakFault.PARTITION in kinds else None
+            use_lab = False
+        elif use_lab is None:
+            use_lab = True
+    if not use_lab and SoakFault.PARTITION in kinds:
+        kinds.remove(SoakFault.PARTITION)
+        result.skipped["partition"] = "run without network namespaces (netns=False)"
+    schedule = plan(config, kinds)
+    workdir = config.workdir or tempfile.mkdtemp(prefix="torchnext-soak-")
+    os.makedirs(workdir, exist_ok=True)
+    t0 = time.monotonic()
+    shared = _Shared(config, t0)
+    sizes = {"hsdp": 2 + config.hsdp_groups + 5, "ddp": 2 + config.ddp_members + 5}  # coordinators, groups, spares
+    lab = NetLab(sum(sizes[j] for j in config.jobs)) if use_lab else None
+    jobs: dict[str, _Job] = {}
+    result.config["scheduled"] = len(schedule)
+    try:
+        first = 0
+        for j in config.jobs:
+            hosts = list(range(first, first + sizes[j]))
+            first += sizes[j]
+            jobs[j] = _Job(j, shared, workdir, lab, hosts)
+        for job in jobs.values():
+            job.start()
+        shared.log(f"jobs started: {', '.join(f'{j}: members {job.members()}' for j, job in jobs.items())}")
+        shared.t0 = time.monotonic()  # the schedule starts now: starting the jobs is not part of it
+        rngs = {j: random.Random(f"{config.seed}/{j}") for j in jobs}
+        threads = [threading.Thread(target=_job_thread, name=f"soak-{j}", daemon=True,
+                                    args=(job, [(i, p) for i, p in enumerate(schedule) if p.job == j], shared, rngs[j]))
+                   for j, job in jobs.items()]
+        for t in threads:
+            t.start()
+        bound = config.minutes * 60 + config.faults * config.wait_s + 60
+        for t in threads:
+            t.join(max(1.0, bound - (time.monotonic() - shared.t0)))
+            if t.is_alive():
+                shared.errors.append(f"{t.name}: still injecting after {bound:.0f}s")
+                shared.stop.set()
+        while not shared.stop.is_set() and time.monotonic() - shared.t0 < config.minutes * 60:
+            for job in jobs.values():
+                job.job.poll(0.05)
+        for job in jobs.values():
+            job._wait(lambda: True, "")
+        time.sleep(2.0)  # the last recovery settles before the end counts are taken
+        result.faults = sorted(shared.injected, key=lambda f: f.index)
+        warm = _warm_index(result.faults, config.warmup_faults)
+        for j, job in jobs.items():
+            reports = job.finish()
+            result.jobs[j] = check_job(job.kind, reports, job.events.read(), survivor=job.survivor,
+                                       expected_kill=job.expected_kill, group_size=job.gsize)
+            result.jobs[j]["samples"] = job.samples
+            result.jobs[j]["warm_sample"] = _warm_sample(job, result.faults, warm)
+    except Exception as exc:
+        shared.errors.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        shared.stop.set()
+        for job in jobs.values():
+            try:
+                result.exit_codes.update(job.close())
+            except Exception as exc:  # keep reaping the other job
+                shared.errors.append(f"closing {job.kind}: {exc}")
+        if lab is not None:
+            lab.close()
+        if config.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    result.errors = shared.errors
+    result.seconds = time.monotonic() - t0
+    _judge(result, config, jobs)
+    return result
+
+
+def _warm_index(faults: list[Injected], warmup: int) -> int:
+    return min(warmup, len(faults))
+
+
+def _warm_sample(job: _Job, faults: list[Injected], warm: int) -> str | None:
+    """The survivor's sample taken before this job's first fault after the first ``warm`` faults (of all)."""
+    later = [f.index for f in faults[warm:] if f.job == job.kind]
+    for i in later:
+        if f"before {i}" in job.samples:
+            return f"before {i}"
+    return None
+
+
+def _judge(result: SoakResult, config: SoakConfig, jobs: dict[str, _Job]) -> None:
+    checks = result.checks
+    limit = config.heartbeat_timeout_s + 1.0
+    for j, rep in result.jobs.items():
+        checks[f"{j}: committed steps replay exactly"] = rep["oracle"]
+        checks[f"{j}: counterparts bitwise equal (>= 2 replica groups)"] = rep["counterparts"]
+        gap = rep.get("max_commit_gap")
+        checks[f"{j}: survivor's longest commit gap <= heartbeat timeout + 1 s"] = {
+            "ok": gap is not None and gap[0] <= limit, "max_gap_s": None if gap is None else gap[0],
+            "at_step": None if gap is None else gap[1], "limit_s": limit}
+        warm = rep.get("warm_sample")
+        samples = rep["samples"]
+        checks[f"{j}: survivor's threads, fds flat and RSS within +{config.rss_tolerance:.0%} after warm-up"] = \
+            resources_flat(samples.get(warm) if warm else None, samples.get("end"), config.rss_tolerance)
+    expected = {f"{j}/member {m}" for j, job in jobs.items() for m in job.expected_kill}
+    bad = {k: c for k, c in result.exit_codes.items()
+           if not (c == 0 or (c == -signal.SIGKILL and (k in expected or k.endswith("(killed)"))))}
+    aborts = sorted(k for k, c in result.exit_codes.items() if c == -signal.SIGABRT)
+    checks["every process exited 0 (or -9 where it was SIGKILLed)"] = {
+        "ok": not bad and bool(result.exit_codes), "processes": len(result.exit_codes), "unexpected": bad,
+        "sigabrt": aborts, "killed": sum(1 for c in result.exit_codes.values() if c == -signal.SIGKILL)}
+    survived = len([f for f in result.faults if f.recovery_s is not None])
+    checks["every scheduled fault injected and recovered from"] = {
+        "ok": survived == result.config["scheduled"], "recovered": survived, "scheduled": result.config["scheduled"]}
