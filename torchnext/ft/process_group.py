@@ -191,8 +191,11 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         exc = exc if exc is not None else work.exception()
         _LOG.info("fault-tolerant group %r: %s failed in generation %d (%s); recorded: the step will not commit",
                   self._group_name, work.op, self._ft.generation, exc)
-        if exc is not None:
-            self._record_if_deterministic(exc)
+        if exc is not None and self._record_if_deterministic(exc):
+            return
+        comm = getattr(work, "communicator", None)
+        if comm is not None:  # the generation is broken: cancel it, so that the peers blocked in its ops fail now
+            _quiet_abort(comm, f"{work.op} failed in generation {self._ft.generation}")
 
     def _record_if_deterministic(self, exc: BaseException) -> bool:
         if classify_failure(exc) is not FailureKind.DETERMINISTIC:
@@ -259,8 +262,8 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         mark_invalid(result)
         if refusal is not None and self._record_if_deterministic(refusal):
             return _FTWork(self, (), result)
-        if comm is not None and comm.errored() is None:
-            comm.abort(f"{op} issued in a superseded generation")  # so that the vote sees it broken
+        if comm is not None:  # so that the vote sees it broken, and (errored or not) the peers' ops on it fail now
+            _quiet_abort(comm, f"{op} refused or issued in a broken generation")
         return _FTWork(self, (), result)
 
 
@@ -268,3 +271,10 @@ def _register(pg: dist.ProcessGroup, name: str, store: dist.Store, mapping: dict
     """Enter ``pg`` in torch's tables under ``name`` (functional collectives and DeviceMesh resolve groups by name)."""
     c10d: Any = dist.distributed_c10d
     c10d._register_pg_in_world(pg, BACKEND_NAME, store, name, BACKEND_NAME, rank_mapping=mapping)
+
+
+def _quiet_abort(comm: Communicator, reason: str) -> None:
+    try:
+        comm.abort(reason)
+    except Exception:  # a raising abort hook must not turn a recorded failure into a crash of the step
+        pass
