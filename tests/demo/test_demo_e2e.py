@@ -1,6 +1,7 @@
 """`torchnext demo` end to end: FSDP2 HSDP (2 replica groups x 2 shards) on the torchnext process group, a rank
-SIGKILLed mid-training (its group leaves, the other trains on), the group restarted from warm spares (healed shard by
-shard), FT-DDP with two faults in sequence (a kill, then a hang), and DiLoCo with a kill and a rejoin."""
+SIGKILLed mid-training (--no-rejoin: its group leaves, the other trains on, nothing to compare), the group restarted
+from warm spares (the default: healed shard by shard), FT-DDP with two faults in sequence (a kill, then a hang),
+DiLoCo with a kill and a rejoin, and a --chaos run of three random faults."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def _run(args: list[str], out: Path, timeout: float) -> dict[str, Any]:
                 "params_equal_across_ranks", "final_members", "precision", "wall_s", "error"):
         assert key in summary, key
     assert summary["error"] is None
+    summary["_stdout"] = " ".join(proc.stdout.split())  # rich wraps long lines
     return summary
 
 
@@ -37,7 +39,7 @@ def _check_failure(f: dict[str, Any], kind: str, rank: int, group: int, step: in
 @pytest.mark.timeout(200)
 def test_hsdp_kill_one_rank_its_group_leaves_the_other_trains_on(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    summary = _run(["--steps", "30", "--fault", "kill:2@10"], out, timeout=180)
+    summary = _run(["--steps", "30", "--fault", "kill:2@10", "--no-rejoin"], out, timeout=180)
     assert summary["parallel"] == "hsdp" and summary["steps_completed"] == 30
     # rank 2 = rank 0 of replica group 1: killed; its sibling (member 3) was removed with it; group 0 finished
     assert summary["final_members"] == [0, 1] and summary["final_groups"] == [0]
@@ -46,8 +48,12 @@ def test_hsdp_kill_one_rank_its_group_leaves_the_other_trains_on(tmp_path: Path)
     _check_failure(failure, "kill", 2, 1, 10)
     sizes = [(h["size"], h["ranks"]) for h in summary["world_size_history"]]
     assert sizes[0] == (2, 4) and sizes[-1] == (1, 2), sizes
-    # counterpart equality holds, and is not trivial: the two shards of group 0 differ
-    assert summary["params_equal_across_ranks"] is True
+    # one replica group finished: nothing to compare -- null with the reason, said on the console, exit 0
+    assert summary["replica_groups_compared"] == 1
+    assert summary["params_equal_across_ranks"] is None
+    assert summary["params_equal_reason"] == "only 1 replica group finished: nothing to compare"
+    assert "not compared: only 1 replica group finished: nothing to compare" in summary["_stdout"]
+    assert summary["faults_survived"] == {"kill": 1}  # survived: the other group trained on
     assert summary["digests"]["0"] != summary["digests"]["1"]
     assert summary["final_loss"] < summary["initial_loss"] - 0.8
     assert (out / "loss.png").stat().st_size > 1000
@@ -69,18 +75,22 @@ def test_hsdp_kill_one_rank_its_group_leaves_the_other_trains_on(tmp_path: Path)
 @pytest.mark.timeout(240)
 def test_hsdp_rejoin_the_restarted_group_heals_shard_by_shard(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    summary = _run(["--steps", "30", "--fault", "kill:2@8", "--rejoin"], out, timeout=220)
+    summary = _run(["--steps", "30", "--fault", "kill:2@8"], out, timeout=220)  # rejoin: the default
     assert summary["steps_completed"] == 30
     # group 1 came back as members 6, 7 (slot + 4 * incarnation 1) and finished with group 0
     assert summary["final_members"] == [0, 1, 6, 7] and summary["final_groups"] == [0, 1]
     d = summary["digests"]
     assert d["6"] == d["0"] and d["7"] == d["1"], d  # parameters + AdamW state, bitwise, shard by shard
     assert d["0"] != d["1"]
-    assert summary["params_equal_across_ranks"] is True
+    assert summary["params_equal_across_ranks"] is True and summary["params_equal_reason"] is None
+    assert summary["replica_groups_compared"] == 2
+    assert "True (2 replica groups compared)" in summary["_stdout"]
     sizes = [h["size"] for h in summary["world_size_history"]]
     assert sizes[0] == 2 and sizes[-1] == 2, sizes  # (a step alone in between: likely, not certain -- fast spares)
     (failure,) = summary["failures"]
     _check_failure(failure, "kill", 2, 1, 8)
+    assert isinstance(failure["rejoined_s"], float) and failure["rejoined_s"] >= failure["recovery_s"] > 0, failure
+    assert summary["faults_survived"] == {"kill": 1}
     assert summary["final_loss"] < summary["initial_loss"] - 0.8
     report = (out / "fr_report.txt").read_text()
     assert "rank 6 joined" in report and "rank 7 joined" in report, report
@@ -90,8 +100,8 @@ def test_hsdp_rejoin_the_restarted_group_heals_shard_by_shard(tmp_path: Path) ->
 @pytest.mark.timeout(240)
 def test_ddp_two_faults_a_kill_then_a_hang(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    summary = _run(["--parallel", "ddp", "--steps", "16", "--fault", "kill:1@4", "--fault", "hang:3@8"], out,
-                   timeout=220)
+    summary = _run(["--parallel", "ddp", "--steps", "16", "--fault", "kill:1@4", "--fault", "hang:3@8",
+                    "--no-rejoin"], out, timeout=220)
     assert summary["parallel"] == "ddp" and summary["steps_completed"] == 16
     assert summary["final_members"] == [0, 2]
     assert summary["removed_members"] == [3]  # resumed after its removal, it was told so and left
@@ -192,3 +202,40 @@ def test_partition_cuts_a_ranks_host_off_its_group_leaves_and_a_restarted_group_
     assert summary["final_members"] == [0, 1, 6, 7] and summary["replica_groups_compared"] == 2
     assert summary["params_equal_across_ranks"] is True
     assert labs() <= before, "the demo left network namespaces behind"
+
+
+@pytest.mark.timeout(300)
+def test_chaos_three_random_faults_are_survived_and_the_groups_end_equal(tmp_path: Path) -> None:
+    from torchnext.demo.launcher import DemoConfig
+
+    out = tmp_path / "demo"
+    # the first seed whose schedule here (the pool depends on root + network namespaces) mixes kills and hangs:
+    # no network lab (slow to set up) and no coordinator fault (its failover has a known flake: members waiting
+    # 60 s for a generation after the standby took office -- tests/demo/..._the_standby_takes_over covers it)
+    seed = next(s for s in range(1000)
+                if {f.kind for f in DemoConfig(chaos=3, seed=s, steps=44).schedule()} == {"kill", "hang"})
+    args = ["--chaos", "3", "--seed", str(seed), "--steps", "44", "--precision", "bf16", "--batch-size", "4",
+            "--seq-len", "32", "--timeout", "200"]  # a stall: the demo's own error and log tail, not a bare timeout
+    scheduled = [str(f) for f in DemoConfig(chaos=3, seed=seed, steps=44).schedule()]
+    summary = _run(args, out, timeout=280)
+    assert summary["steps_completed"] == 44 and summary["chaos"] == 3
+    assert summary["faults_scheduled"] == scheduled and summary["faults_injected"] == 3
+    assert sum(summary["faults_survived"].values()) == 3, summary["failures"]
+    kinds = [f["kind"] for f in summary["failures"]]
+    assert summary["faults_survived"] == {k: kinds.count(k) for k in set(kinds)}
+    at = [int(f.split("@")[1]) for f in scheduled]
+    assert [f["step"] for f in summary["failures"]] == at
+    fired = [f["fired_step"] for f in summary["failures"]]
+    assert all(a <= b for a, b in zip(at, fired, strict=True)) and fired == sorted(set(fired)), fired
+    for f in summary["failures"]:
+        assert isinstance(f["recovery_s"], float) and 0 < f["recovery_s"] < 30, f
+    # every killed or hung group came back: both replica groups finished, shard by shard equal
+    assert summary["replica_groups_compared"] == 2 and summary["params_equal_across_ranks"] is True
+    assert len(summary["final_members"]) == 4
+    rec = summary["recovery_s"]
+    assert rec["n"] == 3 and 0 < rec["p50"] <= rec["p99"] < 30, rec
+    res = summary["resources"]
+    assert res is not None and res["member"] in summary["final_members"] and res["to_step"] == 44, res
+    assert all(isinstance(v, int) and v > 0 for v in (*res["threads"], *res["fds"])), res
+    assert "faults survived 3 of 3" in summary["_stdout"], summary["_stdout"]
+    assert "p50" in summary["_stdout"] and "threads" in summary["_stdout"]

@@ -34,14 +34,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "namespaces), or coordinator@STEP (kill the coordinator: a standby takes over); "
                              "repeatable (default " + ", ".join(str(f) for f in d.faults) + ")")
     parser.add_argument("--no-fault", action="store_true", help="run without injecting a failure")
-    parser.add_argument("--rejoin", action="store_true",
+    parser.add_argument("--rejoin", action=argparse.BooleanOptionalAction, default=d.rejoin,
                         help="restart each failed replica group (warm standby processes): it heals shard by shard "
-                             "from a live group and joins")
+                             "from a live group and joins, so the run ends with every replica group and their shards "
+                             "are compared; --no-rejoin: a failed group stays out (default: rejoin)")
+    parser.add_argument("--chaos", type=int, default=d.chaos, metavar="N",
+                        help="inject N random faults instead of --fault (kill, hang, coordinator; partition too as "
+                             "root with network namespaces), seeded by --seed, spread over the steps one at a time, "
+                             "each failed group restarted from warm spares; the summary adds the faults survived, "
+                             "recovery p50/p99 and a survivor's thread/fd growth")
     parser.add_argument("--sync-every", type=int, default=d.sync_every,
                         help="diloco: inner steps between outer synchronizations (default %(default)s)")
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=d.seq_len, help="characters per sequence")
-    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--seed", type=int, default=d.seed,
+                        help="seed of the model, the data and the --chaos schedule (default %(default)s)")
     parser.add_argument("--out", default=d.out, help="output folder (default %(default)s)")
     parser.add_argument("--timeout", type=float, default=d.timeout_s, help="give up after this many seconds")
     parser.add_argument("--quiet", action="store_true", help="no progress bar, only the final summary")
@@ -66,14 +73,16 @@ def _config(args: argparse.Namespace) -> Any:
 
     if args.no_fault and args.fault:
         raise ValueError("--no-fault and --fault contradict each other: choose one")
+    if args.chaos and (args.fault or args.no_fault):
+        raise ValueError(f"--chaos {args.chaos} draws its own faults: drop {'--fault' if args.fault else '--no-fault'}")
     kw: dict[str, Any] = {}
-    if args.no_fault:
+    if args.no_fault or args.chaos:
         kw["faults"] = ()
     elif args.fault:
         kw["faults"] = tuple(args.fault)
     cfg = DemoConfig(ranks=args.ranks, steps=args.steps, precision=args.precision, parallel=args.parallel,
                      shard_size=args.shard_size, rejoin=args.rejoin, batch_size=args.batch_size,
-                     seq_len=args.seq_len, seed=args.seed, sync_every=args.sync_every, out=args.out,
+                     seq_len=args.seq_len, seed=args.seed, sync_every=args.sync_every, out=args.out, chaos=args.chaos,
                      timeout_s=args.timeout, **kw)
     cfg.validate()
     return cfg
@@ -115,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         Console(stderr=True, highlight=False).print(f"[red]torchnext demo: error:[/] {escape(str(exc))}")
         return 2
-    fault = ", ".join(str(f) for f in cfg.faults) or "none"
+    fault = ", ".join(str(f) for f in cfg.schedule()) or "none"
+    if cfg.chaos:
+        fault = f"chaos {cfg.chaos} (seed {cfg.seed}): {fault}"
     layout = (f"{cfg.groups} replica groups of {cfg.group_size} ranks" if cfg.parallel != "ddp"
               else f"{cfg.groups} replica groups of 1 rank")
     console.print(f"[bold]torchnext demo[/]: {cfg.parallel}, {cfg.ranks} ranks ({layout}), {cfg.steps} steps, "
@@ -181,12 +192,33 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"failure: {f['kind']} rank {f['rank']} (replica group {f['group']}) at step {f['step']}: "
                       f"detect {f['detect_s']} s, "
                       f"agree {f['agree_s']} s, rebuild {f['rebuild_s']} s")
+    equal = summary["params_equal_across_ranks"]
+    verdict = (f"not compared: {summary['params_equal_reason']}" if equal is None
+               else f"{equal} ({summary['replica_groups_compared']} replica groups compared)")
     console.print(f"loss {summary['initial_loss']:.3f} → {summary['final_loss']:.3f} over "
                   f"{summary['steps_completed']} steps; every shard equals its counterparts in the other replica groups: "
-                  f"{summary['params_equal_across_ranks']} ({summary['replica_groups_compared']} replica group(s) "
-                  f"finished); wall {summary['wall_s']} s")
+                  f"{verdict}; wall {summary['wall_s']} s")
+    missed = _missed_faults(summary)
+    if cfg.chaos or len(summary["failures"]) > 1:
+        survived = ", ".join(f"{k} {n}" for k, n in sorted(summary["faults_survived"].items())) or "none"
+        rec, res = summary["recovery_s"], summary["resources"]
+        growth = ("n/a" if res is None else f"member {res['member']} from step {res['from_step']} to "
+                  f"{res['to_step']}: threads {res['threads'][0]} → {res['threads'][1]}, "
+                  f"fds {res['fds'][0]} → {res['fds'][1]}")
+        console.print(f"faults survived {sum(summary['faults_survived'].values())} of "
+                      f"{len(summary['faults_scheduled'])} ({survived}); recovery (detect+agree+rebuild; coordinator: "
+                      f"next commit) p50 {rec['p50']} s, p99 {rec['p99']} s over {rec['n']}; resources: {growth}")
+    if missed:
+        console.print(f"[red]faults not survived: {missed}[/]")
     plot = "loss.png" if (out / "loss.png").exists() else "loss.svg"
     console.print(f"wrote {out}/summary.json, {plot}, fr/, fr_report.txt (analyzer exit {rc}), {timeline.name}")
     if not args.quiet:
         console.print_json(json.dumps({k: v for k, v in summary.items() if k != "config"}))
-    return 0 if summary["params_equal_across_ranks"] else 1
+    # exit 1 when a comparison was made and failed, or a scheduled fault was not injected and survived; no
+    # comparison (fewer than two groups finished) is not a failure: the reason was printed
+    return 1 if equal is False or missed else 0
+
+
+def _missed_faults(summary: dict[str, Any]) -> int:
+    """Scheduled faults that were not injected, or after which the job was not whole again."""
+    return len(summary["faults_scheduled"]) - sum(summary["faults_survived"].values())

@@ -5,8 +5,12 @@ it hosts the coordinator (so no rank's death can take the store down), starts ``
 :mod:`torchnext.demo.train` -- replica groups of ``shard_size`` ranks (hsdp: local slot ``s`` is rank ``s %
 shard_size`` of group ``s // shard_size``; ddp: every rank its own group) -- reads their JSON-lines progress,
 kills (SIGKILL) or hangs (SIGSTOP) the chosen ranks when the job reaches the chosen steps (:class:`Fault`), and with
-``rejoin`` restarts the failed replica group from warm standby processes (started at launch, one set per fault)
-that heal shard by shard from a live group and join. It finally writes ``summary.json``, ``loss.png``, the Flight
+``rejoin`` (the default) restarts the failed replica group from warm standby processes that heal shard by shard from
+a live group and join (one set ready ahead: the set for the next rank fault is started when the previous one is
+woken). One fault at a time: a fault fires at the first committed step >= its step at which every earlier fault has
+recovered (its group's spares joined -- without ``rejoin``: its group left the generation -- or, for the
+coordinator, a step committed under the standby; one standby coordinator per coordinator fault). ``chaos`` draws
+the faults at random (:mod:`torchnext.demo.chaos`). It finally writes ``summary.json``, ``loss.png``, the Flight
 Recorder dumps (``fr/``) and the analyzer's report. Every child process is killed and reaped on the way out,
 whatever happened.
 
@@ -35,6 +39,8 @@ __all__ = ["DemoConfig", "DemoError", "Fault", "run_demo"]
 FAULT_KINDS = ("kill", "hang", "partition", "coordinator")
 _FAULT_RE = re.compile(r"^\s*([A-Za-z]+)\s*:\s*(-?\d+)\s*@\s*(-?\d+)\s*$")
 _COORDINATOR_RE = re.compile(r"^\s*coordinator\s*@\s*(-?\d+)\s*$", re.IGNORECASE)
+SPARES_AHEAD = 3
+"""With rejoin: warm spare sets kept ready for the next rank faults (each restarts one replica group)."""
 
 
 class DemoError(RuntimeError):
@@ -118,14 +124,19 @@ class DemoConfig:
     """hsdp/diloco: ranks per replica group (``ranks`` must be a multiple); ddp: ignored (1)."""
     faults: Sequence[Fault] = (Fault(kind="kill", rank=2, step=20),)
     """Failures to inject, in step order (empty: none)."""
-    rejoin: bool = False
-    """Restart each failed replica group (from warm standby processes); it heals from a live group and joins."""
+    rejoin: bool = True
+    """Restart each failed replica group (from warm standby processes); it heals from a live group and joins. With
+    it the default run ends with two replica groups whose shards are compared; without it the killed group stays
+    out and only one group finishes (nothing to compare)."""
+    chaos: int = 0
+    """Inject this many random faults instead of ``faults`` (:func:`torchnext.demo.chaos.chaos_schedule`, seeded
+    with ``seed``); 0: ``faults``."""
     batch_size: int = 8
     """Sequences per rank per step."""
     seq_len: int = 64
     """Characters per sequence."""
     seed: int = 0
-    """Seed of the model and data."""
+    """Seed of the model, the data and the ``chaos`` schedule."""
     sync_every: int = 10
     """diloco: inner steps between outer synchronizations."""
     out: str = "./torchnext-demo"
@@ -150,6 +161,22 @@ class DemoConfig:
     def groups(self) -> int:
         """Replica groups at launch."""
         return self.ranks // self.group_size
+
+    def schedule(self) -> list[Fault]:
+        """The faults to inject, in step order: ``chaos_schedule(chaos, ...)`` when ``chaos`` else ``faults``.
+
+        Raises:
+            ValueError: a bad ``chaos`` count (negative, or more than the steps fit).
+        """
+        if not self.chaos:
+            return sorted(self.faults, key=lambda f: f.step)
+        from torchnext.demo.chaos import chaos_schedule
+        from torchnext.testing.netns import available
+
+        if self.chaos < 0:
+            raise ValueError(f"--chaos must be >= 0, got {self.chaos}")
+        partition = os.geteuid() == 0 and available()[0]
+        return chaos_schedule(self.chaos, steps=self.steps, ranks=self.ranks, seed=self.seed, partition=partition)
 
     def validate(self) -> None:
         """Check the configuration as a whole.
@@ -180,14 +207,18 @@ class DemoConfig:
             raise ValueError(f"--timeout must be positive, got {self.timeout_s}")
         if self.heartbeat_timeout_s <= 0:
             raise ValueError(f"DemoConfig.heartbeat_timeout_s must be positive, got {self.heartbeat_timeout_s}")
+        if self.chaos < 0:
+            raise ValueError(f"--chaos must be >= 0, got {self.chaos}")
+        if self.chaos and not self.rejoin:
+            raise ValueError(f"--chaos {self.chaos} needs rejoin (drop --no-rejoin): without it every fault takes a "
+                             "replica group away for good")
+        faults = self.schedule()
         hit: set[int] = set()
-        coordinator_faults = [f for f in self.faults if f.kind == "coordinator"]
-        if len(coordinator_faults) > 1:
-            raise ValueError("--fault coordinator@STEP: at most one (the demo starts one standby coordinator)")
+        coordinator_faults = [f for f in faults if f.kind == "coordinator"]
         for f in coordinator_faults:
             if not 0 < f.step < self.steps:
                 raise ValueError(f"--fault {f}: step {f.step} must be in (0, --steps {self.steps})")
-        if self.partitioned:
+        if self._partitioned(faults):
             if coordinator_faults:
                 raise ValueError("--fault partition and --fault coordinator cannot be combined (the partition run "
                                  "hosts one coordinator process inside the network lab)")
@@ -196,7 +227,7 @@ class DemoConfig:
             ok, why = available()
             if not ok:
                 raise ValueError(f"--fault partition needs Linux network namespaces (root, iproute2): {why}")
-        for f in self.faults:
+        for f in faults:
             if f.kind == "coordinator":
                 continue
             if not 0 <= f.rank < self.ranks:
@@ -215,7 +246,11 @@ class DemoConfig:
     @property
     def partitioned(self) -> bool:
         """Whether the run needs a network lab (a ``partition`` fault)."""
-        return any(f.kind == "partition" for f in self.faults)
+        return self._partitioned(self.schedule())
+
+    @staticmethod
+    def _partitioned(faults: Sequence[Fault]) -> bool:
+        return any(f.kind == "partition" for f in faults)
 
     def _ranks_of(self, group: int) -> list[int]:
         return list(range(group * self.group_size, (group + 1) * self.group_size))
@@ -231,6 +266,10 @@ class _Rank:
     started: float
     state: str = "running"  # standby | running | killed | hung | partitioned | removed | done | failed
     joined: bool = False
+    warm: bool = False
+    """A standby process that reported it is ready (built, warmed up, waiting for the wake-up)."""
+    first_step: tuple[int, int, int] | None = None
+    """(step, threads, fds) of this process at the first step it reported."""
 
 
 @dataclass
@@ -240,9 +279,14 @@ class _Injected:
     member: int
     group_members: list[int]
     standby: list[int] = field(default_factory=list)
+    fired_step: int = -1
+    """The committed step at which it fired (>= ``fault.step``: a fault waits for the previous one's recovery)."""
     woken: bool = False
     removed_at: float | None = None
     """When the launcher saw the generation without the failed group (``time.monotonic()``)."""
+    recovered_at: float | None = None
+    """When the job was whole again: the restarted group's members all joined (without rejoin: ``removed_at``);
+    a coordinator fault: the first step committed after it."""
 
 
 class _Launcher:
@@ -265,6 +309,8 @@ class _Launcher:
         self.reconfigs: list[dict[str, Any]] = []
         self.done: dict[int, dict[str, Any]] = {}
         self.removed: dict[int, dict[str, Any]] = {}
+        self.spares: dict[int, list[int]] = {}  # fault index -> the warm spares that restart its group
+        self._restarts: dict[int, int] = {}  # replica group -> restarts prepared so far (the spares' incarnation)
 
     def member_id(self, slot: int, incarnation: int) -> int:
         return slot + self.cfg.ranks * incarnation
@@ -306,6 +352,23 @@ class _Launcher:
                                    state="standby" if standby else "running")
         threading.Thread(target=self._reader, args=(member, proc), daemon=True, name=f"demo-reader-{member}").start()
         return member
+
+    def prepare_spares(self, faults: Sequence[Fault]) -> None:
+        """Start warm spares for the next rank faults that have none, until ``SPARES_AHEAD`` sets wait: not one set
+        per fault at launch (a long chaos run would start hundreds of processes), but enough that a set warms up
+        (seconds on a loaded machine) while the one before is used."""
+        if not self.cfg.rejoin:
+            return
+        waiting = sum(any(self.ranks[m].state == "standby" for m in ms) for ms in self.spares.values())
+        for i, f in enumerate(faults):
+            if waiting >= SPARES_AHEAD:
+                return
+            if f.kind == "coordinator" or i in self.spares:
+                continue
+            g = self.group_of(f.rank)
+            self._restarts[g] = self._restarts.get(g, 0) + 1
+            self.spares[i] = [self.spawn(s, self._restarts[g], standby=True) for s in self.cfg._ranks_of(g)]
+            waiting += 1
 
     def wake(self, member: int) -> None:
         """Tell a warm spare to join now."""
@@ -398,7 +461,7 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
         shutil.rmtree(out / old, ignore_errors=True)
     (out / "fr").mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
-    faults = sorted(cfg.faults, key=lambda f: f.step)
+    faults = cfg.schedule()
     groups = cfg.groups
     membership = MembershipConfig(min_size=_min_groups(groups), initial_size=groups,
                                   heartbeat_timeout_s=cfg.heartbeat_timeout_s)
@@ -412,27 +475,22 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
     else:
         coord = Coordinator(CoordinatorConfig(membership=membership))
         coord.start()
-        standby: Coordinator | None = None
-        addresses = coord.address
-        if any(f.kind == "coordinator" for f in faults):  # the standby that takes over when the primary is killed
-            standby = Coordinator(CoordinatorConfig(standby=True, token=coord.token, membership=membership)).start()
-            addresses = f"{coord.address},{standby.address}"
+        coordinators = [coord]
+        # one standby per coordinator fault, in the members' address order: each takeover leaves the next standby
+        # for the next coordinator fault
+        for _ in range(sum(f.kind == "coordinator" for f in faults)):
+            coordinators.append(Coordinator(CoordinatorConfig(standby=True, token=coord.token,
+                                                              membership=membership)).start())
+        addresses = ",".join(c.address for c in coordinators)
         # the replica groups' own process groups rendezvous at a store of the launcher's: it outlives any coordinator
         group_store = bound_store("127.0.0.1")
         launcher = _Launcher(cfg, emit, addresses, coord.token, group_store.port)
-        coordinators = [coord, *([standby] if standby is not None else [])]
     error: BaseException | None = None
     history: list[dict[str, Any]] = []
     try:
         for slot in range(cfg.ranks):
             launcher.spawn(slot, 0)
-        spares: list[list[int]] = []  # per fault: the standby processes that restart its replica group
-        if cfg.rejoin:
-            restarts: dict[int, int] = {}
-            for f in faults:
-                g = launcher.group_of(f.rank)
-                restarts[g] = restarts.get(g, 0) + 1
-                spares.append([launcher.spawn(s, restarts[g], standby=True) for s in cfg._ranks_of(g)])
+        launcher.prepare_spares(faults)
         emit({"event": "launched", "ranks": cfg.ranks, "groups": groups, "coordinator": launcher.coordinator})
         pending = list(range(len(faults)))
         deadline = t_start + cfg.timeout_s
@@ -451,24 +509,40 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
             rank = launcher.ranks[member]
             if kind == "joined":
                 rank.joined = True
+                for inj in launcher.injected:
+                    if inj.recovered_at is None and inj.standby and all(launcher.ranks[m].joined for m in inj.standby):
+                        inj.recovered_at = float(ev["_t"])
+            elif kind == "standby":
+                rank.warm = True
             elif kind == "step":
                 step = int(ev["step"])
                 launcher.losses.setdefault(step, float(ev["loss"]))
                 launcher.step_at.setdefault(step, time.monotonic())
+                if rank.first_step is None:
+                    rank.first_step = (step, int(ev.get("threads", -1)), int(ev.get("fds", -1)))
                 if not launcher.sizes or launcher.sizes[-1][1] != ev["size"]:
                     launcher.sizes.append((step, int(ev["size"])))
-                for i in list(pending):
+                for inj in launcher.injected:
+                    if inj.fault.kind == "coordinator" and inj.recovered_at is None and step > inj.fault.step:
+                        inj.recovered_at = float(ev["_t"])
+                # one fault at a time, in step order: the first pending one fires once it is due and every
+                # earlier fault has recovered
+                if pending and all(inj.recovered_at is not None for inj in launcher.injected):
+                    i = pending[0]
                     f = faults[i]
                     if f.kind == "coordinator":
                         if step >= f.step:
-                            pending.remove(i)
-                            _kill_coordinator(launcher, f, coord, step, emit)
-                        continue
-                    victim = launcher.current(f.rank)
-                    if step < f.step or victim is None or not victim.joined:
-                        continue  # not yet, or its group is still (re)starting: fire when it is back
-                    pending.remove(i)
-                    _inject(launcher, f, victim, spares[i] if cfg.rejoin else [], step, emit)
+                            pending.pop(0)
+                            _kill_coordinator(launcher, f, coordinators, step, emit)
+                    else:
+                        victim = launcher.current(f.rank)
+                        spares = launcher.spares.get(i, [])
+                        # not yet, its group is still (re)starting, or its spares are still warming up
+                        if (step >= f.step and victim is not None and victim.joined
+                                and all(launcher.ranks[m].warm for m in spares)
+                                and (spares or not cfg.rejoin)):
+                            pending.pop(0)
+                            _inject(launcher, f, victim, spares, step, emit)
             elif kind == "reconfigured":
                 launcher.reconfigs.append(ev)
                 now_members = set(ev["members"])
@@ -485,12 +559,15 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
                                 launcher.lab.reconnect([launcher.host_of[m]])
                                 r.state = "removed"
                         inj.removed_at = float(ev["_t"])
+                        if not inj.standby:
+                            inj.recovered_at = inj.removed_at
                         inj.woken = True
                         for m in inj.standby:
                             launcher.wake(m)
                         if inj.standby:
                             emit({"event": "rejoin_started", "members": inj.standby,
                                   "group": launcher.group_of(inj.fault.rank)})
+                            launcher.prepare_spares(faults)
             elif kind == "removed":
                 launcher.removed[member] = ev
                 if rank.state in ("running", "removed"):
@@ -519,7 +596,7 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
                 lab_coordinator.close()
             if lab is not None:
                 lab.close()
-        summary = _summarize(cfg, launcher, history, time.monotonic() - t_start, error)
+        summary = _summarize(cfg, launcher, faults, history, time.monotonic() - t_start, error)
     return summary
 
 
@@ -552,13 +629,18 @@ def _start_lab(cfg: DemoConfig, emit: Callable[[dict[str, Any]], None],
     return lab, proc, launcher
 
 
-def _kill_coordinator(launcher: _Launcher, f: Fault, coord: Any, step: int,
+def _kill_coordinator(launcher: _Launcher, f: Fault, coordinators: Sequence[Any], step: int,
                       emit: Callable[[dict[str, Any]], None]) -> None:
+    """Kill the coordinator in office (the first of ``coordinators`` that was not killed yet: members try the
+    addresses in order, so the next standby in the list is the one that took over)."""
     from torchnext.testing.faults import drop_coordinator
 
+    killed = sum(inj.fault.kind == "coordinator" for inj in launcher.injected)
+    if killed >= len(coordinators) - 1:
+        raise DemoError(f"--fault {f}: no standby coordinator left to take over")
     at = time.monotonic()
-    drop_coordinator(coord)
-    launcher.injected.append(_Injected(f, at, -1, []))
+    drop_coordinator(coordinators[killed])
+    launcher.injected.append(_Injected(f, at, -1, [], fired_step=step))
     emit({"event": "fault", "kind": "coordinator", "rank": -1, "member": None, "group": None, "step": step})
 
 
@@ -577,22 +659,26 @@ def _inject(launcher: _Launcher, f: Fault, victim: _Rank, standby: list[int], st
     else:
         os.killpg(victim.proc.pid, signal.SIGSTOP)
         victim.state = "hung"
-    launcher.injected.append(_Injected(f, at, victim.member, sorted(siblings), standby))
+    launcher.injected.append(_Injected(f, at, victim.member, sorted(siblings), standby, fired_step=step))
     emit({"event": "fault", "kind": f.kind, "rank": f.rank, "member": victim.member, "group": group, "step": step})
 
 
-def _summarize(cfg: DemoConfig, launcher: _Launcher, history: list[dict[str, Any]], wall: float,
-               error: BaseException | None = None) -> dict[str, Any]:
+def _summarize(cfg: DemoConfig, launcher: _Launcher, faults: Sequence[Fault], history: list[dict[str, Any]],
+               wall: float, error: BaseException | None = None) -> dict[str, Any]:
     out = Path(cfg.out)
     failures: list[dict[str, Any]] = []
     for inj in launcher.injected:
         if inj.fault.kind == "coordinator":
             took = next((h for h in history if h["event"] == "takeover" and h["at"] >= inj.at), None)
             after = [t for t in launcher.step_at.values() if t > inj.at]
+            next_commit = round(min(after) - inj.at, 4) if after else None
             failures.append({
                 "kind": "coordinator", "rank": None, "member": None, "group": None, "step": inj.fault.step,
+                "fired_step": inj.fired_step,
                 "takeover_s": None if took is None else round(took["at"] - inj.at, 4),
-                "next_commit_s": round(min(after) - inj.at, 4) if after else None,
+                "next_commit_s": next_commit,
+                "recovery_s": next_commit,  # training went on: the standby in office committed a step
+                "survived": inj.recovered_at is not None,
             })
             continue
         group = set(inj.group_members)
@@ -603,22 +689,53 @@ def _summarize(cfg: DemoConfig, launcher: _Launcher, history: list[dict[str, Any
                     and h["at"] >= detected["at"] and not group & set(h["members"])), None)
         built = [ev["timings"]["built"] for ev in launcher.reconfigs
                  if gen is not None and ev.get("generation") == gen["gen"] and ev["timings"].get("built")]
+        detect = None if detected is None else round(detected["at"] - inj.at, 4)
+        agree = None if detected is None or gen is None else round(gen["at"] - detected["at"], 4)
+        rebuild = None if gen is None or not built else round(max(built) - gen["at"], 4)
+        recovery = (round(detect + agree + rebuild, 4)
+                    if detect is not None and agree is not None and rebuild is not None else None)
+        if recovery is None and inj.fault.kind == "partition" and inj.removed_at is not None:
+            # the network lab's coordinator is a process whose history the launcher cannot read: the survivors'
+            # generation without the cut-off group (detect + agree; its rebuild takes milliseconds)
+            recovery = round(inj.removed_at - inj.at, 4)
         failures.append({
             "kind": inj.fault.kind,
             "rank": inj.fault.rank,
             "member": inj.member,
             "group": launcher.group_of(inj.fault.rank),
             "step": inj.fault.step,
-            "detect_s": None if detected is None else round(detected["at"] - inj.at, 4),
-            "agree_s": None if detected is None or gen is None else round(gen["at"] - detected["at"], 4),
-            "rebuild_s": None if gen is None or not built else round(max(built) - gen["at"], 4),
+            "fired_step": inj.fired_step,
+            "detect_s": detect,
+            "agree_s": agree,
+            "rebuild_s": rebuild,
             "removed_s": None if inj.removed_at is None else round(inj.removed_at - inj.at, 4),
+            # the survivors training again without the failed group
+            "recovery_s": recovery,
+            # its restarted group (warm spares) healed and joined
+            "rejoined_s": (None if not inj.standby or inj.recovered_at is None
+                           else round(inj.recovered_at - inj.at, 4)),
+            "survived": inj.recovered_at is not None,
         })
     by_group_rank: dict[int, set[str]] = {}
     for m, d in launcher.done.items():
         by_group_rank.setdefault(launcher.ranks[m].slot % cfg.group_size, set()).add(d["digest"])
     losses = [launcher.losses[s] for s in sorted(launcher.losses)]
     final_groups = sorted({launcher.group_of(launcher.ranks[m].slot) for m in launcher.done})
+    # every rank holds the same local state (parameter shards + optimizer state) as its counterpart -- the same
+    # group rank -- in every other live replica group; with fewer than two groups there is nothing to compare
+    equal: bool | None = None
+    if len(final_groups) >= 2:
+        equal = all(len(d) == 1 for d in by_group_rank.values())
+        reason = None
+    elif final_groups:
+        reason = "only 1 replica group finished: nothing to compare"
+    else:
+        reason = "no replica group finished"
+    recoveries = [f["recovery_s"] for f in failures if f["recovery_s"] is not None]
+    survived: dict[str, int] = {}
+    for f in failures:
+        if f["survived"] and error is None:
+            survived[f["kind"]] = survived.get(f["kind"], 0) + 1
     summary = {
         "parallel": cfg.parallel,
         "steps_completed": max(launcher.losses) if launcher.losses else 0,
@@ -626,24 +743,50 @@ def _summarize(cfg: DemoConfig, launcher: _Launcher, history: list[dict[str, Any
         "final_loss": losses[-1] if losses else None,
         "world_size_history": [{"step": s, "size": n, "ranks": n * cfg.group_size} for s, n in launcher.sizes],
         "failures": failures,
-        # every rank holds the same local state (parameter shards + optimizer state) as its counterpart -- the
-        # same group rank -- in every other live replica group
-        "params_equal_across_ranks": bool(launcher.done) and all(len(d) == 1 for d in by_group_rank.values()),
+        "params_equal_across_ranks": equal,
+        "params_equal_reason": reason,
         "final_members": sorted(launcher.done),
         "digests": {str(m): d["digest"] for m, d in sorted(launcher.done.items())},
         "final_groups": final_groups,
-        "replica_groups_compared": len(final_groups),  # 1: nothing to compare (the others failed)
+        "replica_groups_compared": len(final_groups),  # < 2: nothing to compare (params_equal_across_ranks null)
         "removed_members": sorted(launcher.removed),
+        "chaos": cfg.chaos,
+        "faults_scheduled": [str(f) for f in faults],
+        "faults_injected": len(launcher.injected),
+        # a fault counts once the job was whole again after it (its group rejoined, or left without rejoin; the
+        # standby coordinator committed a step) and the run ended without an error
+        "faults_survived": survived,
+        "recovery_s": {"n": len(recoveries), "p50": _percentile(recoveries, 50), "p99": _percentile(recoveries, 99)},
+        "resources": _resources(launcher),
         "precision": cfg.precision,
         "wall_s": round(wall, 2),
         "error": None if error is None else f"{type(error).__name__}: {error}",
-        "config": {**asdict(cfg), "faults": [str(f) for f in cfg.faults]},
+        "config": {**asdict(cfg), "faults": [str(f) for f in faults]},
     }
     (out / "coordinator_history.json").write_text(json.dumps(history, indent=1, default=str))
     (out / "loss.json").write_text(json.dumps({str(s): launcher.losses[s] for s in sorted(launcher.losses)}))
     summary["loss_plot"] = _plot_loss(out / "loss.png", launcher.losses, failures).name
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    from torchnext.demo.chaos import percentile
+
+    p = percentile(values, q)
+    return None if p is None else round(p, 4)
+
+
+def _resources(launcher: _Launcher) -> dict[str, Any] | None:
+    """Threads and fds of the longest-lived finished rank (the earliest first step; the lowest member id among
+    ties) at its first step and at its end: growth across the faults it survived is a leak."""
+    lived = [(r.first_step, m) for m, r in launcher.ranks.items() if m in launcher.done and r.first_step is not None]
+    if not lived:
+        return None
+    (first, threads, fds), m = min(lived, key=lambda x: (x[0][0], x[1]))
+    end = launcher.done[m]
+    return {"member": m, "from_step": first, "to_step": end.get("steps"),
+            "threads": [threads, end.get("threads", -1)], "fds": [fds, end.get("fds", -1)]}
 
 
 def _plot_loss(path: Path, losses: dict[int, float], failures: list[dict[str, Any]]) -> Path:

@@ -122,6 +122,18 @@ def _emit(event: str, **fields: Any) -> None:
     sys.stdout.flush()
 
 
+def _resources() -> dict[str, int]:
+    """This process's live threads and open file descriptors (``/proc/self``; -1 where there is no ``/proc``): the
+    launcher compares a long-lived rank's counts at its first and last step (growth = a leak per fault)."""
+    counts: dict[str, int] = {}
+    for key, sub in (("threads", "task"), ("fds", "fd")):
+        try:
+            counts[key] = len(os.listdir(f"/proc/self/{sub}"))
+        except OSError:
+            counts[key] = -1
+    return counts
+
+
 def _bytes(t: torch.Tensor) -> bytes:
     t = t.detach().contiguous().reshape(-1)  # 0-d tensors too
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
@@ -301,7 +313,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     report.update(member=ft.member_id, rank=ft.rank, group=ft.replica_group, group_rank=group_rank,
                   generation=ft.generation, steps=loop.step_no(outer), digest=state_digest(shared),
                   digest_parts={k: state_digest(v) for k, v in shared.items()},
-                  wall_s=time.monotonic() - t_start)
+                  wall_s=time.monotonic() - t_start, **_resources())
     _emit("done", **report)
     # Every member committed the last step. finish() tells the coordinator the job is over, so members leave in any
     # order and no departure is taken for a failure (no final barrier needed).
@@ -352,7 +364,7 @@ class _Loop:
         self.tokens += self.cfg.batch_size * self.cfg.seq_len * ft.size * self.group_size
         _emit("step", member=ft.member_id, step=step, loss=loss, size=ft.size, generation=ft.generation,
               step_s=time.monotonic() - t0, tokens_per_s=self.tokens / max(time.monotonic() - self.t_start, 1e-9),
-              **extra)
+              **_resources(), **extra)
 
     def run(self) -> None:
         from torchnext.comms import ReduceOp
