@@ -128,15 +128,19 @@ def check_job(kind: str, reports: dict[int, dict[str, Any]], events: Sequence[di
             "ended": ended, "sigkilled": len(expected_kill)}
 
 
-def resources_flat(base: dict[str, Any] | None, end: dict[str, Any] | None, rss_tolerance: float) -> dict[str, Any]:
-    """Threads and fds equal, RSS within ``+rss_tolerance``, between two of the survivor's samples."""
+def resources_flat(base: dict[str, Any] | None, end: dict[str, Any] | None, rss_tolerance: float,
+                   growth_per_fault: float = 0.0) -> dict[str, Any]:
+    """Threads and fds not grown (by more than ``growth_per_fault`` per fault between them), RSS within
+    ``+rss_tolerance``, between two of the survivor's samples."""
     if base is None or end is None:
         return {"ok": False, "why": "the survivor's samples at the warm-up point and at the end are not both there "
                                     "(too few faults?): the check was not made", "base": base, "end": end}
     faults = max(1, end["faults"] - base["faults"])
     growth = {"threads": end["threads"] - base["threads"], "fds": end["fds"] - base["fds"],
               "rss_kib": end["rss_kib"] - base["rss_kib"]}
-    return {"ok": growth["threads"] == 0 and growth["fds"] == 0 and end["rss_kib"] <= base["rss_kib"] * (1 + rss_tolerance),
+    allowed = growth_per_fault * (end["faults"] - base["faults"])
+    return {"ok": growth["threads"] <= allowed and growth["fds"] <= allowed
+            and end["rss_kib"] <= base["rss_kib"] * (1 + rss_tolerance), "allowed_growth": allowed,
             "base": base, "end": end, "growth": growth, "faults_between": end["faults"] - base["faults"],
             "per_fault": {k: v / faults for k, v in growth.items()},
             "rss_growth": end["rss_kib"] / base["rss_kib"] - 1}
