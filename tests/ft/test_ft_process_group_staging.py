@@ -30,11 +30,25 @@ class _Backend:
     """Wraps ``comm.all_reduce``: records the tensor it was given; ``fail_next`` makes the next op a Work that
     the test fails by hand (``fail()``), like a peer dying mid-op."""
 
-    def __init__(self, comm: Communicator) -> None:
-        self.comm = comm
+    def __init__(self, comm: Communicator, ft: Any = None) -> None:
         self.seen: list[torch.Tensor] = []
         self.fail_next = False
         self.pending: Work | None = None
+        self.ft = ft
+        self.wrap(comm)
+
+    def next_generation(self) -> None:
+        """What a reconfiguration does after a failure: the failed generation's Communicator was aborted (a failed op
+        of the group aborts it, so that its peers are released); the next one is a new Communicator."""
+        assert self.comm.errored() is not None, "a failed op aborts its generation's Communicator"
+        new = Communicator(dist.HashStore(), 0, 1, name=f"ft-staging-test.g{self.ft.generation + 1}")
+        self.ft.generation += 1
+        self.ft._newest_gen = self.ft.generation
+        self.ft._comm = self.ft.comm = new
+        self.wrap(new)
+
+    def wrap(self, comm: Communicator) -> None:
+        self.comm = comm
         real = comm.all_reduce
 
         def all_reduce(t: torch.Tensor, *args: Any, **kwargs: Any) -> Work:
@@ -59,8 +73,9 @@ def group() -> Any:
     ft = SimpleNamespace(config=SimpleNamespace(name="staging"), rank=0, size=1, members=[0], member_id=0,
                          generation=1, _newest_gen=1, _comm=comm, comm=comm, on_reconfigure=lambda cb: None)
     pg = FaultTolerantProcessGroup(ft)  # type: ignore[arg-type]
-    backend = _Backend(comm)
+    backend = _Backend(comm, ft)
     yield pg, backend
+    backend.comm.abort("test over")
     comm.abort("test over")
 
 
@@ -91,6 +106,7 @@ def test_a_failed_ops_buffer_is_dropped_and_its_late_writes_reach_nobody(group: 
     assert fut.wait()[0] is grad
     assert torch.isnan(grad).all(), "a failed op marks the caller's tensor invalid"
     assert work.wait() is True  # recorded, not raised
+    backend.next_generation()
     # the next generation's op on the same caller tensor: a fresh buffer, untouched by the abandoned op
     fresh = torch.full((8,), 5.0)
     pg.allreduce([fresh], _AVG).wait()
@@ -111,6 +127,7 @@ def test_a_wait_that_sees_the_failure_first_also_drops_the_buffer(group: Any) ->
     threading.Timer(0.05, backend.fail).start()
     assert work.wait() is True
     assert torch.isnan(t).all()
+    backend.next_generation()
     u = torch.ones(4)
     pg.allreduce([u], _AVG).wait()
     assert backend.seen[-1] is not abandoned and torch.equal(u, torch.ones(4))

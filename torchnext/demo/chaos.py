@@ -29,10 +29,8 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from torchnext.demo.launcher import Fault
+from torchnext.demo.fault import Fault
 
 __all__ = ["HEAD", "MIN_GAP", "TAIL", "chaos_schedule", "max_chaos", "percentile"]
 
@@ -50,7 +48,7 @@ def max_chaos(steps: int) -> int:
 
 
 def chaos_schedule(n: int, *, steps: int, ranks: int, seed: int, partition: bool = False) -> list[Fault]:
-    """``n`` faults (:class:`~torchnext.demo.launcher.Fault`), in step order, drawn with ``random.Random(seed)``
+    """``n`` faults (:class:`~torchnext.demo.fault.Fault`), in step order, drawn with ``random.Random(seed)``
     (module docstring).
 
     Args:
@@ -63,8 +61,6 @@ def chaos_schedule(n: int, *, steps: int, ranks: int, seed: int, partition: bool
     Raises:
         ValueError: ``n < 0``, or more faults than :func:`max_chaos` fits into ``steps``.
     """
-    from torchnext.demo.launcher import Fault
-
     if n < 0:
         raise ValueError(f"--chaos must be >= 0, got {n}")
     most = max_chaos(steps)
