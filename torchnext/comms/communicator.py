@@ -56,12 +56,6 @@ def _at_exit() -> None:
 atexit.register(_at_exit)
 
 
-def _abandon(handle: BackendHandle, name: str, works: Sequence[Any] = (), keep: Sequence[Any] = (), *,
-             issuing: bool = False) -> Grave:
-    """Cancel what still runs on ``handle`` and let the reaper release it once idle (:mod:`torchnext.comms.reaper`)."""
-    return bury(handle, name, works, keep, issuing=issuing)
-
-
 class Communicator(CollectiveOps):
     """A group of ranks that communicate tensors: torch.distributed's collective contract, complete on every backend.
 
@@ -402,7 +396,7 @@ class Communicator(CollectiveOps):
             works, self._orphans = self._orphans, []
             keep, self._retained = self._retained, []
             issuing = self._issue_lock.locked()
-            self._grave = _abandon(self._backend, self._name, works, keep, issuing=issuing)
+            self._grave = bury(self._backend, self._name, works, keep, issuing=issuing)
             self._pg = None
 
     def _left_issue(self, launched: Sequence[Any]) -> None:

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from enum import Enum
+from typing import Any
 
 import torch.distributed as dist
 
+from torchnext.comms.communicator import Communicator
 from torchnext.comms.errors import CollectiveMismatch, CommAborted, CommError, CommTimeout, HookError, PeerFailure
 from torchnext.ft.membership import MembershipError
 
@@ -129,3 +131,15 @@ def register_failure_kind(cls: type[BaseException], kind: FailureKind) -> None:
     if not isinstance(kind, FailureKind):
         raise TypeError(f"register_failure_kind: expected a FailureKind, got {kind!r}")
     _KINDS[cls] = kind
+
+
+def quiet_abort(comm: Any, reason: str) -> None:
+    """Abort ``comm`` (a Communicator, or a torch process group: its ``abort()`` takes no reason) on a failure path,
+    where a raising abort hook must not stop the reconfiguration or turn a recorded failure into a crash."""
+    try:
+        if isinstance(comm, Communicator):
+            comm.abort(reason)
+        else:
+            comm.abort()
+    except Exception:
+        pass

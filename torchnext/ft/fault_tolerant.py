@@ -64,6 +64,7 @@ from torchnext.comms.errors import CommError
 from torchnext.comms.hooks import HookList, PostHookArgs, RemovableHandle
 from torchnext.comms.work import WorkStatus
 from torchnext.ft.config import FaultTolerantConfig, Reconfiguration
+from torchnext.ft.errors import quiet_abort
 from torchnext.ft.healing import HealStats, recv_state, send_state
 from torchnext.ft.member import MemberClient
 from torchnext.ft.membership import JobFinished, QuorumLost, RemovedFromGroup
@@ -353,7 +354,7 @@ class FaultTolerant:
             comm, self._comm = self._comm, None
             children, self._children = self._children, []
         for c in [*children, *([comm] if comm is not None else [])]:
-            _quiet_abort(c, "FaultTolerant closed")
+            quiet_abort(c, "FaultTolerant closed")
 
     def __enter__(self) -> FaultTolerant:
         return self
@@ -401,7 +402,7 @@ class FaultTolerant:
                 beyond = self._in_step and self._step >= self._finished_step
                 targets = [*self._children, *([self._comm] if self._comm is not None else [])] if beyond else []
             for c in targets:
-                _quiet_abort(c, f"the job finished at step {msg['step']} (member {msg.get('by')} finished)")
+                quiet_abort(c, f"the job finished at step {msg['step']} (member {msg.get('by')} finished)")
             return
         with self._lock:
             if msg["t"] == "gen":
@@ -416,7 +417,7 @@ class FaultTolerant:
                 targets += self._local_groups
             self._children = []
         for c in targets:
-            _quiet_abort(c, reason)
+            quiet_abort(c, reason)
 
     def _member_report(self) -> dict[str, Any]:
         """Heartbeat thread, on failover: what this member knows (see :mod:`torchnext.ft.election`)."""
@@ -568,7 +569,7 @@ class FaultTolerant:
             old, self._comm = self._comm, None
             children, self._children = self._children, []
         for c in [*children, *([old] if old is not None else [])]:
-            _quiet_abort(c, f"superseded by generation {gen}")
+            quiet_abort(c, f"superseded by generation {gen}")
         if self.fault_hook is not None:
             self.fault_hook("reconfigure")
         comm = self._build(gen, tuple(peers), groups.index(mine), epoch, deadline)
@@ -629,7 +630,7 @@ class FaultTolerant:
                 c.register_post_hook(_quarantine_cancelled)
                 with self._lock:
                     if box.get("abandoned"):
-                        _quiet_abort(c, "abandoned build")
+                        quiet_abort(c, "abandoned build")
                     else:
                         box["comm"] = c
             except BaseException as exc:
@@ -647,7 +648,7 @@ class FaultTolerant:
                     if stale:
                         box["abandoned"] = True
                         if comm is not None:
-                            _quiet_abort(comm, f"superseded before use (generation {gen})")
+                            quiet_abort(comm, f"superseded before use (generation {gen})")
                         return None
                     if comm is not None:
                         self._comm = comm
@@ -697,16 +698,6 @@ def _preload_gil_heavy_imports() -> None:
     try:
         import torch._dynamo  # noqa: F401
     except Exception:  # an optional warm-up; a broken dynamo shows up where it is really used
-        pass
-
-
-def _quiet_abort(comm: Any, reason: str) -> None:
-    try:
-        if isinstance(comm, Communicator):
-            comm.abort(reason)
-        else:
-            comm.abort()  # a process group: torch's abort() takes no reason
-    except Exception:  # a raising abort hook must not stop the reconfiguration
         pass
 
 

@@ -42,7 +42,7 @@ from torchnext.comms.errors import CommError
 from torchnext.comms.process_group import GroupWork, TorchnextProcessGroup
 from torchnext.comms.process_group.group import BACKEND_NAME
 from torchnext.comms.process_group.work import mark_invalid
-from torchnext.ft.errors import FailureKind, classify_failure
+from torchnext.ft.errors import FailureKind, classify_failure, quiet_abort
 
 if TYPE_CHECKING:
     from torchnext.ft.config import Reconfiguration
@@ -195,7 +195,7 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
             return
         comm = getattr(work, "communicator", None)
         if comm is not None:  # the generation is broken: cancel it, so that the peers blocked in its ops fail now
-            _quiet_abort(comm, f"{work.op} failed in generation {self._ft.generation}")
+            quiet_abort(comm, f"{work.op} failed in generation {self._ft.generation}")
 
     def _record_if_deterministic(self, exc: BaseException) -> bool:
         if classify_failure(exc) is not FailureKind.DETERMINISTIC:
@@ -263,7 +263,7 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         if refusal is not None and self._record_if_deterministic(refusal):
             return _FTWork(self, (), result)
         if comm is not None:  # so that the vote sees it broken, and (errored or not) the peers' ops on it fail now
-            _quiet_abort(comm, f"{op} refused or issued in a broken generation")
+            quiet_abort(comm, f"{op} refused or issued in a broken generation")
         return _FTWork(self, (), result)
 
 
@@ -271,10 +271,3 @@ def _register(pg: dist.ProcessGroup, name: str, store: dist.Store, mapping: dict
     """Enter ``pg`` in torch's tables under ``name`` (functional collectives and DeviceMesh resolve groups by name)."""
     c10d: Any = dist.distributed_c10d
     c10d._register_pg_in_world(pg, BACKEND_NAME, store, name, BACKEND_NAME, rank_mapping=mapping)
-
-
-def _quiet_abort(comm: Communicator, reason: str) -> None:
-    try:
-        comm.abort(reason)
-    except Exception:  # a raising abort hook must not turn a recorded failure into a crash of the step
-        pass

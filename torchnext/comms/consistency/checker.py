@@ -451,9 +451,9 @@ class Checker:
         self._post_left("aborted its communicator" + (f" ({args.reason})" if args.reason else ""))
         side, self._side = self._side, None
         if side is not None:
-            from torchnext.comms.communicator import _abandon
+            from torchnext.comms.reaper import bury
 
-            _abandon(side, f"{args.comm_name}/consistency", self._side_works())  # a side op may be in flight: cancelled, released when done
+            bury(side, f"{args.comm_name}/consistency", self._side_works())  # a side op may be in flight: cancelled, released when done
 
     def _side_works(self) -> list[Any]:
         work, self._side_work = self._side_work, None
@@ -465,9 +465,9 @@ class Checker:
         if side is None:
             return
         if self._broken is not None:
-            from torchnext.comms.communicator import _abandon
+            from torchnext.comms.reaper import bury
 
-            _abandon(side, f"{comm.name}/consistency", self._side_works())
+            bury(side, f"{comm.name}/consistency", self._side_works())
             return
         if side.shutdown_fn is not None:
             side.shutdown_fn()
