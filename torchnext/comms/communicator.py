@@ -190,7 +190,7 @@ class Communicator(CollectiveOps):
         if self._timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         factory = get_backend(backend)
-        self._store = store
+        self._store: dist.Store | None = store  # released with the backend (see the store property)
         self._rank = rank
         self._size = size
         self._ranks = ranks
@@ -280,7 +280,13 @@ class Communicator(CollectiveOps):
     def store(self) -> dist.Store:
         """This communicator's namespaced store (keys under ``torchnext/<name>/``; a split child's under its own
         sub-prefix). Components built on a communicator (windows, recovery) put their keys under a sub-prefix of it:
-        ``PrefixStore("mine", comm.store)``."""
+        ``PrefixStore("mine", comm.store)``.
+
+        Released with the backend once the communicator is closed (aborted or shut down): the connection is this
+        communicator's, and a closed communicator kept alive -- by a failed Work a user holds, or a reference cycle
+        through a raised exception's traceback -- must not keep a socket open. Then raises ``RuntimeError``."""
+        if self._store is None:
+            raise RuntimeError(f"communicator {self._name!r} is closed: its store was released with its backend")
         return self._store
 
     @property
@@ -398,6 +404,7 @@ class Communicator(CollectiveOps):
             issuing = self._issue_lock.locked()
             self._grave = bury(self._backend, self._name, works, keep, issuing=issuing)
             self._pg = None
+            self._store = None  # the backend holds its own reference while it lives (it connected through it)
 
     def _left_issue(self, launched: Sequence[Any]) -> None:
         """The issuing thread leaves an op on an aborted communicator: its backend Works go to the grave."""
@@ -455,17 +462,21 @@ class Communicator(CollectiveOps):
         # whose destructor cannot join itself ("terminate called without an active exception").
         self._pg = None
         backend.pg = None
+        self._store = None
 
     # ------------------------------------------------------------------------------------------------ the engine
     # -------------------------------------------------------------------------------- peer-failure reports
     def _publish_peer_failure(self, exc: PeerFailure) -> None:
         """Tell the other members that this rank saw ``exc`` (see :mod:`torchnext.comms._peer_reports`)."""
         where = self._ranks[self._rank] if self._ranks else self._rank
-        _peer_reports.publish(self._store, f"rank {self._rank} (global {where}): {exc}", self._name)
+        store = self._store
+        if store is not None:  # (None: closed meanwhile -- nobody is left to tell)
+            _peer_reports.publish(store, f"rank {self._rank} (global {where}): {exc}", self._name)
 
     def _reported_peer_failure(self) -> str | None:
         """The failure another member published, if any (bounded: never hangs on a dead store)."""
-        return _peer_reports.reported(self._store, self._name)
+        store = self._store
+        return None if store is None else _peer_reports.reported(store, self._name)
 
     def _error_context(self, op: str | None, op_id: int | None) -> dict[str, Any]:
         return {"op": op, "op_id": op_id, "comm_name": self._name, "rank": self._rank, "ranks": self._ranks}
@@ -617,6 +628,7 @@ class Communicator(CollectiveOps):
             self._issue_lock.release()
             if self._aborted is not None:  # aborted while issuing (or before): what was launched goes to the grave
                 self._left_issue(backend_works)
+            backend_works = ()  # a raised exception keeps this frame in its traceback: no backend Work in it
 
     def _wait_in_thread(self, backend_work: Any, work: Work, td: timedelta | None) -> None:
         if self._waiter is None:
@@ -703,7 +715,7 @@ class Communicator(CollectiveOps):
         if color is None:
             return None
         members = sorted((row[2], r) for r, row in enumerate(rows) if row[0] == 1 and row[1] == color)
-        return self.child(dist.PrefixStore(f"split{seq}/c{color}", self._store), [r for _, r in members],
+        return self.child(dist.PrefixStore(f"split{seq}/c{color}", self.store), [r for _, r in members],
                           name=name or f"{self._name}.{seq}.{color}")
 
     def child(self, store: dist.Store, ranks: Sequence[int], *, name: str, timeout: Timeout = None) -> Communicator:

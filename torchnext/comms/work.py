@@ -164,6 +164,7 @@ class Work:
             if bw is not None and timeout is None:
                 self._bw = None  # one direct waiter; any other waits on the lock
                 self._wait_backend(bw)
+                bw = None  # (a raise below keeps this frame in the traceback: no backend object in it)
                 if self.status is _COMPLETED and self._hook_error is None:
                     return True  # the common case: completed here (nothing to wait on, no lock to pass on)
             if self._fut is not None and (self.status is _IP or self.status is _NS):
@@ -263,6 +264,10 @@ class Work:
             wrapped: CommError = PeerFailure(str(exc), peer=self.peer, **ctx)
         else:
             wrapped = cls(str(exc), **ctx)
+        # The backend's exception keeps its message, not its frames: they hold the backend Work or future this op
+        # ran on, and the Work keeps its exception -- a reference cycle through the traceback would keep an
+        # abandoned backend's sockets and threads alive until a full garbage collection.
+        exc.__traceback__ = None
         wrapped.__cause__ = exc
         return wrapped
 
@@ -395,11 +400,14 @@ class Work:
                     backend_work.wait()
                 except Exception as real:
                     self._part_done(real)
+                    backend_work = None  # the raise keeps this frame: no backend object in it
                     return self._outcome()
             elif str(exc) != _SLICE_TIMEOUT_TEXT:
                 self._part_done(exc)
+                backend_work = None
                 return self._outcome()
             elif not self._wait_long(backend_work.get_future()):
+                backend_work = None
                 return self._outcome()
         if self._finalize is None:  # a sliced op has one backend Work: complete directly
             self._complete_sync()

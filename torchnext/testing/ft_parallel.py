@@ -24,6 +24,7 @@ SIGUSR2 = die at the next idle point, SIGRTMIN = die inside the next backward.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -293,9 +294,30 @@ def _wait_to_start(spec: ParallelSpec) -> bool:
     return True
 
 
-def _resources() -> dict[str, int]:
-    """This process's thread count, open fds and resident set (KiB), from ``/proc/self``."""
-    out = {"fds": len(os.listdir("/proc/self/fd"))}
+def _resources() -> dict[str, Any]:
+    """This process's thread count, open fds and resident set (KiB), from ``/proc/self``; with what the fds are
+    (``fd_kinds``: socket, pipe, anon_inode:[eventpoll], file ...), the threads' names (``thread_names``) and the
+    live Communicators (``live_comms``), so that a growth names its cause."""
+    fds = os.listdir("/proc/self/fd")
+    kinds: collections.Counter[str] = collections.Counter()
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed since listed (the listing's own fd)
+        kinds[target.split(":", 1)[0] if target.startswith(("socket:", "pipe:")) else
+              target if target.startswith("anon_inode:") else "file"] += 1
+    names: collections.Counter[str] = collections.Counter()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as fh:
+                names[fh.read().strip()] += 1
+        except OSError:
+            continue
+    from torchnext.comms import communicator
+
+    out: dict[str, Any] = {"fds": len(fds), "fd_kinds": dict(kinds), "thread_names": dict(names),
+                           "live_comms": len(communicator._LIVE)}
     with open("/proc/self/status") as fh:
         for line in fh:
             if line.startswith("Threads:"):

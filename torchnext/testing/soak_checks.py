@@ -73,8 +73,14 @@ def _oracle(kind: str, ran: dict[int, dict[str, Any]], final: dict[int, dict[str
         step_members.append(gen_members[g])
     for m, r in final.items():
         hist = [s for s, _ in r["history"]]
-        if hist != list(range(hist[0], hist[0] + len(hist))) if hist else True:
-            problems.append(f"member {m}: gap or duplicate in its committed steps")
+        if not hist:
+            problems.append(f"member {m}: finished without committing a step")
+        bad = [(a, b) for a, b in itertools.pairwise(hist) if b != a + 1]
+        if bad:
+            a, b = bad[0]
+            what = "duplicate" if b <= a else "gap"
+            problems.append(f"member {m}: {what} in its committed steps ({len(bad)} in all; the first: step {a} "
+                            f"then {b}, of {len(hist)} commits from step {hist[0]})")
         if hist and hist[-1] != total - 1:
             problems.append(f"member {m}: last committed step {hist[-1]}, not {total - 1}")
     surv = final.get(survivor)
