@@ -1,0 +1,293 @@
+"""Streaming DiLoCo over the fault-tolerant group: real member processes (torchnext.testing.run_ranks), an
+in-process coordinator, and the paper's update rule (Douillard et al. 2025, arXiv 2501.18512, Algorithm 1 with the
+overlap of section 2.3) written out below with plain tensors -- no torchnext code.
+
+The data keep every parameter in [1, 2) and every inner update a multiple of 2**-9, so pseudo-gradients are exact
+differences, their sums over the groups exact in any order, and the alpha = 0.5 mix (a + b) / 2 correctly rounded
+whichever way it is computed: a run must match the reference bitwise, after every inner step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from torchnext.ft import (
+    Coordinator,
+    CoordinatorConfig,
+    DiLoCo,
+    DiLoCoConfig,
+    FaultTolerant,
+    FaultTolerantConfig,
+    MembershipConfig,
+    StreamingDiLoCo,
+    StreamingDiLoCoConfig,
+)
+from torchnext.testing import RankContext, run_ranks
+
+pytestmark = pytest.mark.timeout(150)
+
+LR_IN = 2.0**-6
+_PATIENT = {"heartbeat_timeout_s": 3.0}  # a loaded 2-core machine starves heartbeat threads; kills are seen by EOF
+SHAPES = ((3, 4), (5,), (2, 3), (4,))
+DTYPES = (torch.float64, torch.float32, torch.float64, torch.float32)  # two dtypes: two buckets per fragment
+N_PARAMS = len(SHAPES)
+
+
+def _init(j: int) -> torch.Tensor:
+    n = int(np.prod(SHAPES[j]))
+    return (1.5 + ((torch.arange(n, dtype=torch.float64) % 7) - 3) / 64).to(DTYPES[j]).reshape(SHAPES[j])
+
+
+def _coef(member: int, n: int, j: int) -> torch.Tensor:
+    """The gradient of parameter ``j`` at inner step ``n`` (1-based) on ``member``: multiples of 1/8."""
+    k = int(np.prod(SHAPES[j]))
+    c = ((torch.arange(k, dtype=torch.float64) * (j + 1) + 3 * member + 7 * n) % 5 - 2) / 8
+    return c.to(DTYPES[j]).reshape(SHAPES[j])
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ws = nn.ParameterList([nn.Parameter(_init(j)) for j in range(N_PARAMS)])
+
+    def forward(self, cs: list[torch.Tensor]) -> torch.Tensor:
+        return sum(((w * c).sum().double() for w, c in zip(self.ws, cs, strict=True)), torch.zeros((), dtype=torch.float64))
+
+
+# ------------------------------------------------------------------------------------------------ the reference
+def reference(groups: int, steps: int, *, sync_every: int, fragments: list[list[int]], delay: int, alpha: float,
+              lr: float = 0.7, momentum: float = 0.9) -> tuple[list[list[list[torch.Tensor]]], list[torch.Tensor]]:
+    """Streaming DiLoCo by hand, every group in one loop. Returns (per inner step, per group, the local parameters
+    after that step's synchronization work; the final global copy).
+
+    Outer step (per fragment, Nesterov SGD written with the ops of torch's single-tensor SGD so that it can be
+    compared bitwise): ``buf = avg if first else momentum * buf + avg``; ``theta_g -= lr * (avg + momentum * buf)``.
+    """
+    num = len(fragments)
+    spacing = sync_every // num
+    theta = [[_init(j) for j in range(N_PARAMS)] for _ in range(groups)]
+    theta_g = [_init(j) for j in range(N_PARAMS)]
+    buf: list[torch.Tensor | None] = [None] * N_PARAMS
+    pending: tuple[int, list[list[torch.Tensor]], int] | None = None  # (fragment, deltas[m][j], due)
+    trajectory = []
+
+    def outer(p: int, deltas: list[list[torch.Tensor]]) -> None:
+        for j in fragments[p]:
+            avg = sum(d[j] for d in deltas) / groups
+            b = buf[j]
+            buf[j] = avg.clone() if b is None else b * momentum + avg
+            theta_g[j] = torch.add(theta_g[j], torch.add(avg, buf[j], alpha=momentum), alpha=-lr)
+            for m in range(groups):
+                theta[m][j] = alpha * theta[m][j] + (1 - alpha) * theta_g[j]
+
+    for n in range(1, steps + 1):
+        for m in range(groups):
+            theta[m] = [t - LR_IN * _coef(m, n, j) for j, t in enumerate(theta[m])]
+        if pending is not None and n == pending[2]:
+            outer(pending[0], pending[1])
+            pending = None
+        if n % spacing == 0:  # fragment p's pseudo-gradients are taken every H steps, fragments H / P apart
+            p = (n // spacing - 1) % num
+            deltas = [[theta_g[j] - theta[m][j] if j in fragments[p] else torch.zeros(0) for j in range(N_PARAMS)]
+                      for m in range(groups)]
+            if delay == 0:
+                outer(p, deltas)
+            else:
+                pending = (p, deltas, n + delay)
+        trajectory.append([[t.clone() for t in th] for th in theta])
+    if pending is not None:  # drain(): the last one in flight
+        outer(pending[0], pending[1])
+        trajectory.append([[t.clone() for t in th] for th in theta])
+    return trajectory, theta_g
+
+
+def _bits(ts: Any) -> list[bytes]:
+    return [np.asarray(t).tobytes() for t in ts]
+
+
+# ---------------------------------------------------------------------------------------------- one member process
+def _ft(ctx: RankContext, addr: str, token: str, algos: list[Any]) -> FaultTolerant:
+    return FaultTolerant(
+        FaultTolerantConfig(coordinator=addr, token=token, member_id=ctx.rank, timeout_s=20.0),
+        state_dict=lambda: {"algos": [a.state_dict() for a in algos]},
+        load_state_dict=lambda s: [a.load_state_dict(x) for a, x in zip(algos, s["algos"], strict=True)],
+        join=False,
+    )
+
+
+def _member(ctx: RankContext, addr: str, token: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """One replica group. ``spec``: steps, runs (a list of StreamingDiLoCoConfig kwargs, or "diloco:<H>"), run one
+    after another on one ``ft``; ``slow`` ({"member", "step", "sleep"}: that member sleeps before that inner step)."""
+    member = ctx.rank
+    runs = spec["runs"]
+    models = [_Model() for _ in runs]
+    algos: list[Any] = []
+    ft = _ft(ctx, addr, token, algos)
+    for run, model in zip(runs, models, strict=True):
+        if isinstance(run, str):
+            algos.append(DiLoCo(ft, model, DiLoCoConfig(sync_every=int(run.split(":")[1]))))
+        else:
+            blocks = list(model.ws) if run.pop("blocks", True) else None
+            algos.append(StreamingDiLoCo(ft, model, StreamingDiLoCoConfig(**run), blocks=blocks))
+    for a in algos:
+        a.join()
+    out: dict[str, Any] = {"member": member, "trajectories": [], "globals": [], "syncs": [], "fragments": [],
+                           "step_s": []}
+    slow = spec.get("slow")
+    for a, model in zip(algos, models, strict=True):
+        inner = torch.optim.SGD(model.parameters(), lr=LR_IN)
+        traj, syncs, times = [], [], []
+        for n in range(1, spec["steps"] + 1):
+            if slow and slow["member"] == member and slow["step"] == n:
+                time.sleep(slow["sleep"])
+            model([_coef(member, n, j) for j in range(N_PARAMS)]).backward()
+            inner.step()
+            inner.zero_grad()
+            t0 = time.perf_counter()
+            rec = a.step()
+            times.append(time.perf_counter() - t0)
+            if isinstance(a, StreamingDiLoCo):
+                if rec is not None:
+                    syncs.append(rec)
+            traj.append([p.detach().numpy().copy() for p in model.parameters()])
+        if isinstance(a, StreamingDiLoCo):
+            rec = a.drain()
+            if rec is not None:
+                syncs.append(rec)
+                traj.append([p.detach().numpy().copy() for p in model.parameters()])
+            out["fragments"].append([list(f) for f in a.fragments])
+        out["trajectories"].append(traj)
+        out["globals"].append([g.numpy().copy() for g in a.global_params])
+        out["syncs"].append(syncs)
+        out["step_s"].append(times)
+    out["step_count"] = ft.step_count
+    ft.finish()
+    return out
+
+
+def _run(groups: int, spec: dict[str, Any], *, timeout: float = 120) -> list[Any]:
+    cfg = MembershipConfig(min_size=1, initial_size=groups, **_PATIENT)
+    with Coordinator(CoordinatorConfig(membership=cfg)) as coord:
+        return run_ranks(_member, groups, args=(coord.address, coord.token, spec), timeout=timeout)
+
+
+# ------------------------------------------------------------------------------------------------------ tests
+_ORACLE = [
+    # (config, the fragments as the test expects them: parameter indices)
+    ({"sync_every": 4, "num_fragments": 2, "fragment_pattern": "strided", "fragment_sync_delay": 1,
+      "fragment_update_alpha": 0.5}, [[0, 2], [1, 3]]),
+    ({"sync_every": 4, "num_fragments": 2, "fragment_pattern": "sequential", "fragment_sync_delay": 1,
+      "fragment_update_alpha": 0.0}, [[0, 1], [2, 3]]),
+    ({"sync_every": 8, "num_fragments": 4, "fragment_pattern": "strided", "fragment_sync_delay": 1,
+      "fragment_update_alpha": 0.5}, [[0], [1], [2], [3]]),
+    ({"sync_every": 4, "num_fragments": 2, "fragment_pattern": "sequential", "fragment_sync_delay": 0,
+      "fragment_update_alpha": 0.5}, [[0, 1], [2, 3]]),
+]
+
+
+@pytest.mark.slow
+def test_streaming_diloco_follows_the_papers_update_rule_step_by_step() -> None:
+    """Three groups, four configurations (strided / sequential, tau 0 or 1, alpha 0 or 0.5, P 2 or 4) run one after
+    another on one ``ft``: every group's local parameters after every inner step, and the final global copy, are
+    bitwise the reference's."""
+    steps, groups = 11, 3
+    res = _run(groups, {"steps": steps, "runs": [dict(c) for c, _ in _ORACLE]})
+    for k, (cfg, frags) in enumerate(_ORACLE):
+        traj, theta_g = reference(groups, steps, sync_every=cfg["sync_every"], fragments=frags,
+                                  delay=cfg["fragment_sync_delay"], alpha=cfg["fragment_update_alpha"])
+        for r in res:
+            assert r["fragments"][k] == frags, (cfg, r["fragments"][k])
+            got = r["trajectories"][k]
+            assert len(got) == len(traj), (cfg, len(got), len(traj))
+            for n, (g, w) in enumerate(zip(got, traj, strict=True)):
+                assert _bits(g) == _bits(w[r["member"]]), f"config {k}, member {r['member']}: differs after step {n + 1}"
+            assert _bits(r["globals"][k]) == _bits(theta_g), f"config {k}: global copy differs"
+            syncs = r["syncs"][k]
+            tau, spacing = cfg["fragment_sync_delay"], cfg["sync_every"] // cfg["num_fragments"]
+            assert [s.issued_at for s in syncs] == list(range(spacing, steps + 1, spacing))
+            assert all(s.applied_at == min(s.issued_at + tau, steps) and s.contributors == groups and s.attempts == 1
+                       for s in syncs), syncs
+            assert [s.fragment for s in syncs] == [(i // spacing - 1) % len(frags) for i in range(spacing, steps + 1, spacing)]
+
+
+@pytest.mark.slow
+def test_one_fragment_without_delay_is_diloco() -> None:
+    """P = 1, tau = 0, alpha = 0, fp32, blocks left to the default: bitwise the same as ft.DiLoCo at the same H."""
+    steps, h = 6, 2
+    res = _run(2, {"steps": steps, "runs": [{"sync_every": h, "blocks": False}, f"diloco:{h}"]})
+    traj, _ = reference(2, steps, sync_every=h, fragments=[list(range(N_PARAMS))], delay=0, alpha=0.0)
+    for r in res:
+        assert _bits(r["trajectories"][0][-1]) == _bits(r["trajectories"][1][-1]) == _bits(traj[-1][r["member"]])
+        assert r["step_count"] == 2 * steps // h
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tau", [1, 0])
+def test_the_exchange_overlaps_the_inner_steps(tau: int) -> None:
+    """Group 1 sleeps 1 s before inner step 2, where fragment 0 is issued: group 0's exchange cannot finish before
+    group 1 joins it. With tau = 1 group 0's steps never wait for it -- step 2 (the issue)
+    returns at once, and only step 3, where the result is due, waits; the same run with tau = 0 waits at step 2."""
+    sleep = 1.0
+    res = _run(2, {"steps": 4, "slow": {"member": 1, "step": 2, "sleep": sleep},
+                   "runs": [{"sync_every": 4, "num_fragments": 2, "fragment_sync_delay": tau}]})
+    times = res[0]["step_s"][0]
+    assert res[0]["syncs"][0][0].wait_s > 0.5 * sleep, res[0]["syncs"][0][0]
+    if tau:
+        assert times[1] < 0.25 * sleep and times[2] > 0.5 * sleep, f"the issue step waited: {times}"
+    else:
+        assert times[1] > 0.5 * sleep, f"tau = 0 did not wait at the issue: {times}"
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"sync_every": 0}, "sync_every must be an int >= 1"),
+    ({"sync_every": 4, "num_fragments": 0}, "num_fragments must be an int >= 1"),
+    ({"sync_every": 6, "num_fragments": 4}, "must be a multiple of num_fragments=4"),
+    ({"sync_every": 4, "num_fragments": 2, "fragment_sync_delay": 2}, r"fragment_sync_delay must be an int in \[0, "),
+    ({"sync_every": 4, "fragment_sync_delay": -1}, "fragment_sync_delay must be an int"),
+    ({"sync_every": 4, "fragment_update_alpha": 1.5}, r"fragment_update_alpha must be a number in \[0, 1\]"),
+    ({"sync_every": 4, "fragment_pattern": "random"}, "fragment_pattern must be one of"),
+    ({"sync_every": 4, "outer_dtype": "int4"}, "unknown outer_dtype 'int4'"),
+    ({"sync_every": 4, "outer_lr": -1.0}, "StreamingDiLoCoConfig.outer_lr must be a finite number > 0"),
+])
+def test_bad_config(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        StreamingDiLoCoConfig(**kwargs)
+
+
+def test_bad_blocks_name_what_is_wrong() -> None:
+    cfg = StreamingDiLoCoConfig(sync_every=4, num_fragments=2)
+    with Coordinator(CoordinatorConfig(membership=MembershipConfig(min_size=1, initial_size=1))) as coord:
+        holder: list[StreamingDiLoCo] = []
+        ft = FaultTolerant(FaultTolerantConfig(coordinator=coord.address, token=coord.token),
+                           state_dict=lambda: holder[0].state_dict(),
+                           load_state_dict=lambda s: holder[0].load_state_dict(s), join=False)
+        try:
+            model = _Model()
+            with pytest.raises(ValueError, match=r"parameters \[3\] of model are in no block"):
+                StreamingDiLoCo(ft, model, cfg, blocks=list(model.ws)[:3])
+            with pytest.raises(ValueError, match=r"parameter 0 \(\(3, 4\)\) is in two blocks"):
+                StreamingDiLoCo(ft, model, cfg, blocks=[model.ws[0], *model.ws])
+            with pytest.raises(ValueError, match="not among model's parameters"):
+                StreamingDiLoCo(ft, model, cfg, blocks=[nn.Linear(2, 2), *model.ws])
+            with pytest.raises(ValueError, match="2 blocks cannot make num_fragments=4"):
+                StreamingDiLoCo(ft, list(model.ws)[:2], StreamingDiLoCoConfig(sync_every=4, num_fragments=4))
+            with pytest.raises(TypeError, match="config must be a StreamingDiLoCoConfig"):
+                StreamingDiLoCo(ft, model, DiLoCoConfig(sync_every=2))  # type: ignore[arg-type]
+            sd = StreamingDiLoCo(ft, model, cfg)
+            holder.append(sd)
+            with pytest.raises(RuntimeError, match=r"StreamingDiLoCo.step\(\) before join\(\)"):
+                sd.step()
+            with pytest.raises(ValueError, match="not a StreamingDiLoCo state"):
+                sd.load_state_dict({"kind": "diloco"})
+            sd.join()
+            assert [sd.step() for _ in range(4)][1::2] != [None, None] and sd.outer_steps == (1, 1)
+            assert ft.step_count == 2
+            ft.finish()
+        finally:
+            ft.close()
