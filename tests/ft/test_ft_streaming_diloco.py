@@ -39,22 +39,25 @@ DTYPES = (torch.float64, torch.float32, torch.float64, torch.float32)  # two dty
 N_PARAMS = len(SHAPES)
 
 
-def _init(j: int) -> torch.Tensor:
+FP32 = (torch.float32,) * N_PARAMS  # the compressed runs: one bucket (one encoded vector) per fragment
+
+
+def _init(j: int, dtypes: tuple[torch.dtype, ...] = DTYPES) -> torch.Tensor:
     n = int(np.prod(SHAPES[j]))
-    return (1.5 + ((torch.arange(n, dtype=torch.float64) % 7) - 3) / 64).to(DTYPES[j]).reshape(SHAPES[j])
+    return (1.5 + ((torch.arange(n, dtype=torch.float64) % 7) - 3) / 64).to(dtypes[j]).reshape(SHAPES[j])
 
 
-def _coef(member: int, n: int, j: int) -> torch.Tensor:
+def _coef(member: int, n: int, j: int, dtypes: tuple[torch.dtype, ...] = DTYPES) -> torch.Tensor:
     """The gradient of parameter ``j`` at inner step ``n`` (1-based) on ``member``: multiples of 1/8."""
     k = int(np.prod(SHAPES[j]))
     c = ((torch.arange(k, dtype=torch.float64) * (j + 1) + 3 * member + 7 * n) % 5 - 2) / 8
-    return c.to(DTYPES[j]).reshape(SHAPES[j])
+    return c.to(dtypes[j]).reshape(SHAPES[j])
 
 
 class _Model(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dtypes: tuple[torch.dtype, ...] = DTYPES) -> None:
         super().__init__()
-        self.ws = nn.ParameterList([nn.Parameter(_init(j)) for j in range(N_PARAMS)])
+        self.ws = nn.ParameterList([nn.Parameter(_init(j, dtypes)) for j in range(N_PARAMS)])
 
     def forward(self, cs: list[torch.Tensor]) -> torch.Tensor:
         return sum(((w * c).sum().double() for w, c in zip(self.ws, cs, strict=True)), torch.zeros((), dtype=torch.float64))
@@ -62,24 +65,27 @@ class _Model(nn.Module):
 
 # ------------------------------------------------------------------------------------------------ the reference
 def reference(groups: int, steps: int, *, sync_every: int, fragments: list[list[int]], delay: int, alpha: float,
-              lr: float = 0.7, momentum: float = 0.9) -> tuple[list[list[list[torch.Tensor]]], list[torch.Tensor]]:
+              lr: float = 0.7, momentum: float = 0.9, dtypes: tuple[torch.dtype, ...] = DTYPES,
+              average: Any = None) -> tuple[list[list[list[torch.Tensor]]], list[torch.Tensor]]:
     """Streaming DiLoCo by hand, every group in one loop. Returns (per inner step, per group, the local parameters
     after that step's synchronization work; the final global copy).
 
     Outer step (per fragment, Nesterov SGD written with the ops of torch's single-tensor SGD so that it can be
     compared bitwise): ``buf = avg if first else momentum * buf + avg``; ``theta_g -= lr * (avg + momentum * buf)``.
+    ``average(p, deltas) -> {j: avg}`` replaces the plain mean (the compressed runs).
     """
     num = len(fragments)
     spacing = sync_every // num
-    theta = [[_init(j) for j in range(N_PARAMS)] for _ in range(groups)]
-    theta_g = [_init(j) for j in range(N_PARAMS)]
+    theta = [[_init(j, dtypes) for j in range(N_PARAMS)] for _ in range(groups)]
+    theta_g = [_init(j, dtypes) for j in range(N_PARAMS)]
     buf: list[torch.Tensor | None] = [None] * N_PARAMS
     pending: tuple[int, list[list[torch.Tensor]], int] | None = None  # (fragment, deltas[m][j], due)
     trajectory = []
 
     def outer(p: int, deltas: list[list[torch.Tensor]]) -> None:
+        avgs = None if average is None else average(p, deltas)
         for j in fragments[p]:
-            avg = sum(d[j] for d in deltas) / groups
+            avg = sum(d[j] for d in deltas) / groups if avgs is None else avgs[j]
             b = buf[j]
             buf[j] = avg.clone() if b is None else b * momentum + avg
             theta_g[j] = torch.add(theta_g[j], torch.add(avg, buf[j], alpha=momentum), alpha=-lr)
@@ -88,7 +94,7 @@ def reference(groups: int, steps: int, *, sync_every: int, fragments: list[list[
 
     for n in range(1, steps + 1):
         for m in range(groups):
-            theta[m] = [t - LR_IN * _coef(m, n, j) for j, t in enumerate(theta[m])]
+            theta[m] = [t - LR_IN * _coef(m, n, j, dtypes) for j, t in enumerate(theta[m])]
         if pending is not None and n == pending[2]:
             outer(pending[0], pending[1])
             pending = None
@@ -126,7 +132,8 @@ def _member(ctx: RankContext, addr: str, token: str, spec: dict[str, Any]) -> di
     after another on one ``ft``; ``slow`` ({"member", "step", "sleep"}: that member sleeps before that inner step)."""
     member = ctx.rank
     runs = spec["runs"]
-    models = [_Model() for _ in runs]
+    dtypes = tuple(getattr(torch, d) for d in spec.get("dtypes", [str(d).split(".")[1] for d in DTYPES]))
+    models = [_Model(dtypes) for _ in runs]
     algos: list[Any] = []
     ft = _ft(ctx, addr, token, algos)
     for run, model in zip(runs, models, strict=True):
@@ -146,7 +153,7 @@ def _member(ctx: RankContext, addr: str, token: str, spec: dict[str, Any]) -> di
         for n in range(1, spec["steps"] + 1):
             if slow and slow["member"] == member and slow["step"] == n:
                 time.sleep(slow["sleep"])
-            model([_coef(member, n, j) for j in range(N_PARAMS)]).backward()
+            model([_coef(member, n, j, dtypes) for j in range(N_PARAMS)]).backward()
             inner.step()
             inner.zero_grad()
             t0 = time.perf_counter()
@@ -242,6 +249,55 @@ def test_the_exchange_overlaps_the_inner_steps(tau: int) -> None:
         assert times[1] < 0.25 * sleep and times[2] > 0.5 * sleep, f"the issue step waited: {times}"
     else:
         assert times[1] > 0.5 * sleep, f"tau = 0 did not wait at the issue: {times}"
+
+
+def _dequantized_mean(fmt: str, frags: list[list[int]], **options: Any) -> Any:
+    """The compressed reduction's meaning: every group's fragment pseudo-gradient, flattened in parameter order, is
+    quantized and read back (torchnext.lowp, separately tested against torchao), and the results are added in fp32
+    in group order and divided by the number of groups."""
+    from torchnext.lowp import quantize
+
+    def average(p: int, deltas: list[list[torch.Tensor]]) -> dict[int, torch.Tensor]:
+        acc = None
+        for d in deltas:
+            flat = torch.cat([d[j].reshape(-1) for j in frags[p]]).to(torch.float32)
+            q = flat.to(torch.bfloat16).float() if fmt == "bf16" else quantize(flat, fmt, **options).dequantize(torch.float32)
+            acc = q if acc is None else acc + q
+        assert acc is not None
+        acc = acc / len(deltas)
+        out, off = {}, 0
+        for j in frags[p]:
+            k = int(np.prod(SHAPES[j]))
+            out[j] = acc[off:off + k].reshape(SHAPES[j])
+            off += k
+        return out
+
+    return average
+
+
+_FORMATS = {"bf16": ("bf16", {}), "mxfp8": ("mxfp8_e4m3", {}), "mxfp4": ("mxfp4", {}), "nvfp4": ("nvfp4", {"recipe": "te"})}
+
+
+@pytest.mark.slow
+def test_compressed_outer_gradients_are_reduced_in_fp32_bitwise_the_same_on_every_rank() -> None:
+    """bf16, mxfp8, mxfp4 and nvfp4 outer gradients on three groups: the global copy and the local parameters are
+    bitwise the same on every group after every step, and equal to the reference whose mean is the fp32 sum of the
+    quantized-and-read-back pseudo-gradients -- so a rank used its peers' codes and its own, not its fp32 original."""
+    steps, groups, frags = 9, 3, [[0, 2], [1, 3]]
+    base = {"sync_every": 4, "num_fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
+    res = _run(groups, {"steps": steps, "dtypes": ["float32"] * N_PARAMS,
+                        "runs": [{**base, "outer_dtype": d} for d in _FORMATS]})
+    fp32_traj, _ = reference(groups, steps, sync_every=4, fragments=frags, delay=1, alpha=0.5, dtypes=FP32)
+    for k, (name, (fmt, options)) in enumerate(_FORMATS.items()):
+        traj, theta_g = reference(groups, steps, sync_every=4, fragments=frags, delay=1, alpha=0.5, dtypes=FP32,
+                                  average=_dequantized_mean(fmt, frags, **options))
+        assert _bits(traj[-1][0]) != _bits(fp32_traj[-1][0]), f"{name}: the compressed reference is not compressed"
+        for r in res:
+            assert _bits(r["globals"][k]) == _bits(res[0]["globals"][k]), f"{name}: global copies differ across ranks"
+            assert _bits(r["globals"][k]) == _bits(theta_g), f"{name}, member {r['member']}: global copy differs"
+            for n, (g, w) in enumerate(zip(r["trajectories"][k], traj, strict=True)):
+                assert _bits(g) == _bits(w[r["member"]]), f"{name}, member {r['member']}: differs after step {n + 1}"
+            assert all(s.contributors == groups for s in r["syncs"][k])
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
