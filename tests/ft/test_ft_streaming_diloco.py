@@ -9,7 +9,10 @@ whichever way it is computed: a run must match the reference bitwise, after ever
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -25,10 +28,11 @@ from torchnext.ft import (
     FaultTolerant,
     FaultTolerantConfig,
     MembershipConfig,
+    MembershipError,
     StreamingDiLoCo,
     StreamingDiLoCoConfig,
 )
-from torchnext.testing import RankContext, run_ranks
+from torchnext.testing import RankContext, RankExited, run_ranks
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -66,13 +70,17 @@ class _Model(nn.Module):
 # ------------------------------------------------------------------------------------------------ the reference
 def reference(groups: int, steps: int, *, sync_every: int, fragments: list[list[int]], delay: int, alpha: float,
               lr: float = 0.7, momentum: float = 0.9, dtypes: tuple[torch.dtype, ...] = DTYPES,
-              average: Any = None) -> tuple[list[list[list[torch.Tensor]]], list[torch.Tensor]]:
+              average: Any = None, contributors: Any = None,
+              joins: dict[int, int] | None = None) -> tuple[list[list[list[torch.Tensor]]], list[torch.Tensor]]:
     """Streaming DiLoCo by hand, every group in one loop. Returns (per inner step, per group, the local parameters
     after that step's synchronization work; the final global copy).
 
     Outer step (per fragment, Nesterov SGD written with the ops of torch's single-tensor SGD so that it can be
     compared bitwise): ``buf = avg if first else momentum * buf + avg``; ``theta_g -= lr * (avg + momentum * buf)``.
-    ``average(p, deltas) -> {j: avg}`` replaces the plain mean (the compressed runs).
+    ``average(p, deltas) -> {j: avg}`` replaces the plain mean (the compressed runs). Faults:
+    ``contributors(n)``, the groups whose pseudo-gradients the synchronization issued at step ``n`` averages
+    (default: all); ``joins[m] = n``: group ``m`` gets the global copy at the issue of step ``n`` (and does not
+    contribute to that one).
     """
     num = len(fragments)
     spacing = sync_every // num
@@ -85,7 +93,7 @@ def reference(groups: int, steps: int, *, sync_every: int, fragments: list[list[
     def outer(p: int, deltas: list[list[torch.Tensor]]) -> None:
         avgs = None if average is None else average(p, deltas)
         for j in fragments[p]:
-            avg = sum(d[j] for d in deltas) / groups if avgs is None else avgs[j]
+            avg = sum(d[j] for d in deltas) / len(deltas) if avgs is None else avgs[j]
             b = buf[j]
             buf[j] = avg.clone() if b is None else b * momentum + avg
             theta_g[j] = torch.add(theta_g[j], torch.add(avg, buf[j], alpha=momentum), alpha=-lr)
@@ -100,8 +108,12 @@ def reference(groups: int, steps: int, *, sync_every: int, fragments: list[list[
             pending = None
         if n % spacing == 0:  # fragment p's pseudo-gradients are taken every H steps, fragments H / P apart
             p = (n // spacing - 1) % num
+            live = list(range(groups)) if contributors is None else contributors(n)
             deltas = [[theta_g[j] - theta[m][j] if j in fragments[p] else torch.zeros(0) for j in range(N_PARAMS)]
-                      for m in range(groups)]
+                      for m in live]
+            for m, at in (joins or {}).items():
+                if at == n:
+                    theta[m] = [t.clone() for t in theta_g]
             if delay == 0:
                 outer(p, deltas)
             else:
@@ -268,7 +280,7 @@ def _dequantized_mean(fmt: str, frags: list[list[int]], **options: Any) -> Any:
         out, off = {}, 0
         for j in frags[p]:
             k = int(np.prod(SHAPES[j]))
-            out[j] = acc[off:off + k].reshape(SHAPES[j])
+            out[j] = acc[off:off + k].reshape(SHAPES[j]).to(deltas[0][j].dtype)  # read back into the parameter dtype
             off += k
         return out
 
@@ -298,6 +310,189 @@ def test_compressed_outer_gradients_are_reduced_in_fp32_bitwise_the_same_on_ever
             for n, (g, w) in enumerate(zip(r["trajectories"][k], traj, strict=True)):
                 assert _bits(g) == _bits(w[r["member"]]), f"{name}, member {r['member']}: differs after step {n + 1}"
             assert all(s.contributors == groups for s in r["syncs"][k])
+
+
+# ------------------------------------------------------------------------------------------------------ faults
+_EXCHANGE = ("all_reduce", "all_gather_single")  # fp32 all-reduces (one per dtype bucket), else one all-gather
+_FT_CFG = {"sync_every": 4, "num_fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
+_FT_FRAGS = [[0, 2], [1, 3]]
+
+
+def _snapshot(sd: StreamingDiLoCo) -> dict[str, Any]:
+    momentum = []
+    for opt in sd.outer_optimizers:
+        st = opt.state_dict()["state"]
+        momentum.append([st[i]["momentum_buffer"].numpy().copy() for i in sorted(st)])
+    return {"global": [g.numpy().copy() for g in sd.global_params], "momentum": momentum,
+            "outer_steps": sd.outer_steps, "inner_steps": sd.inner_steps}
+
+
+def _ft_member(ctx: RankContext, addr: str, token: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """One replica group under faults. ``spec``: groups, steps, outer_dtype, kill ({"member", "step", "where":
+    inside|hang|idle}: inside/hang -- the exchange issued at that inner step; idle -- before that inner step), rejoin
+    (the inner step before which member 0 lets the replacement group in and waits for its generation)."""
+    groups, steps = spec["groups"], spec["steps"]
+    member = ctx.rank
+    joiner = member >= groups
+    if joiner:
+        ctx.store.wait(["down"], timedelta(seconds=60))
+    model = _Model()
+    algos: list[StreamingDiLoCo] = []
+    ft = _ft(ctx, addr, token, algos)
+    if joiner:
+        ctx.store.set("registered", "1")
+    sd = StreamingDiLoCo(ft, model, StreamingDiLoCoConfig(**_FT_CFG, outer_dtype=spec["outer_dtype"]),
+                         blocks=list(model.ws))
+    algos.append(sd)
+    out: dict[str, Any] = {"member": member, "statuses": []}
+    if member == 0 and spec.get("rejoin"):
+        def on_reconfigure(info: Any) -> None:
+            if info.joiners and member not in info.joiners:  # the donor: what it just sent
+                out["sent"] = _snapshot(sd)
+        ft.on_reconfigure(on_reconfigure)
+    if joiner:
+        ft.join()
+        out["received"] = _snapshot(sd)
+    sd.join()
+    if joiner:
+        out["joined_at"] = sd.inner_steps
+        out["joined_in_flight"] = sd.in_flight
+    kill = spec.get("kill")
+    survivors = [m for m in range(groups) if not kill or m != kill["member"]]
+    inner = torch.optim.SGD(model.parameters(), lr=LR_IN)
+    syncs = []
+    try:
+        while sd.inner_steps < steps:
+            n = sd.inner_steps + 1
+            if kill and n == kill["step"]:
+                if kill["where"] == "idle" and member == kill["member"]:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if kill["where"] != "idle":
+                    _arm(ctx, ft, kill, member, survivors, out["statuses"])
+            if member == 0 and spec.get("rejoin") == n:
+                ctx.store.set("down", "1")
+                ctx.store.wait(["registered"], timedelta(seconds=60))
+                deadline = time.monotonic() + 30
+                while ft._newest_gen <= ft.generation:  # the grown generation is announced: entered at the issue
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("no grown generation announced within 30 s")
+                    time.sleep(0.01)
+            model([_coef(member, n, j) for j in range(N_PARAMS)]).backward()
+            inner.step()
+            inner.zero_grad()
+            rec = sd.step()
+            if rec is not None:
+                syncs.append(rec)
+                if kill and kill["where"] == "hang" and member == 0 and rec.issued_at == kill["step"]:
+                    os.kill(int(ctx.store.get("hung_pid")), signal.SIGCONT)  # redone and committed: resume it
+        rec = sd.drain()
+        if rec is not None:
+            syncs.append(rec)
+    except MembershipError as exc:  # the hung member, resumed: the others went on without it
+        ft.close()
+        out.update(removed=f"{type(exc).__name__}: {exc}", params=[p.detach().numpy().copy() for p in model.parameters()])
+        return out
+    ft.finish()
+    out.update(params=[p.detach().numpy().copy() for p in model.parameters()],
+               globals=[g.numpy().copy() for g in sd.global_params], syncs=syncs, step_count=ft.step_count)
+    return out
+
+
+def _arm(ctx: RankContext, ft: FaultTolerant, kill: dict[str, Any], member: int, survivors: list[int],
+         statuses: list[str]) -> None:
+    """Hooks on this generation's communicator for the exchange issued at this inner step. Survivors record how
+    their exchange ops ended and tell the store once they issued them (``in/<m>``); the doomed member, from the pre
+    hook of its first exchange op -- once every survivor's is in flight (they went on with their inner steps) --
+    is SIGKILLed (``inside``) or SIGSTOPped (``hang``: removed after the heartbeat timeout; member 0 resumes it
+    once the redone synchronization committed)."""
+    if member != kill["member"]:
+        def pre(info: Any) -> None:
+            if info.op in _EXCHANGE:
+                ctx.store.set(f"in/{member}", "1")
+
+        def post(a: Any) -> None:
+            if a.info.op in _EXCHANGE:
+                statuses.append(a.status.name)
+
+        ft.register_pre_hook(pre)
+        ft.register_post_hook(post)
+        return
+    fired: list[int] = []
+
+    def doom(info: Any) -> None:
+        if info.op in _EXCHANGE and not fired:
+            fired.append(1)
+            ctx.store.wait([f"in/{m}" for m in survivors], timedelta(seconds=30))
+            time.sleep(0.05)
+            if kill["where"] == "hang":
+                ctx.store.set("hung_pid", str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    ft.register_pre_hook(doom)
+
+
+def _ft_run(groups: int, spec: dict[str, Any], *, extra: int = 0, allow_exit: tuple[int, ...] = (),
+            grow_timeout_s: float = 30.0) -> list[Any]:
+    cfg = MembershipConfig(min_size=1, initial_size=groups, grow_timeout_s=grow_timeout_s, **_PATIENT)
+    with Coordinator(CoordinatorConfig(membership=cfg)) as coord:
+        return run_ranks(_ft_member, groups + extra, args=(coord.address, coord.token, {"groups": groups, **spec}),
+                         timeout=120, allow_exit=allow_exit)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("where", "outer_dtype"), [("inside", "fp32"), ("inside", "mxfp4"), ("hang", "fp32")])
+def test_group_lost_during_the_overlapped_exchange_is_redone_with_the_live_groups(where: str, outer_dtype: str) -> None:
+    """Member 2 is SIGKILLed -- or SIGSTOPped -- inside the exchange issued at inner step 4 (fragment 1), after the
+    other two issued theirs and went on training. At step 5, where it is due, it cannot commit; the survivors apply
+    nothing of it and redo it at once with the two live groups, from the pseudo-gradients taken at step 4. A hung
+    member, resumed afterwards, learns it was removed."""
+    steps = 9
+    res = _ft_run(3, {"steps": steps, "outer_dtype": outer_dtype, "kill": {"member": 2, "step": 4, "where": where}},
+                  allow_exit=(2,))
+    if where == "hang":
+        assert "removed" in res[2]["removed"], res[2]
+    else:
+        assert isinstance(res[2], RankExited)
+    average = None if outer_dtype == "fp32" else _dequantized_mean(outer_dtype, _FT_FRAGS)
+    traj, theta_g = reference(3, steps, sync_every=4, fragments=_FT_FRAGS, delay=1, alpha=0.5, average=average,
+                              contributors=lambda n: [0, 1, 2] if n < 4 else [0, 1])
+    for r in res[:2]:
+        assert r["statuses"] and "COMPLETED" not in r["statuses"], r["statuses"]  # the first attempt was cut short
+        syncs = r["syncs"]
+        assert [s.issued_at for s in syncs] == [2, 4, 6, 8] and [s.contributors for s in syncs] == [3, 2, 2, 2]
+        assert syncs[1].attempts >= 2 and syncs[1].applied_at == 5 and syncs[1].generation > 1, syncs[1]
+        assert _bits(r["params"]) == _bits(traj[-1][r["member"]]), f"member {r['member']}: a partial or lost outer step"
+        assert _bits(r["globals"]) == _bits(theta_g)
+
+
+@pytest.mark.slow
+def test_joiner_mid_fragment_receives_every_fragments_global_copy_and_outer_state() -> None:
+    """Group 1 dies before inner step 4 (nothing in flight: the exchange of step 2 was applied at step 3); group 0
+    goes on alone; a replacement group (member 2) is healed at the
+    issue of step 6 (fragment 0, due at step 7): it receives both fragments' global copies and momentum, the schedule's
+    position, and takes part in the overlapped exchange under way (zeros, not counted), then contributes."""
+    steps = 11
+    res = _ft_run(2, {"steps": steps, "outer_dtype": "fp32", "rejoin": 6,
+                      "kill": {"member": 1, "step": 4, "where": "idle"}},
+                  extra=1, allow_exit=(1,), grow_timeout_s=0.3)
+    assert isinstance(res[1], RankExited)
+    donor, joiner = res[0], res[2]
+    sent, got = donor["sent"], joiner["received"]
+    assert got["inner_steps"] == sent["inner_steps"] == 6 and got["outer_steps"] == sent["outer_steps"] == (1, 1)
+    assert _bits(got["global"]) == _bits(sent["global"])
+    assert [len(m) for m in got["momentum"]] == [2, 2], "an outer optimizer's momentum was not healed"
+    for a, b in zip(got["momentum"], sent["momentum"], strict=True):
+        assert _bits(a) == _bits(b)
+    assert joiner["joined_at"] == 6 and joiner["joined_in_flight"] == 0
+    traj, theta_g = reference(3, steps, sync_every=4, fragments=_FT_FRAGS, delay=1, alpha=0.5,
+                              contributors=lambda n: [0, 1] if n < 4 else [0] if n <= 6 else [0, 2], joins={2: 6})
+    for r in (donor, joiner):
+        assert _bits(r["params"]) == _bits(traj[-1][r["member"]]), f"member {r['member']} differs from the reference"
+        assert _bits(r["globals"]) == _bits(theta_g)
+    assert [s.contributors for s in joiner["syncs"]] == [1, 2, 2]
+    assert [(s.issued_at, s.contributors) for s in donor["syncs"]] == [(2, 2), (4, 1), (6, 1), (8, 2), (10, 2)]
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
