@@ -12,8 +12,8 @@ Measured per process, medians over the processes:
 
 * ``loss``: cross-entropy of the final global copy (every group adopts it after the last synchronization) on
   ``--eval-batches`` held-out batches -- the same batches for every mode;
-* ``payload B/step``: bytes handed to the exchange collectives on ft's communicator (a post hook on ``all_reduce``
-  and ``all_gather_single``) per inner step; ``wire B/step``: the bytes a ring algorithm sends per rank for them
+* ``payload B/step``: bytes handed to the exchange collectives on ft's communicator (a pre hook on ``all_reduce``
+  and ``all_gather_single``, at the issue) per inner step; ``wire B/step``: the bytes a ring algorithm sends per rank for them
   (all-reduce: ``2 (M - 1) / M`` x payload; all-gather: ``(M - 1)`` x payload); ``written B/step``: the process's
   ``wchar`` (``/proc/self/io``: every byte written to a socket or file -- Gloo's traffic, heartbeats, votes);
 * ``peak B/sync``: the largest payload of one synchronization;
@@ -83,11 +83,11 @@ def _member(ctx: RankContext, addr: str, token: str, mode: str, args: dict[str, 
     algo.join()
     payloads: list[int] = []
 
-    def count(a: Any) -> None:
-        if a.info.op in _EXCHANGE:
-            payloads.append(sum(t.numel() * t.element_size() for t in a.info.inputs))
+    def count(info: Any) -> None:
+        if info.op in _EXCHANGE:
+            payloads.append(sum(t.numel() * t.element_size() for t in info.inputs))
 
-    ft.register_post_hook(count)  # this generation's communicator: no failure in this benchmark
+    ft.register_pre_hook(count)  # at the issue, on this generation's communicator: no failure in this benchmark
     streaming = mode != "diloco"
     busy, idle, issue_s, complete_s, per_sync = [], [], [], [], []
     w0 = _wchar()
