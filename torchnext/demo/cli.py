@@ -22,7 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parallel", choices=[p.value for p in Parallel], default=d.parallel,
                         help="hsdp: FSDP2 inside replica groups of --shard-size ranks, fault tolerance across them; "
                              "ddp: torch's DDP, every rank its own replica group; diloco: inner FSDP2 steps, outer "
-                             "sync every --sync-every steps (default %(default)s)")
+                             "sync every --sync-every steps; streaming-diloco: the same by --fragments, each fragment's "
+                             "exchange overlapped with the next inner step, outer gradients in --outer-dtype "
+                             "(default %(default)s)")
     parser.add_argument("--shard-size", type=int, default=d.shard_size,
                         help="hsdp/diloco: ranks per replica group; --ranks must be a multiple (default %(default)s)")
     parser.add_argument("--steps", type=int, default=d.steps, help="committed training steps (default %(default)s)")
@@ -44,7 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "each failed group restarted from warm spares; the summary adds the faults survived, "
                              "recovery p50/p99 and a survivor's thread/fd growth")
     parser.add_argument("--sync-every", type=int, default=d.sync_every,
-                        help="diloco: inner steps between outer synchronizations (default %(default)s)")
+                        help="diloco: inner steps between outer synchronizations; streaming-diloco: between two of "
+                             "one fragment (default %(default)s)")
+    parser.add_argument("--fragments", type=int, default=d.fragments,
+                        help="streaming-diloco: fragments, --sync-every / --fragments steps apart (default %(default)s)")
+    parser.add_argument("--outer-dtype", choices=["fp32", "bf16", "mxfp8", "mxfp4", "nvfp4"], default=d.outer_dtype,
+                        help="streaming-diloco: wire format of the outer gradients, reduced in fp32 "
+                             "(default %(default)s)")
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=d.seq_len, help="characters per sequence")
     parser.add_argument("--seed", type=int, default=d.seed,
@@ -83,6 +91,7 @@ def _config(args: argparse.Namespace) -> Any:
     cfg = DemoConfig(ranks=args.ranks, steps=args.steps, precision=args.precision, parallel=args.parallel,
                      shard_size=args.shard_size, rejoin=args.rejoin, batch_size=args.batch_size,
                      seq_len=args.seq_len, seed=args.seed, sync_every=args.sync_every, out=args.out, chaos=args.chaos,
+                     fragments=args.fragments, outer_dtype=args.outer_dtype,
                      timeout_s=args.timeout, **kw)
     cfg.validate()
     return cfg
@@ -117,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=False, highlight=False)
     try:
         cfg = _config(args)
-        if cfg.parallel == "diloco":
+        if cfg.parallel in ("diloco", "streaming-diloco"):
             from torchnext.demo.train import _require_diloco
 
             _require_diloco()

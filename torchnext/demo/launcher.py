@@ -77,7 +77,11 @@ class DemoConfig:
     seed: int = 0
     """Seed of the model, the data and the ``chaos`` schedule."""
     sync_every: int = 10
-    """diloco: inner steps between outer synchronizations."""
+    """diloco: inner steps between outer synchronizations; streaming-diloco: between two of one fragment."""
+    fragments: int = 2
+    """streaming-diloco: fragments synchronized ``sync_every / fragments`` steps apart."""
+    outer_dtype: str = "fp32"
+    """streaming-diloco: wire format of the outer gradients (fp32, bf16, mxfp8, mxfp4, nvfp4)."""
     out: str = "./torchnext-demo"
     """Output folder."""
     timeout_s: float = 600.0
@@ -139,6 +143,15 @@ class DemoConfig:
                                  f"(--parallel {self.parallel} runs replica groups of --shard-size ranks)")
         if self.sync_every < 1:
             raise ValueError(f"--sync-every must be >= 1, got {self.sync_every}")
+        if self.parallel == "streaming-diloco":
+            from torchnext.ft.compression import outer_codec
+
+            if self.fragments < 1 or self.sync_every % self.fragments:
+                raise ValueError(f"--fragments {self.fragments} must be >= 1 and divide --sync-every {self.sync_every}")
+            try:
+                outer_codec(self.outer_dtype)
+            except ValueError as exc:
+                raise ValueError(f"--outer-dtype: {exc}") from None
         for flag, v in (("--batch-size", self.batch_size), ("--seq-len", self.seq_len)):
             if v < 1:
                 raise ValueError(f"{flag} must be >= 1, got {v}")
@@ -269,7 +282,8 @@ class _Launcher:
                "--batch-size", str(cfg.batch_size), "--seq-len", str(cfg.seq_len), "--seed", str(cfg.seed),
                "--out", str(self.out), "--member-id", str(member), "--lowp-backend", cfg.lowp_backend,
                "--min-size", str(_min_groups(cfg.groups)), "--parallel", cfg.parallel,
-               "--sync-every", str(cfg.sync_every), *(["--standby"] if standby else [])]
+               "--sync-every", str(cfg.sync_every), "--fragments", str(cfg.fragments), "--outer-dtype", cfg.outer_dtype,
+               *(["--standby"] if standby else [])]
         if cfg.parallel != "ddp":
             cmd += ["--replica-group", str(self.group_of(slot)), "--group-rank", str(slot % cfg.group_size),
                     "--group-size", str(cfg.group_size), "--incarnation", str(incarnation),
@@ -389,7 +403,7 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
     from torchnext.ft.coordinator import bound_store
 
     cfg.validate()
-    if cfg.parallel == "diloco":
+    if cfg.parallel in ("diloco", "streaming-diloco"):
         from torchnext.demo.train import _require_diloco
 
         _require_diloco()

@@ -54,6 +54,10 @@ class Parallel(str, enum.Enum):
     HSDP = "hsdp"
     DDP = "ddp"
     DILOCO = "diloco"
+    STREAMING_DILOCO = "streaming-diloco"
+
+
+_OUTER = (Parallel.DILOCO, Parallel.STREAMING_DILOCO)  # inner steps inside the group, outer synchronizations across
 
 
 @dataclass(kw_only=True)
@@ -98,7 +102,12 @@ class TrainConfig:
     """hsdp/diloco: ``host:port`` of a TCPStore (the coordinator's) where the replica group's own process group
     rendezvous under ``demo/g<group>/i<incarnation>``; None: torchrun's ``env://`` rendezvous."""
     sync_every: int = 10
-    """diloco: inner steps between outer synchronizations."""
+    """diloco: inner steps between outer synchronizations; streaming-diloco: between two of one fragment."""
+    fragments: int = 2
+    """streaming-diloco: fragments (``sync_every`` must be a multiple), blocks assigned strided; the exchange
+    overlaps one inner step (tau = 1, alpha = 0.5) when they are more than one step apart."""
+    outer_dtype: str = "fp32"
+    """streaming-diloco: wire format of the outer gradients (fp32, bf16, mxfp8, mxfp4, nvfp4)."""
 
     def __post_init__(self) -> None:
         try:
@@ -186,7 +195,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     from torchnext.ft.state import load_sharded_state, sharded_state
 
     parallel = Parallel(cfg.parallel)
-    if parallel is Parallel.DILOCO:
+    if parallel in _OUTER:
         _require_diloco()
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1)
@@ -248,7 +257,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             from torchnext.ft import device_mesh
 
             net = _fully_shard(model, device_mesh(ft, ("replicate", "shard")))
-        elif parallel is Parallel.DILOCO:
+        elif parallel in _OUTER:
             from torch.distributed.device_mesh import DeviceMesh
 
             # inner steps shard over this replica group's own ranks only (ft.device_mesh would all-reduce the
@@ -266,6 +275,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
             outer.append(DiLoCo(ft, model, DiLoCoConfig(sync_every=cfg.sync_every)))
             outer[0].join()
+        elif parallel is Parallel.STREAMING_DILOCO:
+            outer.append(_streaming(ft, model, cfg))
+            outer[0].join()
         else:
             ft.join()
         first = ft.reconfigurations[-1] if ft.reconfigurations else None
@@ -273,7 +285,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
               generation=ft.generation, size=ft.size, step=loop.step_no(outer), pid=os.getpid(),
               healed=None if first is None or first.healed is None else asdict(first.healed))
         t_start = time.monotonic()
-        if outer:
+        if parallel is Parallel.STREAMING_DILOCO:
+            loop.run_streaming(outer[0])
+        elif outer:
             loop.run_diloco(outer[0])
         else:
             loop.run()
@@ -338,6 +352,8 @@ class _Loop:
 
     def step_no(self, outer: list[Any]) -> int:
         """Training steps done: committed steps, or (diloco) synchronizations x sync_every + inner steps since."""
+        if outer and isinstance(outer[0].outer_steps, tuple):  # streaming-diloco: the schedule's position
+            return int(outer[0].inner_steps)
         if outer:
             return int(outer[0].outer_steps * self.cfg.sync_every + outer[0].inner_steps)
         return int(self.ft.step_count)
@@ -397,6 +413,37 @@ class _Loop:
                 synced = True
             self._emit_step(step_no + 1, float(stat), t0, synced=synced, outer_steps=algo.outer_steps)
 
+    def run_streaming(self, algo: Any) -> None:
+        """Inner steps; each ``step()`` issues or completes a fragment's synchronization (overlapped). After the
+        last one, the synchronization in flight is completed and every group adopts the global copy, so that the
+        groups end on the same parameters (with alpha > 0 the local parameters are a mix until then)."""
+        from torchnext.ft.state import local
+
+        while (step_no := self.step_no([algo])) < self.cfg.steps:
+            t0 = time.monotonic()
+            stat = self._forward_backward(step_no)
+            self.opt.step()
+            rec = algo.step()
+            if step_no + 1 == self.cfg.steps:
+                rec = algo.drain() or rec
+                with torch.no_grad():
+                    for p, g in zip(self.model.parameters(), algo.global_params, strict=True):
+                        local(p.detach()).copy_(g)
+            self._emit_step(step_no + 1, float(stat), t0, synced=rec is not None, outer_steps=list(algo.outer_steps),
+                            fragment=None if rec is None else rec.fragment,
+                            outer_bytes=None if rec is None else rec.payload_bytes)
+
+
+def _streaming(ft: Any, model: Any, cfg: TrainConfig) -> Any:
+    """The demo's StreamingDiLoCo: the embeddings, each transformer block and the head are the blocks."""
+    from torchnext.ft import StreamingDiLoCo, StreamingDiLoCoConfig
+
+    spacing = cfg.sync_every // cfg.fragments if cfg.sync_every % cfg.fragments == 0 else 0
+    config = StreamingDiLoCoConfig(sync_every=cfg.sync_every, num_fragments=cfg.fragments, outer_dtype=cfg.outer_dtype,
+                                   fragment_sync_delay=1 if spacing > 1 else 0,
+                                   fragment_update_alpha=0.5 if spacing > 1 else 0.0)
+    return StreamingDiLoCo(ft, model, config, blocks=[model.tok, model.pos, *model.blocks, model.ln_f, model.head])
+
 
 def _warm_up(model: torch.nn.Module, parallel: Parallel) -> None:
     """A warm spare's preparation: the imports FaultTolerant, FSDP2, DiLoCo and the optimizer make on first use
@@ -408,7 +455,7 @@ def _warm_up(model: torch.nn.Module, parallel: Parallel) -> None:
 
     import torchnext.ft
 
-    if parallel is Parallel.DILOCO:
+    if parallel in _OUTER:
         import torchnext.ft.diloco  # noqa: F401
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]).step()  # the optimizer's lazy imports
     with torch.no_grad():
@@ -501,6 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--incarnation", type=int, default=d.incarnation)
     p.add_argument("--store", default=None, help="host:port of the TCPStore the replica group rendezvous at")
     p.add_argument("--sync-every", type=int, default=d.sync_every)
+    p.add_argument("--fragments", type=int, default=d.fragments)
+    p.add_argument("--outer-dtype", default=d.outer_dtype)
     return p
 
 

@@ -8,9 +8,12 @@ generation, commits steps in two phases (:class:`Step`; what ends an attempt is 
 A member may be one rank of a *replica group* (the failure domain); the replicate dimension is one stable torch
 process group (:class:`FaultTolerantProcessGroup`, ``ft.process_group``) on which torch's DDP
 (:class:`DistributedDataParallel`) and FSDP2's HSDP (:func:`device_mesh`) run; :class:`DiLoCo` and :class:`LocalSGD`
-train inside each group and synchronize across the live groups every H steps. See docs/fault_tolerance.md.
+train inside each group and synchronize across the live groups every H steps; :class:`StreamingDiLoCo` does so by
+fragments, overlapped with the inner steps, with compressed outer gradients (:class:`OuterDType`). See
+docs/fault_tolerance.md.
 """
 
+from torchnext.ft.compression import OuterDType as OuterDType
 from torchnext.ft.config import FaultTolerantConfig as FaultTolerantConfig
 from torchnext.ft.config import Reconfiguration as Reconfiguration
 from torchnext.ft.coordinator import Coordinator as Coordinator
@@ -38,8 +41,17 @@ from torchnext.ft.membership import RemovedFromGroup as RemovedFromGroup
 from torchnext.ft.mesh import device_mesh as device_mesh
 from torchnext.ft.process_group import FaultTolerantProcessGroup as FaultTolerantProcessGroup
 from torchnext.ft.step import Step as Step
+from torchnext.ft.streaming import FragmentPattern as FragmentPattern
+from torchnext.ft.streaming import FragmentSync as FragmentSync
+from torchnext.ft.streaming import StreamingDiLoCo as StreamingDiLoCo
+from torchnext.ft.streaming import StreamingDiLoCoConfig as StreamingDiLoCoConfig
 
 __all__ = [
+    "StreamingDiLoCoConfig",
+    "StreamingDiLoCo",
+    "OuterDType",
+    "FragmentSync",
+    "FragmentPattern",
     "Coordinator",
     "CoordinatorConfig",
     "CoordinatorLost",

@@ -117,6 +117,41 @@ class LocalSGDConfig:
 _DEFAULT_OUTER = (0.7, 0.9, True)
 
 
+def _check_outer(owner: str, lr: object, momentum: object, nesterov: object, factory: object) -> None:
+    """Validate the outer optimizer fields of ``owner`` (a config class name): SGD's, or a factory instead."""
+    if factory is not None:
+        if not callable(factory):
+            raise ValueError(f"{owner}.outer_optimizer must be a callable (global params -> optimizer), got {factory!r}")
+        if (lr, momentum, nesterov) != _DEFAULT_OUTER:
+            raise ValueError(f"{owner}: outer_optimizer is given, so outer_lr={lr!r}, outer_momentum={momentum!r}, "
+                             f"outer_nesterov={nesterov!r} would be ignored; set one or the other")
+        return
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        raise ValueError(f"{owner}.outer_lr must be a finite number > 0, got {lr!r}")
+    if (isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not math.isfinite(momentum)
+            or not 0 <= momentum < 1):
+        raise ValueError(f"{owner}.outer_momentum must be in [0, 1), got {momentum!r}")
+    if not isinstance(nesterov, bool):
+        raise ValueError(f"{owner}.outer_nesterov must be a bool, got {nesterov!r}")
+    if nesterov and momentum == 0:
+        raise ValueError(f"{owner}: outer_nesterov=True needs outer_momentum > 0 (or set outer_nesterov=False)")
+
+
+def _make_outer(owner: str, factory: OuterOptimizerFactory | None, lr: float, momentum: float, nesterov: bool,
+                params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The outer optimizer over ``params`` (a global copy): ``factory(params)``, else SGD; checked to optimize
+    exactly ``params`` in order."""
+    opt = factory(params) if factory is not None else torch.optim.SGD(params, lr=lr, momentum=momentum,
+                                                                        nesterov=nesterov)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ValueError(f"{owner}.outer_optimizer returned {type(opt).__name__}, not a torch.optim.Optimizer")
+    given = [p for group in opt.param_groups for p in group["params"]]
+    if len(given) != len(params) or any(a is not b for a, b in zip(given, params, strict=True)):
+        raise ValueError(f"{owner}.outer_optimizer must optimize exactly the tensors it is given (the global "
+                         f"copy, {len(params)} tensors), in order; it optimizes {len(given)} others")
+    return opt
+
+
 @dataclass(kw_only=True, slots=True)
 class DiLoCoConfig:
     """How often :class:`DiLoCo` synchronizes and which outer optimizer it applies (the paper's by default)."""
@@ -136,24 +171,7 @@ class DiLoCoConfig:
 
     def __post_init__(self) -> None:
         _check_sync_every("DiLoCoConfig", self.sync_every)
-        lr, momentum, nesterov = self.outer_lr, self.outer_momentum, self.outer_nesterov
-        if self.outer_optimizer is not None:
-            if not callable(self.outer_optimizer):
-                raise ValueError(f"DiLoCoConfig.outer_optimizer must be a callable (global params -> optimizer), "
-                                 f"got {self.outer_optimizer!r}")
-            if (lr, momentum, nesterov) != _DEFAULT_OUTER:
-                raise ValueError(f"DiLoCoConfig: outer_optimizer is given, so outer_lr={lr!r}, outer_momentum="
-                                 f"{momentum!r}, outer_nesterov={nesterov!r} would be ignored; set one or the other")
-            return
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-            raise ValueError(f"DiLoCoConfig.outer_lr must be a finite number > 0, got {lr!r}")
-        if (isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not math.isfinite(momentum)
-                or not 0 <= momentum < 1):
-            raise ValueError(f"DiLoCoConfig.outer_momentum must be in [0, 1), got {momentum!r}")
-        if not isinstance(nesterov, bool):
-            raise ValueError(f"DiLoCoConfig.outer_nesterov must be a bool, got {nesterov!r}")
-        if nesterov and momentum == 0:
-            raise ValueError("DiLoCoConfig: outer_nesterov=True needs outer_momentum > 0 (or set outer_nesterov=False)")
+        _check_outer("DiLoCoConfig", self.outer_lr, self.outer_momentum, self.outer_nesterov, self.outer_optimizer)
 
     def make_outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         """The outer optimizer over ``params`` (the global copy)."""
@@ -480,13 +498,8 @@ class DiLoCo(_OuterSynchronizer):
             raise TypeError(f"DiLoCo: config must be a DiLoCoConfig, got {type(config).__name__}")
         super().__init__(ft, model, config.sync_every)
         self.config = config
-        opt = config.make_outer_optimizer(list(self._global))
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise ValueError(f"DiLoCoConfig.outer_optimizer returned {type(opt).__name__}, not a torch.optim.Optimizer")
-        given = [p for group in opt.param_groups for p in group["params"]]
-        if len(given) != len(self._global) or any(a is not b for a, b in zip(given, self._global, strict=True)):
-            raise ValueError("DiLoCoConfig.outer_optimizer must optimize exactly the tensors it is given (the global "
-                             f"copy, {len(self._global)} tensors), in order; it optimizes {len(given)} others")
+        opt = _make_outer("DiLoCoConfig", config.outer_optimizer, config.outer_lr, config.outer_momentum,
+                          config.outer_nesterov, list(self._global))
         self.outer_optimizer = opt
         """The outer optimizer, over :attr:`global_params`."""
 
