@@ -176,6 +176,16 @@ class TorchnextProcessGroup(dist.ProcessGroup):
         for comm in self._comms.values():
             comm.shutdown()
 
+    def set_timeout(self, timeout: timedelta) -> None:
+        """The default timeout of the group's later ops (every Communicator's :meth:`~torchnext.comms.Communicator
+        .set_timeout`); what ``ProcessGroup.set_timeout``, ``dist.set_timeout`` (torch >= 2.14) and, once torchnext
+        is imported, ``torch.distributed.distributed_c10d._set_pg_timeout`` do to a torchnext group."""
+        for comm in self.communicators.values():
+            comm.set_timeout(timeout)
+
+    def _set_default_timeout(self, timeout: timedelta) -> None:
+        self.set_timeout(timeout)
+
     def _get_sequence_number_for_group(self) -> int:
         return int(self._main._op_counter)
 
