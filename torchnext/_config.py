@@ -48,7 +48,9 @@ class EnvConfig:
     """``TORCHNEXT_FR_DUMP_DIR``: folder for automatic Flight Recorder dumps (None: no automatic dumps)."""
 
     autotune: str = "1"
-    """``TORCHNEXT_AUTOTUNE``: ``0`` (never time, use the static preference), ``1`` (time and cache), ``readonly``."""
+    """``TORCHNEXT_AUTOTUNE``: ``0`` (never time, use the static preference), ``1`` (time and cache, among the
+    candidates bitwise equal to the static choice: results never depend on timing), ``readonly``, ``fastest``
+    (time every candidate within tolerance: faster, but reruns and ranks may differ in the last bits)."""
 
     autotune_cache: str = str(Path.home() / ".cache" / "torchnext" / "autotune.json")
     """``TORCHNEXT_AUTOTUNE_CACHE``: path of the on-disk autotuner cache (JSON)."""
@@ -141,8 +143,8 @@ def env_config() -> EnvConfig:
         else:
             values[f.name] = _str(var, default)
     autotune = values["autotune"]
-    if autotune not in ("0", "1", "readonly"):
-        raise ValueError(f"TORCHNEXT_AUTOTUNE={autotune!r}: expected one of '0', '1', 'readonly'")
+    if autotune not in ("0", "1", "readonly", "fastest"):
+        raise ValueError(f"TORCHNEXT_AUTOTUNE={autotune!r}: expected one of '0', '1', 'readonly', 'fastest'")
     if values["cpu_kernels"] not in (0, 1):
         raise ValueError(f"TORCHNEXT_CPU_KERNELS={values['cpu_kernels']!r}: expected 0 or 1")
     if values["huge_pages"] not in (0, 1):

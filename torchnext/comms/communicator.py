@@ -276,6 +276,23 @@ class Communicator(CollectiveOps):
         """Default op timeout."""
         return self._timeout
 
+    def set_timeout(self, timeout: float | timedelta) -> None:
+        """Make ``timeout`` the default op timeout of every op issued from now on (ops in flight keep theirs); the
+        backend's own default follows (Gloo's ``_set_default_timeout``), so a longer timeout is not cut short by it.
+
+        Raises:
+            ValueError: ``timeout`` is not positive.
+        """
+        td = _as_timedelta(timeout)
+        if td.total_seconds() <= 0:
+            raise ValueError(f"communicator {self._name!r}: timeout must be positive, got {timeout!r}")
+        with self._lock:
+            self._timeout = td
+            self._timeout_s = td.total_seconds()
+        setter = getattr(self._pg, "_set_default_timeout", None)
+        if callable(setter):
+            setter(td)
+
     @property
     def store(self) -> dist.Store:
         """This communicator's namespaced store (keys under ``torchnext/<name>/``; a split child's under its own

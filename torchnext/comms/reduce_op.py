@@ -60,12 +60,14 @@ class ReduceOp(str, enum.Enum):
     @classmethod
     def from_c10d(cls, op: object) -> ReduceOp:
         """The op for a ``torch.distributed.ReduceOp`` (or its ``RedOpType``); ``ValueError`` naming ops torchnext
-        has no meaning for (``PREMUL_SUM``, an NCCL-only pre-multiplied sum)."""
+        has no Communicator op for (``PREMUL_SUM``: a torchnext process group runs it as a SUM of pre-multiplied
+        tensors, see :mod:`torchnext.comms.process_group.group`; on a Communicator, scale and SUM)."""
         kind = getattr(op, "op", op)  # a ReduceOp wraps a RedOpType
         found = _FROM_C10D.get(kind)
         if found is None:
             raise ValueError(f"reduce op {kind} is not supported by torchnext (it supports "
-                             f"{[m.name for m in cls]}; PREMUL_SUM is NCCL's own)")
+                             f"{[m.name for m in cls]}; PREMUL_SUM runs on torchnext process groups: on a "
+                             "Communicator, multiply by the factor and SUM)")
         return found
 
 

@@ -148,6 +148,7 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         me = dist.get_rank() if dist.is_initialized() else 0
         self._mapping: dict[int, int] = {me: ft.rank if ft.members else 0}  # torch's global -> group rank, current
         self._me = me
+        self._timeout: timedelta | None = None  # set_timeout's, for every later generation
         name = f"torchnext:{ft.config.name}:member{ft.member_id}:{next(_IDS)}"
         self._group_name = name
         _register(self, name, dist.HashStore(), self._mapping)
@@ -156,6 +157,19 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
     def _reconfigured(self, info: Reconfiguration) -> None:
         self._mapping.clear()
         self._mapping[self._me] = info.rank
+        comm = self._ft._comm
+        if self._timeout is not None and comm is not None:
+            comm.set_timeout(self._timeout)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """The default op timeout of the current generation's Communicator and of every later one (instead of
+        ``FTConfig.timeout_s``)."""
+        comm = self._ft._comm
+        if comm is not None:
+            comm.set_timeout(timeout)  # validates it
+        elif not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+            raise ValueError(f"set_timeout: timeout must be a positive timedelta, got {timeout!r}")
+        self._timeout = timeout
 
     # ------------------------------------------------------------------------------------------- identity
     def getRank(self) -> int:

@@ -36,11 +36,13 @@ from torchnext.lowp.quantize import dequantize, quantization_error, quantize
 from torchnext.lowp.scales import swizzle, unswizzle
 from torchnext.lowp.tensor import BlockScaledTensor
 from torchnext.lowp.training import (
+                                    LowpConversionWarning,
                                     LowpTrainingLinear,
                                     Recipe,
                                     bf16_tail_filter,
                                     convert_to_lowp_training,
                                     lowp_linear,
+                                    plan_lowp_training,
                                     set_lowp_step,
 )
 
@@ -50,6 +52,7 @@ __all__ = [
     "Epilogue",
     "EpilogueError",
     "KernelBackend",
+    "LowpConversionWarning",
     "LowpTrainingLinear",
     "MXFP8Linear",
     "NVFP4Linear",
@@ -63,6 +66,7 @@ __all__ = [
     "register_activation",
     "register_backend",
     "scaled_mm",
+    "plan_lowp_training",
     "set_lowp_step",
     "FORMATS",
     "BlockScaledTensor",

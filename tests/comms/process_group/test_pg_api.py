@@ -67,7 +67,7 @@ def errors_body(ctx: RankContext) -> dict[str, str]:
     dist.init_process_group("torchnext", store=ctx.store, rank=ctx.rank, world_size=ctx.world_size)
     cases = {
         "meta": lambda: dist.all_reduce(torch.ones(2, device="meta")),
-        "premul": lambda: dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0)),
+        "premul_int": lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist._make_nccl_premul_sum(2.0)),
         "band_float": lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND),
         "avg_int": lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG),
         "two_tensors": lambda: dist.group.WORLD.allreduce([torch.ones(2), torch.ones(2)]),  # type: ignore[union-attr]
@@ -87,7 +87,7 @@ def errors_body(ctx: RankContext) -> dict[str, str]:
 def test_bad_input_raises_before_issue_and_names_the_problem() -> None:
     out = run_ranks(errors_body, 2, timeout=120)[0]
     assert out["meta"].startswith("ValueError") and "meta" in out["meta"] and "cpu" in out["meta"]
-    assert out["premul"].startswith("ValueError") and "PREMUL_SUM" in out["premul"]
+    assert out["premul_int"].startswith("TypeError") and "PREMUL_SUM" in out["premul_int"]
     assert out["band_float"].startswith("TypeError") and "BAND" in out["band_float"]
     assert out["avg_int"].startswith("TypeError") and "AVG" in out["avg_int"]
     assert out["two_tensors"].startswith("ValueError") and "one tensor per call" in out["two_tensors"]

@@ -15,8 +15,11 @@ from torchnext.comms.process_group.backend import as_process_group as as_process
 from torchnext.comms.process_group.backend import create as create
 from torchnext.comms.process_group.group import BACKEND_NAME as BACKEND_NAME
 from torchnext.comms.process_group.group import TorchnextProcessGroup as TorchnextProcessGroup
+from torchnext.comms.process_group.timeouts import install as _install_timeout_setters
+from torchnext.comms.process_group.timeouts import set_timeout as set_timeout
 from torchnext.comms.process_group.work import GroupWork as GroupWork
 
-__all__ = ["BACKEND_NAME", "GroupWork", "TorchnextProcessGroup", "as_process_group", "create"]
+__all__ = ["BACKEND_NAME", "GroupWork", "TorchnextProcessGroup", "as_process_group", "create", "set_timeout"]
 
 register_factory("as_process_group", as_process_group)
+_install_timeout_setters()

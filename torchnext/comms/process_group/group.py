@@ -18,6 +18,16 @@ Op mapping (torch's method -> the Communicator op; every one is issued ``async_o
     alltoall(outs, ins)           -> all_to_all(outs, ins)      alltoall_base(o, i, os, is) -> all_to_all_single
     gather, scatter, barrier, send, recv, recv_anysource        -> the ops of the same name
 
+``PREMUL_SUM`` (``dist._make_nccl_premul_sum(factor)``, ``ReduceOp.PREMUL_SUM(factor)``: what FSDP2 reduces
+gradients with once a gradient divide factor is set) runs as NCCL defines it: every rank's contribution is
+pre-multiplied by ``factor`` (a Python number, or a one-element tensor) and the products summed::
+
+    out = sum(x_r * factor for r in ranks)   # x_r * factor: torch's mul in x's dtype, on each rank, then SUM
+
+on every reduction (allreduce[_coalesced], reduce, reduce_scatter[_tensor[_coalesced]]); an in-place op scales
+its own tensor (its contents are replaced by the result anyway), a reduce-scatter scales a copy of its input.
+Floating and complex dtypes only (``TypeError`` otherwise, as the product of an integer and a factor is no integer).
+
 Failures (see :mod:`torchnext.comms.process_group.work`): a failed op raises from ``wait()``; its future never
 raises; and once the communicator is errored or aborted, every later call into the group raises the original
 failure's class (``PeerFailure``, ``CommTimeout``, ``CommAborted``) naming the op it refused.
@@ -166,6 +176,16 @@ class TorchnextProcessGroup(dist.ProcessGroup):
         for comm in self._comms.values():
             comm.shutdown()
 
+    def set_timeout(self, timeout: timedelta) -> None:
+        """The default timeout of the group's later ops (every Communicator's :meth:`~torchnext.comms.Communicator
+        .set_timeout`); what ``ProcessGroup.set_timeout``, ``dist.set_timeout`` (torch >= 2.14) and, once torchnext
+        is imported, ``torch.distributed.distributed_c10d._set_pg_timeout`` do to a torchnext group."""
+        for comm in self.communicators.values():
+            comm.set_timeout(timeout)
+
+    def _set_default_timeout(self, timeout: timedelta) -> None:
+        self.set_timeout(timeout)
+
     def _get_sequence_number_for_group(self) -> int:
         return int(self._main._op_counter)
 
@@ -218,31 +238,39 @@ class TorchnextProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupWork:  # type: ignore[override]
         if len(tensors) != 1:
             _only(tensors, "allreduce")
-        op, td = _reduce_op(opts), _timeout(opts)
+        (op, factor), td = _reduce_op(opts), _timeout(opts)
+        if factor is not None:
+            return self._run_inplace("all_reduce", tensors, lambda c, s: c.all_reduce(
+                _premul_(s[0], factor, "allreduce"), op, async_op=True, timeout=td))
         return self._run_inplace("all_reduce", tensors, lambda c, s: c.all_reduce(s[0], op, async_op=True, timeout=td))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupWork:
         if not tensors:
             raise ValueError("allreduce_coalesced: no tensors")
-        op, td = _reduce_op(opts), _timeout(opts)
-        return self._run_inplace("all_reduce", tensors,
-                                 lambda c, s: [c.all_reduce(t, op, async_op=True, timeout=td) for t in s])
+        (op, factor), td = _reduce_op(opts), _timeout(opts)
+        return self._run_inplace("all_reduce", tensors, lambda c, s: [
+            c.all_reduce(_premul_(t, factor, "allreduce_coalesced"), op, async_op=True, timeout=td) for t in s])
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> GroupWork:  # type: ignore[override]
         _only(tensors, "reduce")
-        root, op, td = int(opts.rootRank), _reduce_op(opts), _timeout(opts)
-        return self._run_inplace("reduce", tensors, lambda c, s: c.reduce(s[0], root, op, async_op=True, timeout=td))
+        root, (op, factor), td = int(opts.rootRank), _reduce_op(opts), _timeout(opts)
+        return self._run_inplace("reduce", tensors, lambda c, s: c.reduce(
+            _premul_(s[0], factor, "reduce"), root, op, async_op=True, timeout=td))
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
                        input_tensors: list[list[torch.Tensor]], opts: Any = None) -> GroupWork:
         out = _only(output_tensors, "reduce_scatter", "outputs")
         ins = _only(input_tensors, "reduce_scatter", "input lists")
-        op, td = _reduce_op(opts), _timeout(opts)
+        (op, factor), td = _reduce_op(opts), _timeout(opts)
+        if factor is not None:
+            ins = [_premul(t, factor, "reduce_scatter") for t in ins]
         return self._run("reduce_scatter", out, lambda c: c.reduce_scatter(out, ins, op, async_op=True, timeout=td),
                          output_tensors)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> GroupWork:
-        op, td = _reduce_op(opts), _timeout(opts)
+        (op, factor), td = _reduce_op(opts), _timeout(opts)
+        if factor is not None:
+            input = _premul(input, factor, "reduce_scatter_single")
         return self._run("reduce_scatter_single", output,
                          lambda c: c.reduce_scatter_single(output, input, op, async_op=True, timeout=td), [output])
 
@@ -252,7 +280,9 @@ class TorchnextProcessGroup(dist.ProcessGroup):
                                         opts: Any = None) -> GroupWork:
         if len(outputs) != len(inputs) or not outputs:
             raise ValueError(f"reduce_scatter_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs")
-        op, td = _reduce_op(opts), _timeout(opts)
+        (op, factor), td = _reduce_op(opts), _timeout(opts)
+        if factor is not None:
+            inputs = [_premul(t, factor, "reduce_scatter_tensor_coalesced") for t in inputs]
         return self._run("reduce_scatter_single", outputs[0], lambda c: [
             c.reduce_scatter_single(o, i, op, async_op=True, timeout=td) for o, i in zip(outputs, inputs, strict=True)
         ], outputs)
@@ -366,13 +396,51 @@ class TorchnextProcessGroup(dist.ProcessGroup):
     recvAnysource = recv_anysource
 
 
-def _reduce_op(opts: Any) -> ReduceOp:
+Factor = float | torch.Tensor
+_SUM_ONLY: tuple[ReduceOp, None] = (ReduceOp.SUM, None)
+
+
+def _reduce_op(opts: Any) -> tuple[ReduceOp, Factor | None]:
+    """The op of ``opts`` and, for ``PREMUL_SUM``, its factor (the op is then SUM of the pre-multiplied tensors)."""
     if opts is None:
-        return ReduceOp.SUM
+        return _SUM_ONLY
     op = opts.reduceOp
     if op == _C10D_SUM:  # the hot path: 0.5 us, a fifth of the general lookup (pybind enum hashing is slow)
-        return ReduceOp.SUM
-    return ReduceOp.from_c10d(op)
+        return _SUM_ONLY
+    if getattr(op, "op", None) == _C10D_PREMUL_SUM:
+        return ReduceOp.SUM, _premul_factor(op.factor)
+    return ReduceOp.from_c10d(op), None
+
+
+def _premul_factor(factor: object) -> Factor:
+    if isinstance(factor, torch.Tensor):
+        if factor.numel() != 1 or not (factor.is_floating_point() or factor.is_complex()):
+            raise ValueError(f"PREMUL_SUM: the factor tensor must hold one floating-point element, got shape "
+                             f"{tuple(factor.shape)} {factor.dtype}")
+        return factor.reshape(())
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        raise ValueError(f"PREMUL_SUM: the factor must be a number or a one-element tensor, got {factor!r}")
+    return float(factor)
+
+
+def _check_premul(t: torch.Tensor, where: str) -> None:
+    if not (t.is_floating_point() or t.is_complex()):
+        raise TypeError(f"{where}: PREMUL_SUM needs a floating dtype, got {t.dtype}")
+
+
+def _premul_(t: torch.Tensor, factor: Factor | None, where: str) -> torch.Tensor:
+    """``t *= factor`` in place (None: unchanged); ``t`` is the op's own in/out tensor."""
+    if factor is None:
+        return t
+    _check_premul(t, where)
+    return t.mul_(factor.to(t.device) if isinstance(factor, torch.Tensor) else factor)
+
+
+def _premul(t: torch.Tensor, factor: Factor, where: str) -> torch.Tensor:
+    """``t * factor`` in a new tensor of ``t``'s dtype (a reduce-scatter's input stays the caller's)."""
+    _check_premul(t, where)
+    return torch.mul(t, factor.to(t.device) if isinstance(factor, torch.Tensor) else factor).to(t.dtype)
 
 
 _C10D_SUM = dist.ReduceOp.SUM
+_C10D_PREMUL_SUM = dist.ReduceOp.PREMUL_SUM

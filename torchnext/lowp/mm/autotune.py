@@ -4,14 +4,27 @@ For a problem key ``(torch version, device, formats, M bucket, N, K, epilogue si
 
     candidates = [b for b in registry if b.autotune_candidate and b.available() and b.supports(problem) is None]
     candidates = [b for b in candidates if no other candidate c has b.name in c.supersedes(problem)]
-    if key in memory or on disk (and its backend is still a candidate): return it
+    policy = "fastest" if TORCHNEXT_AUTOTUNE == "fastest" else "bitwise"
+    if key in memory or on disk with this policy (and its backend is still a candidate): return it
     if TORCHNEXT_AUTOTUNE in ("0", "readonly"): return first candidate in PREFERENCE      # nothing timed or written
+    anchor = None
     for b in candidates:
         out = b.run(problem)                          # warm-up (includes any compile); an exception disqualifies
         if rel_l2(out[:64, :256], reference(corner of problem)) > tol: disqualify   # never pick a wrong backend
         if amax asked and amax != max|out| (rel 1e-2): disqualify
+        if policy == "bitwise":
+            anchor = anchor or (b, out)               # the first passing candidate: the static preference's
+            if bits(out) != bits(anchor.out): disqualify   # never let timing change a result
     times = median over `reps` round-robin rounds of each passing candidate
-    choice = argmin(times); memory[key] = disk[key] = choice; log it
+    choice = argmin(times); memory[key] = disk[key] = (choice, policy); log it
+
+**Results never depend on timing** (``TORCHNEXT_AUTOTUNE=1``, the default): the candidates the timing chooses
+among are those whose outputs (dense output, amax, quantized output) are bitwise equal, on the problem being tuned,
+to the first candidate that passes the check -- the one ``TORCHNEXT_AUTOTUNE=0`` uses. So two runs of a seed,
+two ranks, and a run with the autotuner off give the same bits whatever the timings were (a candidate equal on
+one full-size problem computes in the same order; the check is per key, and a key's choice is recorded with its
+policy and never changes within a process). ``TORCHNEXT_AUTOTUNE=fastest`` lifts the rule: every candidate within
+tolerance competes (faster where kernels round differently; reruns and replicas may then differ in the last bits).
 
 The disk cache is a JSON file (``TORCHNEXT_AUTOTUNE_CACHE``, default ``~/.cache/torchnext/autotune.json``), written
 atomically (temp file + ``os.replace``) and merged with entries other processes wrote meanwhile; a corrupt or
@@ -89,6 +102,8 @@ class TuneRecord:
     """Candidate → why it was disqualified."""
     source: str = "tuned"
     """``tuned``, ``memory``, ``disk`` or ``static``."""
+    policy: str = "bitwise"
+    """``bitwise`` (the choice gives the static choice's bits) or ``fastest`` (any candidate within tolerance)."""
 
 
 CONFIG = TuneConfig()
@@ -173,7 +188,8 @@ def _write_disk(path: Path, record: TuneRecord) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", AutotuneCacheWarning)
             entries = _read_disk(path)
-        entries[record.key] = {"backend": record.backend, "times_ms": record.times_ms, "rejected": record.rejected}
+        entries[record.key] = {"backend": record.backend, "times_ms": record.times_ms, "rejected": record.rejected,
+                               "policy": record.policy}
         fd, tmp = tempfile.mkstemp(prefix=".autotune-", suffix=".json", dir=path.parent)
         try:
             with os.fdopen(fd, "w") as f:
@@ -251,6 +267,34 @@ def _check(out: EpilogueOutput, ref: EpilogueOutput, problem: Problem, rtol: flo
     return None
 
 
+def _bits(t: torch.Tensor | None) -> tuple[Any, ...] | None:
+    if t is None:
+        return None
+    flat = t.detach().contiguous().reshape(-1)
+    return (t.dtype, tuple(t.shape), flat.view(torch.uint8) if flat.numel() else flat)
+
+
+def _same_bits(a: EpilogueOutput, b: EpilogueOutput) -> bool:
+    """Whether two outputs are bitwise equal (output, amax, quantized data and scales; NaNs compare by bits)."""
+    pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(a.output, b.output), (a.amax, b.amax)]
+    if (a.quantized is None) != (b.quantized is None):
+        return False
+    if a.quantized is not None and b.quantized is not None:
+        if a.quantized.swizzled != b.quantized.swizzled:
+            return False
+        pairs += [(a.quantized.qdata, b.quantized.qdata), (a.quantized.scales, b.quantized.scales),
+                  (a.quantized.global_scale, b.quantized.global_scale)]
+    for x, y in pairs:
+        bx, by = _bits(x), _bits(y)
+        if bx is None or by is None:
+            if bx is not by:
+                return False
+            continue
+        if bx[:2] != by[:2] or not torch.equal(bx[2], by[2]):
+            return False
+    return True
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -271,9 +315,18 @@ def _time(fn: Any, device: torch.device, warmup: int, reps: int) -> float:
     return statistics.median(ts) * 1e3
 
 
-def tune(problem: Problem, candidates: list[str] | None = None, config: TuneConfig | None = None) -> TuneRecord:
+def tune(problem: Problem, candidates: list[str] | None = None, config: TuneConfig | None = None, *,
+         policy: str = "bitwise") -> TuneRecord:
     """Time ``candidates`` (default: :func:`eligible_backends`) on ``problem`` after checking each against the
-    reference; return the record (not cached — :func:`select` caches)."""
+    reference (``policy="bitwise"``: and against the first passing candidate's bits); return the record (not
+    cached — :func:`select` caches).
+
+    Raises:
+        ValueError: an unknown ``policy``.
+        RuntimeError: no candidate passed.
+    """
+    if policy not in _POLICIES:
+        raise ValueError(f"autotune policy must be one of {_POLICIES}, got {policy!r}")
     cfg = config or CONFIG
     names = candidates if candidates is not None else eligible_backends(problem)
     key = problem_key(problem)
@@ -281,11 +334,18 @@ def tune(problem: Problem, candidates: list[str] | None = None, config: TuneConf
     times: dict[str, float] = {}
     rejected: dict[str, str] = {}
     passed = []
+    anchor: tuple[str, EpilogueOutput] | None = None
     for name in names:
         b = get_backend(name)
         try:
             out = b.run(problem)
             why = _check(out, ref, problem, cfg.rtol)
+            if why is None and policy == "bitwise":
+                if anchor is None:
+                    anchor = (name, out)
+                elif not _same_bits(out, anchor[1]):
+                    why = (f"not bitwise equal to {anchor[0]} (the static choice): excluded so that timing never "
+                           "changes results (TORCHNEXT_AUTOTUNE=fastest admits it)")
             if why is not None:
                 rejected[name] = why
                 log.warning("autotune %s: %s rejected: %s", key, name, why)
@@ -304,23 +364,28 @@ def tune(problem: Problem, candidates: list[str] | None = None, config: TuneConf
     if not times:
         raise RuntimeError(f"autotune {key}: no candidate passed ({rejected or 'no candidates'})")
     best = min(times, key=times.__getitem__)
-    return TuneRecord(key=key, backend=best, times_ms=times, rejected=rejected)
+    return TuneRecord(key=key, backend=best, times_ms=times, rejected=rejected, policy=policy)
+
+
+_POLICIES = ("bitwise", "fastest")
 
 
 def select(problem: Problem) -> str:
     """The backend name to use for ``problem`` (see the module docstring)."""
     cfg = env_config()
     key = problem_key(problem)
+    policy = "fastest" if cfg.autotune == "fastest" else "bitwise"
     with _LOCK:
         rec = _MEMORY.get(key)
-        if rec is not None and _still_eligible(rec.backend, problem):  # hot path: check only the chosen backend
+        if rec is not None and rec.policy == policy and _still_eligible(rec.backend, problem):  # hot path
             return rec.backend
         candidates = eligible_backends(problem)
         path = Path(cfg.autotune_cache)
         if cfg.autotune != "0":
             entry = _read_disk(path).get(key)
-            if entry is not None and entry["backend"] in candidates:
-                rec = TuneRecord(key=key, backend=entry["backend"], times_ms=dict(entry.get("times_ms", {})), source="disk")
+            if entry is not None and entry["backend"] in candidates and entry.get("policy", "fastest") == policy:
+                rec = TuneRecord(key=key, backend=entry["backend"], times_ms=dict(entry.get("times_ms", {})),
+                                 source="disk", policy=policy)
                 _MEMORY[key] = rec
                 log.info("autotune %s: %s (from %s)", key, rec.backend, path)
                 return rec.backend
@@ -331,7 +396,7 @@ def select(problem: Problem) -> str:
             _MEMORY[key] = rec
             log.info("autotune %s: %s (static preference, TORCHNEXT_AUTOTUNE=%s)", key, rec.backend, cfg.autotune)
             return rec.backend
-        rec = tune(problem, candidates)
+        rec = tune(problem, candidates, policy=policy)
         _MEMORY[key] = rec
         times = ", ".join(f"{n}={t:.3g}ms" for n, t in sorted(rec.times_ms.items(), key=lambda kv: kv[1]))
         log.info("autotune %s: chose %s (%s; rejected %s)", key, rec.backend, times, rec.rejected or "none")

@@ -13,14 +13,20 @@ from torchnext.lowp.training.fsdp import enable_fsdp_lowp_all_gather as enable_f
 from torchnext.lowp.training.function import lowp_linear as lowp_linear
 from torchnext.lowp.training.grouped import LowpGroupedLinear as LowpGroupedLinear
 from torchnext.lowp.training.grouped import lowp_grouped_mm as lowp_grouped_mm
+from torchnext.lowp.training.module import LowpConversionPlan as LowpConversionPlan
+from torchnext.lowp.training.module import LowpConversionWarning as LowpConversionWarning
 from torchnext.lowp.training.module import LowpTrainingLinear as LowpTrainingLinear
 from torchnext.lowp.training.module import bf16_tail_filter as bf16_tail_filter
 from torchnext.lowp.training.module import convert_to_lowp_training as convert_to_lowp_training
+from torchnext.lowp.training.module import lowp_training_class as lowp_training_class
+from torchnext.lowp.training.module import plan_lowp_training as plan_lowp_training
 from torchnext.lowp.training.module import set_lowp_step as set_lowp_step
 from torchnext.lowp.training.recipe import Operand as Operand
 from torchnext.lowp.training.recipe import Recipe as Recipe
 
 __all__ = [
+    "LowpConversionPlan",
+    "LowpConversionWarning",
     "LowpGroupedLinear",
     "LowpTrainingLinear",
     "Operand",
@@ -30,5 +36,7 @@ __all__ = [
     "enable_fsdp_lowp_all_gather",
     "lowp_grouped_mm",
     "lowp_linear",
+    "lowp_training_class",
+    "plan_lowp_training",
     "set_lowp_step",
 ]

@@ -1,10 +1,20 @@
 """``LowpTrainingLinear`` and :func:`convert_to_lowp_training`: swap a model's ``nn.Linear`` layers for training
 in MXFP8 or NVFP4, keeping the master weights (and so gradients and optimizer state) in their own dtype.
 
-``convert_to_lowp_training(model, recipe, module_filter_fn)`` replaces, in place, every ``nn.Linear`` (exact type)
-for which ``module_filter_fn(module, fqn)`` is true (None: all) by a :class:`LowpTrainingLinear` that *shares* its
-``weight`` and ``bias`` parameters (an optimizer built before the conversion keeps working). The layer adds its
-buffers to the state dict:
+``convert_to_lowp_training(model, recipe, module_filter_fn)`` converts, in place, every ``nn.Linear`` for which
+``module_filter_fn(module, fqn)`` is true (None: all); what it does is what :func:`plan_lowp_training` says:
+
+* an exact ``nn.Linear`` is replaced by a :class:`LowpTrainingLinear` that *shares* its ``weight`` and ``bias``
+  parameters (an optimizer built before the conversion keeps working);
+* a subclass of ``nn.Linear`` that keeps ``nn.Linear.forward`` (torchtitan's ``Linear``, a Linear carrying its own
+  init or config protocol) stays the same object: its class becomes ``lowp_training_class(type(module))``, a
+  subclass of *both* :class:`LowpTrainingLinear` and its own class, so ``isinstance`` checks, its attributes and its
+  own initialisation (``reset_parameters``, ``init_weights``-style protocols) keep working;
+* a subclass that overrides ``forward`` is skipped (converting it would replace its own computation), and so is a
+  Linear whose weight is not 2-D floating point; each skipped module is named with its reason in one
+  :class:`LowpConversionWarning` (``strict=True``: a :class:`~torchnext.lowp.FormatError` instead).
+
+The layer adds its buffers to the state dict:
 
 * ``lowp_step`` (0-d int64): counts the layer's training forward calls (grad enabled, ``module.training``); the step
   part of its stochastic-rounding seeds. Replicas that run the same schedule count alike; a loop that retries
@@ -16,6 +26,9 @@ buffers to the state dict:
   crc32(fqn)``: the same on every rank, kept so a loaded checkpoint keeps its transform.
 
 A state dict of the unconverted model loads into a converted one (the two buffers keep their values).
+``reset_parameters()`` (the ``to_empty()`` + ``reset_parameters()`` convention of meta-device initialisation)
+re-initialises the parameters as the layer's own class does and then the buffers (:meth:`LowpTrainingLinear
+.reset_lowp_buffers`), so a model built on the meta device and converted there initialises completely.
 
 :func:`bf16_tail_filter` is the selection of the NVFP4 paper: the last ~15 % of the transformer blocks, the output
 head and the MoE routers stay in high precision (in whatever dtype the model runs them: bf16 in a bf16 model or
@@ -25,7 +38,9 @@ attention scores are not ``nn.Linear`` and are never touched.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 import zlib
 from collections.abc import Callable, Iterable
 from typing import Any, cast
@@ -39,7 +54,19 @@ from torchnext.lowp.rng import stream_seed
 from torchnext.lowp.training.function import lowp_linear
 from torchnext.lowp.training.recipe import Recipe
 
-__all__ = ["CALLS_PER_STEP", "RHT_STREAM", "LowpTrainingLinear", "bf16_tail_filter", "convert_to_lowp_training", "layer_id", "set_lowp_step"]
+__all__ = [
+    "CALLS_PER_STEP",
+    "RHT_STREAM",
+    "LowpConversionPlan",
+    "LowpConversionWarning",
+    "LowpTrainingLinear",
+    "bf16_tail_filter",
+    "convert_to_lowp_training",
+    "layer_id",
+    "lowp_training_class",
+    "plan_lowp_training",
+    "set_lowp_step",
+]
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
@@ -91,10 +118,33 @@ class LowpTrainingLinear(nn.Linear):
         device = self.weight.device
         self.register_buffer("lowp_step", torch.zeros((), dtype=torch.int64, device=device))
         self.register_buffer("lowp_seed", torch.tensor(seed, dtype=torch.int64, device=device))
-        signs = rht_signs(stream_seed(seed, self.layer, RHT_STREAM), device=device) if recipe.rht else None
-        self.register_buffer("rht_signs", signs)
+        self.register_buffer("rht_signs", self._initial_signs(device))
         self._register_load_state_dict_pre_hook(_fill_missing_lowp_buffers, with_module=True)
         self.register_load_state_dict_post_hook(_adopt_loaded_seed)
+
+    def _initial_signs(self, device: torch.device) -> torch.Tensor | None:
+        if not self.recipe.rht:
+            return None
+        signs = rht_signs(stream_seed(self.seed, self.layer, RHT_STREAM))  # drawn on the CPU: meta has no values
+        return signs.to(device)
+
+    @torch.no_grad()
+    def reset_lowp_buffers(self) -> None:
+        """Give the buffers their initial values in place, on their current device (after ``to_empty()``, whose
+        memory is uninitialised): ``lowp_step = 0``, ``lowp_seed = self.seed``, ``rht_signs`` from the seed."""
+        self.lowp_step.zero_()
+        cast(torch.Tensor, self.lowp_seed).fill_(self.seed)
+        if self.rht_signs is not None:
+            signs = self._initial_signs(self.rht_signs.device)
+            assert signs is not None  # a recipe with RHT draws signs
+            self.rht_signs.copy_(signs)
+
+    def reset_parameters(self) -> None:
+        """The parameters as the layer's own class initialises them, then :meth:`reset_lowp_buffers` (called from
+        ``nn.Linear.__init__`` too, before the buffers exist: then only the parameters)."""
+        super().reset_parameters()
+        if "lowp_step" in self._buffers:
+            self.reset_lowp_buffers()
 
     @classmethod
     def from_linear(
@@ -171,6 +221,99 @@ def _adopt_loaded_seed(module: nn.Module, incompatible: Any) -> None:
         module.seed = int(cast(torch.Tensor, module.lowp_seed).item())
 
 
+class LowpConversionWarning(UserWarning):
+    """:func:`convert_to_lowp_training` left some accepted ``nn.Linear`` modules in high precision; the message
+    names each (fqn, class) and why."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LowpConversionPlan:
+    """What :func:`convert_to_lowp_training` does to a model, decided before anything changes."""
+
+    replaced: tuple[str, ...]
+    """fqns of exact ``nn.Linear`` modules replaced by a :class:`LowpTrainingLinear` sharing their parameters."""
+    converted_in_place: tuple[str, ...]
+    """fqns of ``nn.Linear`` subclasses whose class becomes ``lowp_training_class(type(module))``."""
+    skipped: tuple[tuple[str, str], ...]
+    """(fqn, reason) of accepted ``nn.Linear`` modules left as they are."""
+    already_converted: tuple[str, ...]
+    """fqns of modules that already are :class:`LowpTrainingLinear` (left alone)."""
+
+    @property
+    def converted(self) -> tuple[str, ...]:
+        """Every fqn that trains in low precision after the conversion (sorted)."""
+        return tuple(sorted(self.replaced + self.converted_in_place))
+
+
+_LOWP_CLASSES: dict[type[nn.Linear], type[LowpTrainingLinear]] = {}
+
+
+def lowp_training_class(cls: type[nn.Linear]) -> type[LowpTrainingLinear]:
+    """The low-precision training class of an ``nn.Linear`` subclass: ``class Lowp<cls>(LowpTrainingLinear, cls)``
+    (made once per class, cached): the forward of :class:`LowpTrainingLinear`, everything else of ``cls``;
+    ``LowpTrainingLinear`` itself for ``nn.Linear``.
+
+    Raises:
+        FormatError: ``cls`` is not an ``nn.Linear`` subclass, or it overrides ``forward``.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, nn.Linear)):
+        raise FormatError(f"lowp_training_class expects an nn.Linear subclass, got {cls!r}")
+    if issubclass(cls, LowpTrainingLinear):
+        return cls
+    if cls is nn.Linear:
+        return LowpTrainingLinear
+    reason = _subclass_skip_reason(cls)
+    if reason is not None:
+        raise FormatError(f"lowp_training_class({cls.__qualname__}): {reason}")
+    made = _LOWP_CLASSES.get(cls)
+    if made is None:
+        made = cast(type[LowpTrainingLinear], type(f"Lowp{cls.__name__}", (LowpTrainingLinear, cls), {
+            "__module__": cls.__module__, "__qualname__": f"Lowp{cls.__qualname__}",
+            "__doc__": f"{cls.__qualname__} training in low precision (torchnext.lowp.LowpTrainingLinear's forward).",
+        }))
+        _LOWP_CLASSES[cls] = made
+    return made
+
+
+def _subclass_skip_reason(cls: type[nn.Linear]) -> str | None:
+    if cls.forward is not nn.Linear.forward:
+        return f"{cls.__qualname__} overrides forward (its own computation would be replaced)"
+    return None
+
+
+def _skip_reason(module: nn.Linear) -> str | None:
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+        return f"its weight is not a 2-D floating-point tensor ({getattr(weight, 'dtype', type(weight).__name__)})"
+    return _subclass_skip_reason(type(module))
+
+
+def plan_lowp_training(model: nn.Module, module_filter_fn: ModuleFilter | None = None) -> LowpConversionPlan:
+    """What :func:`convert_to_lowp_training` ``(model, recipe, module_filter_fn)`` would do; changes nothing.
+    ``model`` itself is reported under the fqn ``""``."""
+    replaced: list[str] = []
+    in_place: list[str] = []
+    skipped: list[tuple[str, str]] = []
+    already: list[str] = []
+    for fqn, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        if isinstance(mod, LowpTrainingLinear):
+            already.append(fqn)
+            continue
+        if module_filter_fn is not None and not module_filter_fn(mod, fqn):
+            continue
+        reason = _skip_reason(mod)
+        if reason is not None:
+            skipped.append((fqn, reason))
+        elif type(mod) is nn.Linear:
+            replaced.append(fqn)
+        else:
+            in_place.append(fqn)
+    return LowpConversionPlan(replaced=tuple(replaced), converted_in_place=tuple(in_place), skipped=tuple(skipped),
+                              already_converted=tuple(already))
+
+
 def convert_to_lowp_training(
     model: nn.Module,
     recipe: Recipe,
@@ -179,10 +322,20 @@ def convert_to_lowp_training(
     seed: int = 0,
     quantizer: str = "auto",
     backend: str = "auto",
+    strict: bool = False,
 ) -> nn.Module:
-    """Swap every ``nn.Linear`` of ``model`` that ``module_filter_fn(module, fqn)`` accepts (None: all) for a
-    :class:`LowpTrainingLinear` with ``recipe``, in place; returns ``model`` (or the new layer when ``model`` is
-    itself an accepted ``nn.Linear``).
+    """Convert every ``nn.Linear`` of ``model`` (subclasses included) that ``module_filter_fn(module, fqn)``
+    accepts (None: all) to train with ``recipe``, in place; returns ``model`` (or the new layer when ``model`` is
+    itself an exact ``nn.Linear`` that is accepted). Reference semantics::
+
+        plan = plan_lowp_training(model, module_filter_fn)
+        if plan.skipped: (raise FormatError if strict else warn LowpConversionWarning)(plan.skipped)
+        for fqn in plan.replaced:            # exact nn.Linear
+            set(model, fqn, LowpTrainingLinear.from_linear(get(model, fqn), recipe, fqn=fqn, seed=seed, ...))
+        for fqn in plan.converted_in_place:  # subclasses keeping nn.Linear.forward
+            m = get(model, fqn); m.__class__ = lowp_training_class(type(m)); m._setup(recipe, fqn=fqn, ...)
+
+    A module reached under several names (shared) is converted once, under its first name.
 
     Args:
         model: any module.
@@ -190,23 +343,41 @@ def convert_to_lowp_training(
         module_filter_fn: ``(module, fully qualified name) -> bool``; e.g. :func:`bf16_tail_filter`.
         seed: the model seed (RHT signs, stochastic rounding streams): use the same on every rank.
         quantizer, backend: the quantizer kernel and the ``scaled_mm`` backend (``"auto"``: autotuned).
+        strict: raise instead of warning when an accepted Linear cannot be converted.
 
     Raises:
-        FormatError: a bad recipe or seed.
+        FormatError: a bad recipe or seed; with ``strict``, a module that cannot be converted (named, with why).
+
+    Warns:
+        LowpConversionWarning: accepted modules that were skipped, each named with its reason.
     """
     if not isinstance(recipe, Recipe):
         raise FormatError(f"convert_to_lowp_training: recipe must be a torchnext.lowp.Recipe, got {type(recipe).__name__}")
+    plan = plan_lowp_training(model, module_filter_fn)
+    if plan.skipped:
+        listing = "; ".join(f"{fqn or '<root>'} ({type(model.get_submodule(fqn)).__qualname__}): {why}"
+                            for fqn, why in plan.skipped)
+        message = f"convert_to_lowp_training left {len(plan.skipped)} Linear module(s) in high precision: {listing}"
+        if strict:
+            raise FormatError(message)
+        warnings.warn(message, LowpConversionWarning, stacklevel=2)
 
     def make(child: nn.Linear, fqn: str) -> LowpTrainingLinear:
         return LowpTrainingLinear.from_linear(child, recipe, seed=seed, fqn=fqn, quantizer=quantizer, backend=backend)
 
-    if type(model) is nn.Linear:
-        return make(model, "") if module_filter_fn is None or module_filter_fn(model, "") else model
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            fqn = f"{parent_name}.{child_name}" if parent_name else child_name
-            if type(child) is nn.Linear and (module_filter_fn is None or module_filter_fn(child, fqn)):
-                setattr(parent, child_name, make(child, fqn))
+    for fqn in plan.converted_in_place:
+        mod = model.get_submodule(fqn)
+        training = mod.training
+        mod.__class__ = lowp_training_class(cast(type[nn.Linear], type(mod)))
+        cast(LowpTrainingLinear, mod)._setup(recipe, seed=seed, fqn=fqn, quantizer=quantizer, backend=backend)
+        mod.train(training)
+    if "" in plan.replaced:
+        return make(cast(nn.Linear, model), "")
+    made = {id(m): make(m, fqn) for fqn in plan.replaced for m in [cast(nn.Linear, model.get_submodule(fqn))]}
+    for _, parent in list(model.named_modules()):
+        for child_name, child in list(parent._modules.items()):  # named_children() would hide a repeated child
+            if child is not None and id(child) in made:  # every name of a shared module gets the one replacement
+                setattr(parent, child_name, made[id(child)])
     return model
 
 
