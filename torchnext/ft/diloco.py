@@ -216,15 +216,7 @@ class _OuterSynchronizer:
 
     def __init__(self, ft: FaultTolerant, model: nn.Module | Iterable[torch.Tensor], sync_every: int) -> None:
         name = type(self).__name__
-        if not isinstance(ft, FaultTolerant):
-            raise TypeError(f"{name}: ft must be a torchnext.ft.FaultTolerant, got {type(ft).__name__}")
-        if ft.members:
-            raise ValueError(f"{name}: ft has already joined; construct FaultTolerant(..., join=False), build the "
-                             f"{name}, then call {name.lower()}.join() -- healing must be able to fill its state")
-        if ft._state_fn is None:
-            raise ValueError(f"{name}: ft has no state_dict/load_state_dict: pass FaultTolerant(state_dict=..., "
-                             f"load_state_dict=...) that include {name.lower()}.state_dict() / load_state_dict(), "
-                             "or a joining group would start from its own parameters")
+        _check_unjoined(name, ft)
         self._ft = ft
         self._params = _parameters(name, ft, model)
         self._global = [local(p.detach()).detach().clone() for p in self._params]
@@ -535,6 +527,20 @@ class LocalSGD(_OuterSynchronizer):
     def _outer(self, grads: list[torch.Tensor]) -> None:
         for g, d in zip(self._global, grads, strict=True):
             g.sub_(d)
+
+
+def _check_unjoined(name: str, ft: object) -> None:
+    """``ft`` is a FaultTolerant that has not joined yet and heals through a state_dict: what an outer synchronizer
+    named ``name`` needs, so that a joining group receives its state."""
+    if not isinstance(ft, FaultTolerant):
+        raise TypeError(f"{name}: ft must be a torchnext.ft.FaultTolerant, got {type(ft).__name__}")
+    if ft.members:
+        raise ValueError(f"{name}: ft has already joined; construct FaultTolerant(..., join=False), build the "
+                         f"{name}, then call {name.lower()}.join() -- healing must be able to fill its state")
+    if ft._state_fn is None:
+        raise ValueError(f"{name}: ft has no state_dict/load_state_dict: pass FaultTolerant(state_dict=..., "
+                         f"load_state_dict=...) that include {name.lower()}.state_dict() / load_state_dict(), "
+                         "or a joining group would start from its own parameters")
 
 
 def _parameters(name: str, ft: FaultTolerant, model: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:

@@ -82,6 +82,7 @@ from torchnext.ft.diloco import (
     _buckets,
     _check_outer,
     _check_sync_every,
+    _check_unjoined,
     _make_outer,
     _parameters,
 )
@@ -231,14 +232,7 @@ class StreamingDiLoCo:
         name = type(self).__name__
         if not isinstance(config, StreamingDiLoCoConfig):
             raise TypeError(f"{name}: config must be a StreamingDiLoCoConfig, got {type(config).__name__}")
-        if not isinstance(ft, FaultTolerant):
-            raise TypeError(f"{name}: ft must be a torchnext.ft.FaultTolerant, got {type(ft).__name__}")
-        if ft.members:
-            raise ValueError(f"{name}: ft has already joined; construct FaultTolerant(..., join=False), build the "
-                             f"{name}, then call its join() -- healing must be able to fill its state")
-        if ft._state_fn is None:
-            raise ValueError(f"{name}: ft has no state_dict/load_state_dict: pass FaultTolerant(state_dict=..., "
-                             f"load_state_dict=...) that include {name}.state_dict() / load_state_dict()")
+        _check_unjoined(name, ft)
         self._ft = ft
         self.config = config
         self._params = _parameters(name, ft, model)
