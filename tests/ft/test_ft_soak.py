@@ -48,6 +48,39 @@ def test_checks_fail_when_nothing_is_compared() -> None:
     assert resources_flat(base, dict(base, faults=100, fds=20 + 8 * 80), 0.05, 0.75)["ok"] is False  # the old leak
 
 
+def _gapped_job(heal_step: int | None, hist1: list[int]) -> dict[str, object]:
+    """Member 0 commits steps 0..4; member 1 is left out of generation 2 (step 2) and rejoins in generation 3 at
+    step 3, healed there when ``heal_step`` is 3."""
+    members = {1: [0, 1], 2: [0], 3: [0, 1]}
+    first = {1: 0, 2: 2, 3: 3}
+    step_members = [members[1], members[1], members[2], members[3], members[3]]
+    params = [w.tolist() for w in ddp_expected_weights(step_members)]
+
+    def rep(m: int, hist: list[int]) -> dict[str, object]:
+        gen_of = {s: (1 if s < 2 else 2 if s < 3 else 3) for s in range(5)}
+        return {"member": m, "group": m, "group_rank": 0, "error": None, "step": 5, "generation": 3,
+                "commits": [[gen_of[s], s + 1, 0.0] for s in hist], "history": [[s, [[0]]] for s in hist],
+                "generations": {g: [[x] for x in members[g]] for g in members if g != 2 or m == 0},
+                "reconfigurations": [] if m == 0 or heal_step is None else
+                [{"gen": 3, "step": heal_step, "joiners": [1], "healed": [8, 0.0], "groups": [[0], [1]]}],
+                "params": params, "digest": "x", "optim_steps": [], "max_commit_gap": [0.0, -1, 0.0]}
+
+    events = [{"member": 0, "gen": g, "members": members[g], "step": first[g], "commit": 0.0} for g in members]
+    return check_job("ddp", {0: rep(0, [0, 1, 2, 3, 4]), 1: rep(1, hist1)}, events, survivor=0, expected_kill=(),
+                     group_size=1)["oracle"]
+
+
+def test_oracle_accepts_a_gap_only_where_the_member_was_healed() -> None:
+    ok = _gapped_job(3, [0, 1, 3, 4])
+    assert ok["ok"] is True and ok["healed_gaps"] == 1, ok
+    unhealed = _gapped_job(None, [0, 1, 3, 4])
+    assert unhealed["ok"] is False and "gap (not healed to that step)" in unhealed["problems"][0], unhealed
+    elsewhere = _gapped_job(4, [0, 1, 3, 4])  # healed, but to another step than the one after the gap
+    assert elsewhere["ok"] is False, elsewhere
+    dup = _gapped_job(3, [0, 1, 1, 3, 4])
+    assert dup["ok"] is False and "duplicate" in dup["problems"][0], dup
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(330)
 def test_soak_100_faults() -> None:

@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -241,7 +242,8 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
                 generation=ft.generation, members=list(ft.members), groups=[list(g) for g in ft.replica_groups],
                 step=ft.step_count, commits=[[g, s, t] for g, s, t in ft.commit_times],
                 generations={r.generation: [list(g) for g in r.groups] for r in ft.reconfigurations},
-                reconfigurations=[{"gen": r.generation, "groups": [list(g) for g in r.groups], "joiners": list(r.joiners),
+                reconfigurations=[{"gen": r.generation, "step": r.step, "groups": [list(g) for g in r.groups],
+                                   "joiners": list(r.joiners),
                                    "timings": r.timings, "healed": None if r.healed is None
                                    else [r.healed.bytes, r.healed.seconds]} for r in ft.reconfigurations],
                 optim_steps=sorted({int(v["step"]) for v in opt.state.values() if "step" in v}) if opt is not None
@@ -318,6 +320,8 @@ def _resources() -> dict[str, Any]:
 
     out: dict[str, Any] = {"fds": len(fds), "fd_kinds": dict(kinds), "thread_names": dict(names),
                            "live_comms": len(communicator._LIVE)}
+    if os.environ.get("TORCHNEXT_SOAK_CYCLES"):
+        out["cycles"] = _cycle_census()
     with open("/proc/self/status") as fh:
         for line in fh:
             if line.startswith("Threads:"):
@@ -325,6 +329,36 @@ def _resources() -> dict[str, Any]:
             elif line.startswith("VmRSS:"):
                 out["rss_kib"] = int(line.split()[1])
     return out
+
+
+def _cycle_census() -> dict[str, Any]:
+    """What only the cycle collector would free now (``TORCHNEXT_SOAK_CYCLES=1``, a diagnostic: it runs a full
+    collection per sample): the dead Communicators in it, and the frames (``qualname file:line``) and exception types
+    in the same garbage -- a frame kept by a traceback is where such a cycle usually starts."""
+    import gc
+
+    from torchnext.comms.communicator import Communicator
+
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        garbage = list(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    frames: collections.Counter[str] = collections.Counter()
+    excs: collections.Counter[str] = collections.Counter()
+    for o in garbage:
+        if isinstance(o, type(sys._getframe())):
+            frames[f"{o.f_code.co_qualname} {os.path.basename(o.f_code.co_filename)}:{o.f_lineno}"] += 1
+        elif isinstance(o, BaseException):
+            excs[type(o).__name__] += 1
+    comms = sum(1 for o in garbage if isinstance(o, Communicator))
+    n = len(garbage)
+    del garbage
+    gc.collect()
+    return {"objects": n, "comms": comms, "frames": dict(frames.most_common(12)),
+            "exceptions": dict(excs.most_common(6))}
 
 
 def _backward_fault(spec: ParallelSpec, ft: Any, injector: FaultInjector,
