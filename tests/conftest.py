@@ -22,4 +22,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    return [_kernels()]
+    import os
+
+    long = os.environ.get("TORCHNEXT_LONG", "") not in ("", "0")
+    return [_kernels(), f"long-haul sizes: {'on' if long else 'off (CI sizes; TORCHNEXT_LONG=1 for the full ones)'}"]

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchnext.comms import CommAborted
 from torchnext.ft import (
     Coordinator,
     CoordinatorConfig,
@@ -447,9 +448,14 @@ def _fsdp_member(ctx: RankContext, addr: str, token: str, steps: int, h_max: int
             if d.step():
                 assert d.last_sync is not None
                 syncs.append(_record(d.last_sync))
-    except MembershipError as exc:  # the doomed rank's sibling: its replica group was removed with it
+    except (MembershipError, CommAborted) as exc:  # the doomed rank's sibling: its group was removed with it
+        # met inside d.step() (the MembershipError), or first by an inner step's FSDP2 op on the aborted local group
+        # (CommAborted caused by it)
+        err = exc if isinstance(exc, MembershipError) else exc.__cause__
+        if not isinstance(err, MembershipError):
+            raise
         ft.close()
-        return {"removed": f"{type(exc).__name__}: {exc}", "syncs": syncs}
+        return {"removed": f"{type(err).__name__}: {err}", "syncs": syncs}
     full = [(p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()).numpy().copy()
             for p in model.parameters()]
     ft.finish()

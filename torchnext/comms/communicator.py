@@ -355,8 +355,10 @@ class Communicator(CollectiveOps):
         ``CommAborted`` of ``abort()`` when there was none; None while healthy."""
         return self._error or self._aborted
 
-    def abort(self, reason: str | None = None) -> None:
+    def abort(self, reason: str | None = None, *, cause: BaseException | None = None) -> None:
         """Abort: unblock every in-flight op on this rank with ``CommAborted`` at once; refuse all later ops.
+        ``cause`` (e.g. the membership error that made fault tolerance abort this replica group's own communicator)
+        becomes the ``__cause__`` of every ``CommAborted`` this abort produces, so that a handler can tell why.
 
         Any thread, idempotent (later calls do nothing). Order: mark aborted, run abort hooks (extensions react
         there: this communicator's RMA windows are invalidated, so their ops raise ``WindowInvalidated``; a Flight
@@ -371,6 +373,7 @@ class Communicator(CollectiveOps):
                 f"communicator was aborted{f' ({reason})' if reason else ''}",
                 comm_name=self._name, rank=self._rank, ranks=self._ranks,
             )
+            self._aborted.__cause__ = cause
             in_flight = sorted(self._in_flight.items())
             sync_work = self._sync_work
             if sync_work is not None and sync_work.op_id not in self._in_flight:
@@ -387,6 +390,7 @@ class Communicator(CollectiveOps):
         for _, work in in_flight:
             exc = CommAborted(f"cancelled by abort(){f' ({reason})' if reason else ''}",
                               **self._error_context(work.op, work.op_id))
+            exc.__cause__ = cause
             work._finish(WorkStatus.ABORTED, exc)  # its backend Works become orphans (buried below)
         if not self._closed:
             self._closed = True
@@ -500,7 +504,8 @@ class Communicator(CollectiveOps):
 
     def _refuse(self, op: str) -> None:
         if self._aborted is not None:
-            raise CommAborted("communicator was aborted; create a new one", **self._error_context(op, None))
+            raise CommAborted("communicator was aborted; create a new one",
+                              **self._error_context(op, None)) from self._aborted.__cause__
         if self._error is not None:
             raise CommError(f"communicator is errored since: {self._error}", **self._error_context(op, None)) from self._error
         raise CommError("communicator was shut down", **self._error_context(op, None))

@@ -242,12 +242,15 @@ class Work:
 
     # ---------------------------------------------------------------------------------------------- internals
     def _outcome(self) -> bool:
+        # A copy is raised, never the stored exception: raising that would give it a traceback whose frames (this
+        # one, the caller's) hold this Work -- a cycle Work -> exception -> traceback -> frame -> Work that kept a
+        # failed op's communicator, and with it the whole backend (threads, sockets), until a full collection.
         if self.status is _COMPLETED:
             if self._hook_error is not None:
-                raise self._hook_error
+                raise _fresh(self._hook_error)
             return True
         assert self._exc is not None
-        raise self._exc
+        raise _fresh(self._exc)
 
     def _time_out(self) -> None:
         comm = self._comm
@@ -502,6 +505,20 @@ _GRACE_S = UNWAITED_GRACE.total_seconds()
 _NAP_S = _GRACE_S / 4
 """The watcher's polling period while async ops are in flight: an unwaited op gets its callback between
 ``UNWAITED_GRACE`` and ``UNWAITED_GRACE + _NAP_S`` after its issue."""
+
+
+def _fresh(exc: BaseException) -> BaseException:
+    """A copy of ``exc`` that was never raised (no traceback): the same type, args, attributes, cause and context,
+    made without calling ``__init__`` (so a message is not formatted twice)::
+
+        e2 = _fresh(e); type(e2) is type(e) and e2.args == e.args and e2.__dict__ == e.__dict__ and e2 is not e
+    """
+    new = BaseException.__new__(type(exc), *exc.args)
+    new.args = exc.args
+    new.__dict__.update(exc.__dict__)
+    new.__cause__, new.__context__ = exc.__cause__, exc.__context__
+    new.__suppress_context__ = exc.__suppress_context__
+    return new
 
 
 class UnwaitedWatcher:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from torchnext.comms.communicator import Communicator
 from torchnext.comms.errors import CollectiveMismatch, CommAborted, CommError, CommTimeout, HookError, PeerFailure
+from torchnext.comms.process_group import TorchnextProcessGroup
 from torchnext.ft.membership import MembershipError
 
 __all__ = [
@@ -133,12 +134,13 @@ def register_failure_kind(cls: type[BaseException], kind: FailureKind) -> None:
     _KINDS[cls] = kind
 
 
-def quiet_abort(comm: Any, reason: str) -> None:
-    """Abort ``comm`` (a Communicator, or a torch process group: its ``abort()`` takes no reason) on a failure path,
-    where a raising abort hook must not stop the reconfiguration or turn a recorded failure into a crash."""
+def quiet_abort(comm: Any, reason: str, cause: BaseException | None = None) -> None:
+    """Abort ``comm`` (a Communicator, a torchnext process group, or any torch process group: its ``abort()`` takes
+    no reason) on a failure path, where a raising abort hook must not stop the reconfiguration or turn a recorded
+    failure into a crash. ``cause``: the ``__cause__`` of the ``CommAborted`` its ops raise (torchnext ones only)."""
     try:
-        if isinstance(comm, Communicator):
-            comm.abort(reason)
+        if isinstance(comm, Communicator | TorchnextProcessGroup):
+            comm.abort(reason, cause=cause)
         else:
             comm.abort()
     except Exception:

@@ -242,7 +242,9 @@ class FaultTolerant:
         """Register ``group`` (a Communicator or a process group: this replica group's own, e.g. its FSDP shard
         group; :func:`~torchnext.ft.device_mesh` registers it). It is aborted when this member's replica group is
         removed or membership ends, so that an op blocked on a lost sibling raises instead of waiting for its
-        timeout; and the first one registered keeps the group's ranks in lockstep: every ``ft.step()`` attempt
+        timeout (a torchnext group or Communicator: ``CommAborted`` whose ``__cause__`` is the
+        :class:`~torchnext.ft.MembershipError` that ``ft`` raises from then on -- an inner step outside
+        ``ft.step()`` may meet it first); and the first one registered keeps the group's ranks in lockstep: every ``ft.step()`` attempt
         begins in the same generation on all of them (one small all_reduce on it per attempt, see
         :meth:`_lockstep`). Register it on every rank of the group, before the first step."""
         if not hasattr(group, "abort"):
@@ -413,11 +415,13 @@ class FaultTolerant:
                 self._wait_epoch += 1
                 reason = str(msg.get("reason") or msg["t"])
             targets = [*self._children, *([self._comm] if self._comm is not None else [])]
-            if msg["t"] in ("removed", "fatal") or msg.get("final"):  # out: its own groups' ops must not wait
+            out = msg["t"] in ("removed", "fatal") or msg.get("final")
+            if out:  # out: its own groups' ops must not wait
                 targets += self._local_groups
             self._children = []
+        cause = self._client.fatal if out else None  # set before this call: the error every later ft call raises
         for c in targets:
-            quiet_abort(c, reason)
+            quiet_abort(c, reason, cause)
 
     def _member_report(self) -> dict[str, Any]:
         """Heartbeat thread, on failover: what this member knows (see :mod:`torchnext.ft.election`)."""

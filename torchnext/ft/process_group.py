@@ -217,11 +217,11 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         self._ft._record_step_error(exc)
         return True
 
-    def abort(self) -> None:
+    def abort(self, reason: str | None = None, *, cause: BaseException | None = None) -> None:
         """Abort the current generation's Communicator (its ops raise inside the step, which then cannot commit)."""
         comm = self._ft._comm
         if comm is not None:
-            comm.abort("fault-tolerant process group aborted")
+            comm.abort(f"fault-tolerant process group aborted{f': {reason}' if reason else ''}", cause=cause)
 
     def shutdown(self) -> None:
         """Nothing: the Communicators belong to ``ft`` (``ft.close()``/``ft.finish()`` release them)."""

@@ -165,11 +165,12 @@ class TorchnextProcessGroup(dist.ProcessGroup):
         return next((e for e in (c.errored() for c in self._comms.values()) if e is not None), None)
 
     # ------------------------------------------------------------------------------------------- lifecycle
-    def abort(self) -> None:
+    def abort(self, reason: str | None = None, *, cause: BaseException | None = None) -> None:
         """Abort every communicator of the group: ops in flight raise ``CommAborted`` at once (also from C++:
-        torch's ``_abort_process_group``)."""
+        torch's ``_abort_process_group``, with no arguments). ``reason`` and ``cause``: as in
+        :meth:`Communicator.abort <torchnext.comms.Communicator.abort>`."""
         for comm in self._comms.values():
-            comm.abort("process group aborted")
+            comm.abort(f"process group aborted{f': {reason}' if reason else ''}", cause=cause)
 
     def shutdown(self) -> None:
         """Shut the communicators down (``dist.destroy_process_group`` calls it)."""
