@@ -261,7 +261,9 @@ class MemberSim:
         elif errors:
             reason = f"{len(errors)} member(s) failed, e.g. {errors[0]}"
         elif holding < n:
-            reason = f"only {holding} of {n} members received a generation within {timeout_s}s"
+            welcomed = sum(len(v) for v in ids.values())
+            reason = (f"only {holding} of {n} members received a generation within {timeout_s}s ({welcomed} were "
+                      "welcomed)")
         elif len(gens) != 1 or any(x != members for x in lists):
             reason = f"the members hold different generations: {sorted(gens)}"
         elif len(members) != n:
