@@ -56,6 +56,8 @@ def test_config_is_checked() -> None:
         SimConfig(address="nowhere", token="t", ranks=8)
     with pytest.raises(ValueError, match="token"):
         SimConfig(address="127.0.0.1:1", token="", ranks=8)
+    with pytest.raises(ValueError, match="start_method"):
+        SimConfig(address="127.0.0.1:1", token="t", ranks=8, start_method="thread")
     with pytest.raises(TypeError):
         MemberSim({"ranks": 8})  # type: ignore[arg-type]
 
@@ -90,7 +92,8 @@ def test_64_ranks_form_commit_and_lose_groups(coordinator: CoordinatorProcess) -
 
 @pytest.mark.parametrize("coordinator", [2], indirect=True)
 def test_wrong_token_is_refused(coordinator: CoordinatorProcess) -> None:
-    cfg = SimConfig(address=coordinator.address, token="not-the-job-token", ranks=16, group_size=8)
+    cfg = SimConfig(address=coordinator.address, token="not-the-job-token", ranks=16, group_size=8,
+                    start_method="spawn")  # the other start method (a fresh interpreter per worker)
     with MemberSim(cfg) as sim:
         formed = sim.join(timeout_s=30)
     assert not formed.ok

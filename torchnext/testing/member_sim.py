@@ -71,8 +71,6 @@ _SLOTS = 10
 """Heartbeat slots per interval: member ``i`` of a process heartbeats in slot ``i % _SLOTS``."""
 _RETRY_S = 0.1
 """A handshake that failed (connection closed or refused before the welcome) is retried after this long."""
-_HANDSHAKE_TIMEOUT_S = 5.0
-"""A handshake without a welcome after this long is abandoned and retried."""
 
 
 class SimError(RuntimeError):
@@ -105,8 +103,12 @@ class SimConfig:
     max_handshakes: int = 16
     """Unauthenticated connections per process at once (``processes * max_handshakes`` should stay below the
     coordinator's ``MAX_UNAUTHENTICATED`` = 64, or it sheds joins)."""
+    start_method: str = "fork"
+    """How worker processes start (``multiprocessing``): ``"fork"`` (the default) costs no import -- a worker only
+    runs the stdlib and :mod:`torchnext.ft._wire`, never the parent's threads or torch; ``"spawn"`` or
+    ``"forkserver"`` import torchnext afresh (seconds each) and need the ``if __name__ == "__main__":`` guard."""
     start_timeout_s: float = 60.0
-    """Bound on a worker process's start (it imports torchnext)."""
+    """Bound on a worker process's start."""
 
     def __post_init__(self) -> None:
         parse_address(self.address)
@@ -118,6 +120,9 @@ class SimConfig:
                 raise ValueError(f"SimConfig.{name} must be an int >= 1, got {value!r}")
         if self.ranks % self.group_size:
             raise ValueError(f"SimConfig.ranks={self.ranks} is not a multiple of group_size={self.group_size}")
+        if self.start_method not in mp.get_all_start_methods():
+            raise ValueError(f"SimConfig.start_method must be one of {mp.get_all_start_methods()}, got "
+                             f"{self.start_method!r}")
         if not self.start_timeout_s > 0:
             raise ValueError(f"SimConfig.start_timeout_s must be > 0, got {self.start_timeout_s!r}")
 
@@ -197,7 +202,7 @@ class MemberSim:
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     def start(self) -> MemberSim:
-        ctx = mp.get_context("spawn")
+        ctx: Any = mp.get_context(self.config.start_method)  # BaseContext declares no Process
         try:
             for lo, hi in self._ranges:
                 parent, child = ctx.Pipe()
@@ -244,7 +249,9 @@ class MemberSim:
         ids: dict[int, list[int]] = {}
         rejected: Counter[str] = Counter()
         errors: list[str] = []
+        failed = 0
         for r in replies:
+            failed += r["failed"]
             ids.update({int(g): v for g, v in r["ids"].items()})
             rejected.update(r["rejected"])
             errors += r["errors"]
@@ -259,7 +266,7 @@ class MemberSim:
         if rejected:
             reason = f"joins refused: {dict(rejected)}"
         elif errors:
-            reason = f"{len(errors)} member(s) failed, e.g. {errors[0]}"
+            reason = f"{failed} member(s) failed, e.g. {errors[0]}"
         elif holding < n:
             welcomed = sum(len(v) for v in ids.values())
             reason = (f"only {holding} of {n} members received a generation within {timeout_s}s ({welcomed} were "
@@ -416,7 +423,6 @@ class _Worker:
         self.hb = encode({"t": "hb"})
         self.votes: dict[tuple[int, int], bytes] = {}
         self.steps: dict[str, Any] = {}
-        self.next_scan = 0.0
         self.next_check = 0.0
         self.running = True
 
@@ -548,7 +554,8 @@ class _Worker:
         holding = [m for m in self.members if m.state == "joined" and m.gen]
         top = max(holding, key=lambda m: m.gen, default=None)
         errors = [f"group {m.group} rank {m.rank}: {m.error}" for m in self.members if m.state in ("failed", "removed")]
-        return {"ids": ids, "rejected": dict(self.stats.rejected), "errors": errors[:5], "holding": len(holding),
+        return {"ids": ids, "rejected": dict(self.stats.rejected), "errors": errors[:5], "failed": len(errors),
+                "holding": len(holding),
                 "gen": top.gen if top else 0, "members": top.members if top else None,
                 "t_start": self.stats.t_start, "t_last": max((m.t_gen for m in holding), default=0.0),
                 "retries": self.stats.retries}
@@ -567,11 +574,8 @@ class _Worker:
 
     # --------------------------------------------------------------------------------------------- members
     def _connect_more(self, now: float) -> None:
-        if self.shaking and now >= self.next_scan:  # handshakes that hang (a dropped SYN): retry
-            self.next_scan = now + 0.5
-            for m in self.members:
-                if m.state == "shaking" and now - m.since > _HANDSHAKE_TIMEOUT_S:
-                    self._retry(m, now)
+        # A slow handshake is not abandoned (as a real member's first join, it may take until the join's deadline:
+        # closing it after the coordinator welcomed it would be a member's crash).
         while self.queue and self.shaking < self.max_handshakes:
             m = self.queue[-1]
             if m.retry_at > now:
