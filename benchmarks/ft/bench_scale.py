@@ -18,7 +18,8 @@ authenticated with the job token). Figures, all from one run:
   members sent to or received from the coordinator: votes, decisions, heartbeats, pings);
 * ``detect_s``: one replica group hangs (heartbeats stop, sockets stay open) -> the last survivor received the next
   generation (goal: heartbeat timeout + 0.2 s); ``detect_crash_s``: another group's sockets close -> the same;
-  the next generation must hold exactly the survivors.
+  the next generation must hold exactly the survivors (``detect_first_s``, ``detect_first_crash_s``: -> the first
+  survivor received it).
 
 Every wait is bounded; a size whose formation fails within ``--formation-timeout`` reports null figures and the
 reason. The coordinator and every simulator process are reaped on every path (``finally``).
@@ -133,6 +134,8 @@ def measure(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
                                  f"members, expected the {len(survivors)} survivors")
                 return out
             out[key] = nxt.received_at - t_kill
+            if nxt.first_at is not None:  # the spread first -> last receipt is the delivery of the generation
+                out[key.replace("detect", "detect_first")] = nxt.first_at - t_kill
             gen = nxt.gen
         return out
     except Exception as exc:  # one size failing must not hide the others: report it
@@ -155,7 +158,7 @@ def row(r: dict[str, Any]) -> str:
     det = "—" if r["detect_s"] is None else f"{r['detect_s']:.2f} s / {_fmt(r.get('detect_crash_s'), '.0f', 1e3)} ms"
     cells = [f"{r['ranks']:,} ({r['groups']} x {r['group_size']})", _fmt(r.get("coordinator_msgs_per_step"), ",.0f"),
              _fmt(r["coordinator_cpu_ms_per_step"], ".1f") + (" ms" if r["coordinator_cpu_ms_per_step"] else ""),
-             f"{_fmt(r['commit_p50_ms'], '.1f')} / {_fmt(r['commit_p99_ms'], '.1f')} ms",
+             "—" if r["commit_p50_ms"] is None else f"{r['commit_p50_ms']:.1f} / {r['commit_p99_ms']:.1f} ms",
              _fmt(r["idle_cpu_frac"], ".1f", 100) + (" %" if r["idle_cpu_frac"] is not None else "")
              + (f" ({r['idle_msgs_per_s']:,.0f} msgs/s)" if r.get("idle_msgs_per_s") else ""),
              _fmt(r["formation_s"], ".2f") + (" s" if r["formation_s"] is not None else ""), det,

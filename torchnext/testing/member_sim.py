@@ -179,6 +179,8 @@ class Generation:
     members: list[int]
     received_at: float | None
     """``time.monotonic()`` when the last live member received it."""
+    first_at: float | None = None
+    """``time.monotonic()`` when the first live member received it."""
     reason: str = ""
 
 
@@ -319,6 +321,7 @@ class MemberSim:
         ok = not reasons
         return Generation(ok=ok, gen=max(gens, default=0), members=lists[0] if lists else [],
                           received_at=max(r["t_last"] for r in replies if r["live"]) if ok else None,
+                          first_at=min(r["t_first"] for r in replies if r["live"]) if ok else None,
                           reason=reasons[0] if reasons else "")
 
     def messages(self) -> int:
@@ -539,6 +542,7 @@ class _Worker:
                 reply = {"live": len(live), "gen": max(gens, default=0),
                          "members": live[0].members if live else None,
                          "t_last": max((m.t_gen for m in live), default=0.0),
+                         "t_first": min((m.t_gen for m in live), default=0.0),
                          "reason": (f"{len(behind)} live member(s) of this process had no generation after {after} "
                                     "within the timeout") if behind else
                                    (f"live members hold generations {sorted(gens)}" if len(gens) > 1 else "")}
