@@ -151,6 +151,10 @@ class Formation:
     """Handshakes retried (closed or refused before the welcome)."""
     reason: str = ""
     """Why not ``ok``."""
+    sim_late_s: float = 0.0
+    """The simulator's own worst heartbeat lateness so far (all processes): a member removed for silence while this
+    approaches ``heartbeat_timeout_s - heartbeat_interval_s`` was starved on the simulator's side, not lost by the
+    coordinator."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -167,6 +171,8 @@ class Commits:
     """Messages sent to and received from the coordinator by all members during the call (heartbeats, pings,
     votes, decisions)."""
     reason: str = ""
+    sim_late_s: float = 0.0
+    """As :attr:`Formation.sim_late_s`."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -182,6 +188,8 @@ class Generation:
     first_at: float | None = None
     """``time.monotonic()`` when the first live member received it."""
     reason: str = ""
+    sim_late_s: float = 0.0
+    """As :attr:`Formation.sim_late_s`."""
 
 
 class MemberSim:
@@ -281,7 +289,8 @@ class MemberSim:
         t0 = min(r["t_start"] for r in replies)
         t1 = max(r["t_last"] for r in replies)
         return Formation(ok=ok, formation_s=(t1 - t0) if ok else None, gen=gen, members=members, ids=ids,
-                         rejected=dict(rejected), retries=sum(r["retries"] for r in replies), reason=reason)
+                         rejected=dict(rejected), retries=sum(r["retries"] for r in replies), reason=reason,
+                         sim_late_s=_late(replies))
 
     def commit(self, steps: int, *, timeout_s: float) -> Commits:
         """Every member of the current generation votes for ``steps`` consecutive steps, each vote sent as soon as
@@ -298,7 +307,7 @@ class MemberSim:
         ok = committed == steps and not reasons
         reason = reasons[0] if reasons else ("" if ok else f"{committed} of {steps} steps committed")
         return Commits(ok=ok, committed=committed, rounds_s=rounds, messages=sum(r["messages"] for r in replies),
-                       reason=reason)
+                       reason=_explain(reason, replies), sim_late_s=_late(replies))
 
     def kill_group(self, group: int, mode: KillMode = KillMode.CRASH) -> float:
         """Kill replica group ``group`` (all its members, see :class:`KillMode`); returns ``time.monotonic()`` at
@@ -322,7 +331,7 @@ class MemberSim:
         return Generation(ok=ok, gen=max(gens, default=0), members=lists[0] if lists else [],
                           received_at=max(r["t_last"] for r in replies if r["live"]) if ok else None,
                           first_at=min(r["t_first"] for r in replies if r["live"]) if ok else None,
-                          reason=reasons[0] if reasons else "")
+                          reason=_explain(reasons[0] if reasons else "", replies), sim_late_s=_late(replies))
 
     def messages(self) -> int:
         """Messages the members sent to and received from the coordinator so far (all processes)."""
@@ -355,6 +364,21 @@ class MemberSim:
                 raise SimError(f"member-sim process {i} failed in {what!r}: {reply['error']}")
             out.append(reply)
         return out
+
+
+def _late(replies: list[dict[str, Any]]) -> float:
+    return max((float(r["late"]) for r in replies), default=0.0)
+
+
+def _explain(reason: str, replies: list[dict[str, Any]]) -> str:
+    """``reason`` plus the members' states and a removed/failed member's error (empty when ``reason`` is)."""
+    if not reason:
+        return ""
+    states: Counter[str] = Counter()
+    for r in replies:
+        states.update(r["states"])
+    why = next((r["why"] for r in replies if r["why"]), "")
+    return f"{reason} (members: {dict(states)}{'; ' + why if why else ''})"
 
 
 def _config_dict(cfg: SimConfig) -> dict[str, Any]:
@@ -396,6 +420,8 @@ class _Stats:
     sent: int = 0
     received: int = 0
     retries: int = 0
+    late: float = 0.0
+    """The most a heartbeat slot was sent after its time (this process's own lateness)."""
     t_start: float = 0.0
     rejected: Counter[str] = field(default_factory=Counter)
 
@@ -461,6 +487,7 @@ class _Worker:
                 self._drop(m)
 
     def _heartbeat_slot(self, now: float) -> None:
+        self.stats.late = max(self.stats.late, now - self.next_slot)
         for m in self.slots[self.slot]:
             if m.state == "joined":
                 self._send(m, self.hb)
@@ -525,7 +552,8 @@ class _Worker:
             st = self.steps
             if not st["voters"] or st["left"][-1] == 0 or st["reason"] or late:
                 committed = next((k for k, left in enumerate(st["left"]) if left), st["n"])
-                reason = st["reason"] or ("" if committed == st["n"] else
+                reason = st["reason"] or ("no member of this process is in the generation it holds" if not
+                                          st["voters"] else "" if committed == st["n"] else
                                           f"{st['left'][committed]} member(s) of this process had no decision for "
                                           f"step {committed} of the call within the timeout")
                 reply = {"voters": len(st["voters"]), "committed": committed, "t_vote": st["t_vote"],
@@ -548,6 +576,10 @@ class _Worker:
                                    (f"live members hold generations {sorted(gens)}" if len(gens) > 1 else "")}
         if reply is not None:
             self.pending = None
+            reply["late"] = self.stats.late
+            reply["states"] = dict(Counter(m.state for m in self.members))
+            reply["why"] = next((f"member {m.id}: {m.error}" for m in self.members
+                                 if m.state in ("failed", "removed")), "")
             self.conn.send(reply)
 
     def _join_reply(self) -> dict[str, Any]:
