@@ -22,6 +22,11 @@ sees EOF at once); :attr:`KillMode.HANG` stops their heartbeats and reads, socke
 notice the silence: ``heartbeat_timeout_s``). :meth:`MemberSim.await_generation` then times the next generation's
 arrival at every surviving member.
 
+Workers are forked by default (:attr:`SimConfig.start_method`): they run only the stdlib and the wire functions.
+The simulator's own CPU competes with the coordinator's on a small machine; every result carries ``sim_late_s``,
+the worst lateness of the simulator's own heartbeats, so that a member removed for silence can be told apart from a
+coordinator that lost it.
+
 Joins are paced: at most ``max_handshakes`` unauthenticated connections per process at once, because the
 coordinator closes the oldest unauthenticated connection beyond
 :data:`~torchnext.ft.service.MAX_UNAUTHENTICATED` (64); a connection closed before its welcome is retried after
