@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from torchnext.ft._wire import PROTOCOL_VERSION, LineReader, encode
+from torchnext.testing import _sim_worker
 from torchnext.testing.coordinators import CoordinatorProcess
 from torchnext.testing.member_sim import KillMode, MemberSim, SimConfig
 
@@ -62,6 +63,7 @@ def test_config_is_checked() -> None:
         SimConfig(address="127.0.0.1:1", token="t", ranks=8, start_method="thread")
     with pytest.raises(TypeError):
         MemberSim({"ranks": 8})  # type: ignore[arg-type]
+    assert _sim_worker._HANG == KillMode.HANG.value  # the worker compares the mode's value
 
 
 @pytest.mark.parametrize("coordinator", [8], indirect=True)
