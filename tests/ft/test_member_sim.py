@@ -147,15 +147,22 @@ def test_members_refuse_a_coordinator_without_the_token() -> None:
         server.close()
 
 
-@pytest.mark.parametrize("coordinator", [128], indirect=True)
-def test_1024_ranks_form_commit_100_steps_and_lose_a_group(coordinator: CoordinatorProcess) -> None:
-    """Issue 26's CI size. Only the group kill applies today (no hierarchy: no leader to kill)."""
-    cfg = SimConfig(address=coordinator.address, token=TOKEN, ranks=1024, group_size=8, processes=2)
-    with MemberSim(cfg) as sim:
-        formed = sim.join(timeout_s=40)
-        assert formed.ok, formed.reason
-        assert len(formed.members) == 1024
-        run = sim.commit(100, timeout_s=60)
-        assert run.ok and run.committed == 100, run.reason
-        _, hang_s = _kill_and_check(sim, formed.gen, set(formed.members), 127, KillMode.HANG)
-        assert hang_s >= HANG_MIN_S
+def test_1024_ranks_form_commit_100_steps_and_lose_a_group() -> None:
+    """Issue 26's CI size. Only the group kill applies today (no hierarchy: no leader to kill).
+
+    Heartbeats every 0.25 s (timeout 1.5 s) instead of the default 0.1 s: at the default the flat coordinator spends
+    45-95 % of a core on 1,024 members' heartbeats and pings alone (docs/benchmarks.md), and once saturated its
+    stall forgiveness postpones hang detection indefinitely -- a shared CI machine must not decide this test. The
+    default's figures are the benchmark's job."""
+    interval, timeout = 0.25, 1.5
+    with CoordinatorProcess(TOKEN, initial_size=128, min_size=1, heartbeat_interval_s=interval,
+                            heartbeat_timeout_s=timeout) as coord:
+        cfg = SimConfig(address=coord.address, token=TOKEN, ranks=1024, group_size=8, processes=2)
+        with MemberSim(cfg) as sim:
+            formed = sim.join(timeout_s=40)
+            assert formed.ok, formed.reason
+            assert len(formed.members) == 1024
+            run = sim.commit(100, timeout_s=60)
+            assert run.ok and run.committed == 100, run.reason
+            _, hang_s = _kill_and_check(sim, formed.gen, set(formed.members), 127, KillMode.HANG)
+            assert hang_s >= timeout - interval
