@@ -10,6 +10,9 @@ from torchnext.testing.faults import drop_coordinator as drop_coordinator
 from torchnext.testing.faults import freeze_self as freeze_self
 from torchnext.testing.faults import kill as kill
 from torchnext.testing.faults import resume as resume
+from torchnext.testing.member_sim import KillMode as KillMode
+from torchnext.testing.member_sim import MemberSim as MemberSim
+from torchnext.testing.member_sim import SimConfig as SimConfig
 from torchnext.testing.multiprocess import RankContext as RankContext
 from torchnext.testing.multiprocess import RankExited as RankExited
 from torchnext.testing.multiprocess import RankFailure as RankFailure
@@ -18,6 +21,7 @@ from torchnext.testing.multiprocess import run_threads as run_threads
 from torchnext.testing.netns import NetLab as NetLab
 
 __all__ = [
-    "CoordinatorProcess", "Fault", "FaultInjector", "FaultKind", "FaultPoint", "NetLab", "RankContext", "RankExited",
-    "RankFailure", "crash_now", "drop_coordinator", "freeze_self", "kill", "resume", "run_ranks", "run_threads",
+    "CoordinatorProcess", "Fault", "FaultInjector", "FaultKind", "FaultPoint", "KillMode", "MemberSim", "NetLab",
+    "RankContext", "RankExited", "RankFailure", "SimConfig", "crash_now", "drop_coordinator", "freeze_self", "kill",
+    "resume", "run_ranks", "run_threads",
 ]

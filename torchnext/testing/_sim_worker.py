@@ -1,0 +1,506 @@
+"""The member simulator's worker process: one selector loop serving its share of :mod:`~.member_sim`'s members.
+
+Commands come over a ``multiprocessing`` pipe from :class:`~torchnext.testing.member_sim.MemberSim`; each is answered
+once its condition holds or its deadline passes, while the loop keeps heartbeating. Only the stdlib and the wire
+functions of :mod:`torchnext.ft._wire` run here (no torch), so a forked worker costs no import.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import selectors
+import socket
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from torchnext.ft._wire import (
+    COORDINATOR_MESSAGES,
+    PROTOCOL_VERSION,
+    LineReader,
+    ProtocolError,
+    check,
+    encode,
+    mac,
+    new_nonce,
+    tune_socket,
+    verify,
+)
+from torchnext.ft.member import parse_address
+
+__all__ = ["worker_main"]
+
+_SLOTS = 10
+"""Heartbeat slots per interval: member ``i`` of a process heartbeats in slot ``i % _SLOTS``."""
+_RETRY_S = 0.1
+"""A handshake that failed (connection closed or refused before the welcome) is retried after this long."""
+_HANG = "hang"
+"""``KillMode.HANG.value`` (the other mode closes the sockets)."""
+
+class _Member:
+    __slots__ = ("challenge", "committed", "error", "gen", "group", "id", "members", "nonce", "out", "rank", "reader",
+                 "retry_at", "slot", "sock", "state", "t_gen", "voted")
+
+    def __init__(self, group: int, rank: int, slot: int) -> None:
+        self.group, self.rank, self.slot = group, rank, slot
+        self.sock: socket.socket | None = None
+        self.reader = LineReader()
+        self.out = b""
+        self.state = "new"
+        """new, queued, shaking (connected, waiting for challenge/welcome), joined, rejected, failed, killed,
+        hung, removed."""
+        self.id = -1
+        self.nonce = ""
+        self.challenge = ""
+        self.gen = 0
+        self.members: list[int] | None = None
+        self.committed = 0
+        self.t_gen = 0.0
+        self.retry_at = 0.0
+        self.error = ""
+        self.voted: int | None = None
+
+
+_DONE = frozenset({"joined", "rejected", "failed", "killed", "hung", "removed"})
+
+
+@dataclass
+class _Stats:
+    sent: int = 0
+    received: int = 0
+    retries: int = 0
+    late: float = 0.0
+    """The most a heartbeat slot was sent after its time (this process's own lateness)."""
+    t_start: float = 0.0
+    rejected: Counter[str] = field(default_factory=Counter)
+
+
+class _Worker:
+    """One process's members and their selector loop. Commands come from the parent's pipe; each is answered once
+    its condition holds or its deadline passed."""
+
+    def __init__(self, conn: Connection, cfg: dict[str, Any], lo: int, hi: int) -> None:
+        self.conn = conn
+        self.addr = parse_address(cfg["address"])
+        self.token = str(cfg["token"])
+        self.max_handshakes = int(cfg["max_handshakes"])
+        self.group_size = gsize = int(cfg["group_size"])
+        self.members = [_Member(g, r, i % _SLOTS) for i, (g, r) in
+                        enumerate((g, r) for g in range(lo, hi) for r in range(gsize))]
+        self.slots: list[list[_Member]] = [[m for m in self.members if m.slot == s] for s in range(_SLOTS)]
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(conn.fileno(), selectors.EVENT_READ, None)
+        self.stats = _Stats()
+        self.interval = 0.1
+        self.next_slot = 0.0
+        self.slot = 0
+        self.shaking = 0
+        self.queue: list[_Member] = []
+        self.pending: tuple[str, dict[str, Any]] | None = None
+        self.cache: dict[tuple[Any, ...], tuple[dict[str, Any], dict[str, Any]]] = {}
+        self.hb = encode({"t": "hb"})
+        self.votes: dict[tuple[int, int], bytes] = {}
+        self.steps: dict[str, Any] = {}
+        self.next_check = 0.0
+        self.running = True
+
+    # -------------------------------------------------------------------------------------------------- loop
+    def run(self) -> None:
+        self.conn.send({"ready": True, "pid": os.getpid()})
+        try:
+            while self.running:
+                now = time.monotonic()
+                wait = 0.05
+                if self.next_slot:
+                    wait = min(wait, max(0.0, self.next_slot - now))
+                for key, events in self.sel.select(timeout=wait):
+                    if self.next_slot and time.monotonic() >= self.next_slot:  # a long batch must not delay them
+                        self._heartbeat_slot(time.monotonic())
+                    if key.data is None:
+                        self._command()
+                    else:
+                        m: _Member = key.data
+                        if events & selectors.EVENT_WRITE:
+                            self._flush(m)
+                        if events & selectors.EVENT_READ and m.sock is not None and m.state in ("shaking", "joined"):
+                            self._readable(m)
+                now = time.monotonic()
+                if self.next_slot and now >= self.next_slot:
+                    self._heartbeat_slot(now)
+                self._connect_more(now)
+                if self.pending is not None and (self.pending[0] == "steps" or now >= self.next_check):
+                    self.next_check = now + 0.005  # join/await_gen conditions scan every member: not every event
+                    self._check_pending(now)
+        finally:
+            for m in self.members:
+                self._drop(m)
+
+    def _heartbeat_slot(self, now: float) -> None:
+        self.stats.late = max(self.stats.late, now - self.next_slot)
+        for m in self.slots[self.slot]:
+            if m.state == "joined":
+                self._send(m, self.hb)
+        self.slot = (self.slot + 1) % _SLOTS
+        self.next_slot += self.interval / _SLOTS
+        if self.next_slot < now - self.interval:  # we fell behind by a whole interval: do not burst
+            self.next_slot = now
+
+    # ---------------------------------------------------------------------------------------------- commands
+    def _command(self) -> None:
+        try:
+            cmd, kw = self.conn.recv()
+        except (EOFError, OSError):
+            self.running = False
+            return
+        now = time.monotonic()
+        if cmd == "stop":
+            self.running = False
+            self.conn.send({"stopped": True})
+            return
+        if cmd == "counters":
+            self.conn.send({"messages": self.stats.sent + self.stats.received})
+            return
+        if cmd == "kill":
+            self.conn.send(self._kill(int(kw["group"]), str(kw["mode"])))
+            return
+        if cmd == "join":
+            self.stats.t_start = now
+            for m in self.members:
+                if m.state == "new":
+                    m.state = "queued"
+                    self.queue.append(m)
+            self.queue.reverse()  # popped from the end: group 0 rank 0 first
+        elif cmd == "steps":
+            in_gen: dict[int, set[int]] = {}
+            for m in self.members:
+                if m.state == "joined" and m.members is not None and m.gen not in in_gen:
+                    in_gen[m.gen] = set(m.members)
+            voters = [m for m in self.members if m.state == "joined" and m.id in in_gen.get(m.gen, ())]
+            n = int(kw["steps"])
+            self.steps = {"n": n, "voters": voters, "base": {m.id: m.committed for m in voters},
+                          "t_vote": [float("inf")] * n, "t_done": [0.0] * n, "left": [len(voters)] * n,
+                          "messages": self.stats.sent + self.stats.received, "reason": ""}
+            for m in voters:
+                self._vote(m, now)
+        elif cmd != "await_gen":
+            self.conn.send({"error": f"unknown command {cmd!r}"})
+            return
+        self.pending = (cmd, kw)
+        self._check_pending(now)
+
+    def _check_pending(self, now: float) -> None:
+        assert self.pending is not None
+        cmd, kw = self.pending
+        late = now >= kw["deadline"]
+        reply: dict[str, Any] | None = None
+        if cmd == "join":
+            done = all(m.state in _DONE and (m.state != "joined" or m.gen) for m in self.members)
+            if done or late:
+                reply = self._join_reply()
+        elif cmd == "steps":
+            st = self.steps
+            if not st["voters"] or st["left"][-1] == 0 or st["reason"] or late:
+                committed = next((k for k, left in enumerate(st["left"]) if left), st["n"])
+                reason = st["reason"] or ("no member of this process is in the generation it holds" if not
+                                          st["voters"] else "" if committed == st["n"] else
+                                          f"{st['left'][committed]} member(s) of this process had no decision for "
+                                          f"step {committed} of the call within the timeout")
+                reply = {"voters": len(st["voters"]), "committed": committed, "t_vote": st["t_vote"],
+                         "t_done": st["t_done"], "reason": reason,
+                         "messages": self.stats.sent + self.stats.received - st["messages"]}
+                for m in st["voters"]:
+                    m.voted = None
+        elif cmd == "await_gen":
+            after = int(kw["after"])
+            live = [m for m in self.members if m.state == "joined"]
+            if all(m.gen > after for m in live) or late:
+                behind = [m for m in live if m.gen <= after]
+                gens = {m.gen for m in live}
+                reply = {"live": len(live), "gen": max(gens, default=0),
+                         "members": live[0].members if live else None,
+                         "t_last": max((m.t_gen for m in live), default=0.0),
+                         "t_first": min((m.t_gen for m in live), default=0.0),
+                         "reason": (f"{len(behind)} live member(s) of this process had no generation after {after} "
+                                    "within the timeout") if behind else
+                                   (f"live members hold generations {sorted(gens)}" if len(gens) > 1 else "")}
+        if reply is not None:
+            self.pending = None
+            reply["late"] = self.stats.late
+            reply["states"] = dict(Counter(m.state for m in self.members))
+            reply["why"] = next((f"member {m.id}: {m.error}" for m in self.members
+                                 if m.state in ("failed", "removed")), "")
+            self.conn.send(reply)
+
+    def _join_reply(self) -> dict[str, Any]:
+        ids: dict[int, list[int]] = {}
+        for m in self.members:
+            if m.id >= 0:
+                ids.setdefault(m.group, []).append(m.id)
+        holding = [m for m in self.members if m.state == "joined" and m.gen]
+        top = max(holding, key=lambda m: m.gen, default=None)
+        errors = [f"group {m.group} rank {m.rank}: {m.error}" for m in self.members if m.state in ("failed", "removed")]
+        return {"ids": ids, "rejected": dict(self.stats.rejected), "errors": errors[:5], "failed": len(errors),
+                "holding": len(holding),
+                "gen": top.gen if top else 0, "members": top.members if top else None,
+                "t_start": self.stats.t_start, "t_last": max((m.t_gen for m in holding), default=0.0),
+                "retries": self.stats.retries}
+
+    def _kill(self, group: int, mode: str) -> dict[str, Any]:
+        t = time.monotonic()
+        for m in self.members:
+            if m.group == group and m.state in ("joined", "shaking", "queued"):
+                if mode == _HANG and m.state == "joined" and m.sock is not None:
+                    m.state = "hung"
+                    self.sel.unregister(m.sock)  # no reads, no writes: the socket stays open, silent
+                else:
+                    self._drop(m)
+                    m.state = "killed"
+        return {"t_kill": t}
+
+    # --------------------------------------------------------------------------------------------- members
+    def _connect_more(self, now: float) -> None:
+        # A slow handshake is not abandoned (as a real member's first join, it may take until the join's deadline:
+        # closing it after the coordinator welcomed it would be a member's crash).
+        while self.queue and self.shaking < self.max_handshakes:
+            m = self.queue[-1]
+            if m.retry_at > now:
+                break
+            self.queue.pop()
+            if m.state == "queued":  # not killed meanwhile
+                self._connect(m, now)
+
+    def _connect(self, m: _Member, now: float) -> None:
+        sock = socket.socket(socket.AF_INET6 if ":" in self.addr[0] else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        err = sock.connect_ex(self.addr)
+        if err not in (0, errno.EINPROGRESS, errno.EAGAIN):
+            sock.close()
+            m.state = "queued"
+            m.retry_at = now + _RETRY_S
+            self.stats.retries += 1
+            self.queue.insert(0, m)
+            return
+        tune_socket(sock)
+        m.sock, m.reader, m.out, m.state = sock, LineReader(), b"", "shaking"
+        m.nonce = m.challenge = ""
+        self.shaking += 1
+        self.sel.register(sock, selectors.EVENT_READ, m)
+
+    def _retry(self, m: _Member, now: float) -> None:
+        """The handshake failed before the welcome (shed, refused, reset): try again later, as a real member."""
+        self._drop(m)
+        m.state = "queued"
+        m.retry_at = now + _RETRY_S
+        self.stats.retries += 1
+        self.queue.insert(0, m)
+
+    def _drop(self, m: _Member) -> None:
+        if m.sock is None:
+            return
+        if m.state == "shaking":
+            self.shaking -= 1
+        if m.state != "hung":
+            try:
+                self.sel.unregister(m.sock)
+            except (KeyError, ValueError):
+                pass
+        m.sock.close()
+        m.sock = None
+
+    def _fail(self, m: _Member, why: str) -> None:
+        self._drop(m)
+        m.state, m.error = "failed", why
+        if self.steps.get("voters") and m.voted is not None:
+            self.steps["reason"] = self.steps["reason"] or f"member {m.id} failed: {why}"
+
+    def _send(self, m: _Member, data: bytes) -> None:
+        if m.sock is None:
+            return
+        self.stats.sent += 1
+        if m.out:
+            m.out += data
+            return
+        try:
+            n = m.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError as exc:
+            self._fail(m, f"send failed: {exc}")
+            return
+        if n < len(data):
+            m.out = data[n:]
+            self.sel.modify(m.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, m)
+
+    def _flush(self, m: _Member) -> None:
+        if m.sock is None or not m.out:
+            return
+        try:
+            n = m.sock.send(m.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._fail(m, f"send failed: {exc}")
+            return
+        m.out = m.out[n:]
+        if not m.out:
+            self.sel.modify(m.sock, selectors.EVENT_READ, m)
+
+    def _readable(self, m: _Member) -> None:
+        assert m.sock is not None
+        now = time.monotonic()
+        try:
+            data = m.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            data, why = b"", f"connection broke: {exc}"
+        else:
+            why = "the coordinator closed the connection"
+        if not data:
+            if m.state == "shaking":
+                self._retry(m, now)
+            else:
+                self._fail(m, why)
+            return
+        try:
+            msgs = [self._check(raw) for raw in m.reader.feed(data)]
+        except ProtocolError as exc:  # a real member would count this as losing its coordinator
+            self._fail(m, f"protocol error: {exc}")
+            return
+        self.stats.received += len(msgs)
+        for msg in msgs:
+            if m.state not in ("shaking", "joined"):
+                return
+            self._handle(m, msg, now)
+
+    def _check(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """``check(raw, COORDINATOR_MESSAGES)``, validated once per process for the big messages every member
+        receives alike (a generation, a decision): an equal message reuses the checked copy."""
+        kind = raw.get("t")
+        if kind not in ("gen", "decision"):
+            return check(raw, COORDINATOR_MESSAGES)
+        key = (kind, raw.get("gen"), raw.get("step"), raw.get("committed"))
+        hit = self.cache.get(key)
+        if hit is not None and hit[0] == raw:
+            return hit[1]
+        checked = check(raw, COORDINATOR_MESSAGES)
+        if len(self.cache) > 64:
+            self.cache.clear()
+        self.cache[key] = (raw, checked)
+        return checked
+
+    def _handle(self, m: _Member, msg: dict[str, Any], now: float) -> None:
+        kind = msg["t"]
+        if kind == "ping":
+            return
+        if m.state == "shaking":
+            self._handshake(m, msg, now)
+            return
+        if kind == "gen":
+            self._enter(m, msg, now)
+        elif kind == "decision":
+            mine = m.voted is not None and msg["gen"] == m.gen and msg["step"] == m.committed
+            m.committed = max(m.committed, msg["committed"])
+            if msg.get("next") is not None:  # a grow between steps: the next vote is in the next generation
+                self._enter(m, msg["next"], now, planned=True)
+            if mine:
+                self._decided(m, now)
+        elif kind in ("removed", "fatal", "wait", "finished"):
+            if kind in ("removed", "fatal"):
+                self._drop(m)
+                m.state, m.error = "removed", f"{kind}: {msg.get('reason', msg.get('code'))}"
+            if self.steps.get("voters") and m.voted is not None:
+                self.steps["reason"] = self.steps["reason"] or f"member {m.id} got {kind!r}: {msg.get('reason')}"
+        elif kind in ("challenge", "welcome", "reject"):
+            self._fail(m, f"the coordinator sent {kind!r} during the session")
+
+    def _handshake(self, m: _Member, msg: dict[str, Any], now: float) -> None:
+        kind = msg["t"]
+        if kind == "challenge" and not m.nonce:
+            m.nonce = new_nonce()
+            self._send(m, encode({
+                "t": "hello", "nonce": m.nonce, "proof": mac(self.token, "member", msg["nonce"], m.nonce),
+                "proto": PROTOCOL_VERSION, "member": None, "step": 0, "pid": os.getpid(), "group": m.group,
+                "group_rank": m.rank, "group_size": self.group_size, "coordinators": 1,
+            }))
+            m.challenge = msg["nonce"]  # needed to verify the coordinator's proof
+        elif kind == "welcome" and m.nonce:
+            if not verify(self.token, "coordinator", m.nonce, m.challenge, msg["proof"]):
+                self._fail(m, "the coordinator could not prove it knows the job token")
+                return
+            if msg["proto"] != PROTOCOL_VERSION:
+                self._fail(m, f"the coordinator speaks protocol {msg['proto']}")
+                return
+            self.shaking -= 1
+            m.state, m.id, m.error = "joined", int(msg["member"]), ""
+            if not self.next_slot:
+                self.interval = float(msg["heartbeat_interval_s"])
+                self.next_slot = now + self.interval / _SLOTS
+        elif kind == "reject":
+            self._drop(m)
+            m.state, m.error = "rejected", f"{msg['code']}: {msg['reason']}"
+            self.stats.rejected[msg["code"]] += 1
+        else:
+            self._fail(m, f"the coordinator sent {kind!r} during the handshake")
+
+    def _enter(self, m: _Member, gen: dict[str, Any], now: float, *, planned: bool = False) -> None:
+        if gen["gen"] <= m.gen:
+            return
+        m.gen, m.members, m.committed, m.t_gen = gen["gen"], gen["members"], gen["step"], now
+        if not planned and m.voted is not None and self.steps.get("voters"):
+            self.steps["reason"] = self.steps["reason"] or (
+                f"member {m.id} was moved to generation {gen['gen']} (abort={gen['abort']}): {gen['reason']}")
+            m.voted = None
+
+    # ----------------------------------------------------------------------------------------------- votes
+    def _vote(self, m: _Member, now: float) -> None:
+        st = self.steps
+        k = m.committed - st["base"][m.id]
+        m.voted = k
+        if now < st["t_vote"][k]:
+            st["t_vote"][k] = now
+        key = (m.gen, m.committed)
+        data = self.votes.get(key)
+        if data is None:
+            if len(self.votes) > 64:
+                self.votes.clear()
+            data = self.votes[key] = encode({"t": "vote", "gen": m.gen, "step": m.committed})
+        self._send(m, data)
+
+    def _decided(self, m: _Member, now: float) -> None:
+        st = self.steps
+        k = m.voted
+        assert k is not None
+        st["left"][k] -= 1
+        st["t_done"][k] = max(st["t_done"][k], now)
+        m.voted = None
+        if k + 1 < st["n"]:
+            self._vote(m, now)
+
+
+def worker_main(conn: Connection, cfg: dict[str, Any], lo: int, hi: int) -> None:
+    """Entry point of a worker process: serve groups ``[lo, hi)`` until told to stop (or the parent is gone)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+    try:
+        worker = _Worker(conn, cfg, lo, hi)
+    except Exception as exc:
+        conn.send({"error": f"{type(exc).__name__}: {exc}"})
+        return
+    try:
+        worker.run()
+    except Exception as exc:
+        try:
+            conn.send({"error": f"{type(exc).__name__}: {exc}"})
+        except OSError:
+            pass
+        raise
