@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchnext.comms import CommAborted, Communicator, PeerFailure, WorkStatus
+from torchnext.comms import CommAborted, Communicator, HookError, PeerFailure, WorkStatus
 from torchnext.comms.reaper import reaper
 
 GENS = 500 if os.environ.get("TORCHNEXT_LONG", "") not in ("", "0") else 150
@@ -223,6 +223,66 @@ def test_a_failed_op_leaves_no_cycle_that_holds_its_communicator() -> None:
     finally:
         gc.enable()
         a.abort()
+
+
+def test_a_raising_post_hook_keeps_its_traceback_as_text_not_frames() -> None:
+    a, b = _pair("hooked", timeout=60.0)
+
+    def broken_hook(args: object) -> None:
+        raise ValueError("hook bug")
+
+    b.register_post_hook(broken_hook)
+    gc.disable()
+    try:
+        w = b.all_reduce(torch.ones(8), async_op=True)
+        a.all_reduce(torch.ones(8))
+        try:
+            w.wait()
+        except HookError as e:
+            cause = e.__cause__
+        assert isinstance(cause, ValueError) and cause.__traceback__ is None
+        assert "broken_hook" in "".join(cause.__notes__)  # the hook's traceback, as text
+        work_ref = weakref.ref(w)
+        del w
+        deadline = time.monotonic() + 5.0
+        while work_ref() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert work_ref() is None  # no cycle through the hook's frames
+    finally:
+        gc.enable()
+        a.abort()
+        b.abort()
+
+
+def test_a_wrapped_backend_error_keeps_no_frames_in_its_chain() -> None:
+    """The backend's failure and every exception it was raised in the handling of lose their frames (they are this
+    Work's: the FT-HSDP soak's survivor kept a dead communicator through the slice wait's timeout, the ``__context__``
+    of the real failure)."""
+    a, b = _pair("chain", timeout=60.0)
+    try:
+        w = b.all_reduce(torch.ones(8), async_op=True)
+        a.all_reduce(torch.ones(8))
+        w.wait()
+        def failing_wait() -> None:
+            try:
+                raise RuntimeError("Timed out waiting 1ms")  # the slice wait
+            except RuntimeError:
+                raise RuntimeError("Connection closed by peer")  # noqa: B904 -- the context chain is the point
+
+        caught: list[BaseException] = []
+        try:
+            failing_wait()
+        except RuntimeError as e:
+            caught.append(e)
+        real = caught[0]
+        assert real.__traceback__ is not None and real.__context__ is not None
+        assert real.__context__.__traceback__ is not None
+        wrapped = w._wrap_backend_error(real)
+        assert wrapped.__cause__ is real
+        assert real.__traceback__ is None and real.__context__.__traceback__ is None
+    finally:
+        a.abort()
+        b.abort()
 
 
 def test_retained_objects_are_released_with_the_backend() -> None:

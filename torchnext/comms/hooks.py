@@ -34,6 +34,7 @@ by ``abort()`` after the abort finished; a shutdown hook's by ``shutdown()`` aft
 from __future__ import annotations
 
 import itertools
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -171,8 +172,7 @@ class HookList(Generic[A]):
                 fn(args)
             except Exception as exc:
                 if first is None:
-                    first = HookError(f"{self.kind} hook {_hook_name(fn)} raised {exc!r}", hook=fn)
-                    first.__cause__ = exc
+                    first = _hook_error(self.kind, fn, exc)
                 if stop_on_error:
                     break
         return first
@@ -189,10 +189,20 @@ class HookList(Generic[A]):
             except CommError as exc:
                 return exc, not (isinstance(exc, CollectiveMismatch) and not exc.breaks_communicator)
             except Exception as exc:
-                err = HookError(f"{self.kind} hook {_hook_name(fn)} raised {exc!r}", hook=fn)
-                err.__cause__ = exc
-                return err, False
+                return _hook_error(self.kind, fn, exc), False
         return None
+
+
+def _hook_error(kind: str, fn: object, exc: BaseException) -> HookError:
+    """``HookError`` caused by ``exc``. The hook's traceback is kept as text (a note on ``exc``, printed with it), not
+    as frames: those reach back to the op's Work, which stores the error -- a cycle that would keep the Work, its
+    communicator and backend alive until a full collection."""
+    err = HookError(f"{kind} hook {_hook_name(fn)} raised {exc!r}", hook=fn)
+    if exc.__traceback__ is not None:
+        exc.add_note("hook traceback (most recent call last):\n" + "".join(traceback.format_tb(exc.__traceback__)))
+        exc.__traceback__ = None
+    err.__cause__ = exc
+    return err
 
 
 def _hook_name(fn: object) -> str:

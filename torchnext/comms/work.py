@@ -270,7 +270,16 @@ class Work:
         # The backend's exception keeps its message, not its frames: they hold the backend Work or future this op
         # ran on, and the Work keeps its exception -- a reference cycle through the traceback would keep an
         # abandoned backend's sockets and threads alive until a full garbage collection.
-        exc.__traceback__ = None
+        # So do the exceptions it was raised in the handling of (``__context__``: the slice wait's timeout before
+        # a second wait raised the real failure, whose frame is this Work's).
+        seen: set[int] = set()
+        chain: list[BaseException | None] = [exc]
+        while chain:
+            link = chain.pop()
+            if link is not None and id(link) not in seen:
+                seen.add(id(link))
+                link.__traceback__ = None
+                chain += [link.__cause__, link.__context__]
         wrapped.__cause__ = exc
         return wrapped
 

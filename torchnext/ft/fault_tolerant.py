@@ -638,7 +638,9 @@ class FaultTolerant:
                     else:
                         box["comm"] = c
             except BaseException as exc:
-                box["error"] = exc
+                # only its text is reported: its frames (this one holds the build's store client; the half-built
+                # Communicator's holds its backend's sockets) would otherwise stay alive in a cycle through ``box``
+                box["error"] = f"{type(exc).__name__}: {exc}"
             finally:
                 done.set()
                 news.set()

@@ -352,7 +352,11 @@ def _cycle_census() -> dict[str, Any]:
         if isinstance(o, type(sys._getframe())):
             frames[f"{o.f_code.co_qualname} {os.path.basename(o.f_code.co_filename)}:{o.f_lineno}"] += 1
         elif isinstance(o, BaseException):
-            excs[type(o).__name__] += 1
+            tb, where = o.__traceback__, list[str]()
+            while tb is not None and len(where) < 4:
+                where.append(f"{tb.tb_frame.f_code.co_qualname}:{tb.tb_lineno}")
+                tb = tb.tb_next
+            excs[f"{type(o).__name__}({str(o)[:60]!r}) tb={where}"] += 1
     comms = sum(1 for o in garbage if isinstance(o, Communicator))
     n = len(garbage)
     del garbage
