@@ -84,10 +84,10 @@ def test_oracle_accepts_a_gap_only_where_the_member_was_healed() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(330)
 def test_soak_100_faults() -> None:
-    # growth_per_fault: at this size the HSDP survivor still gains ~0.6 fds per fault (measured 2026-12-02: +20 fds,
-    # +4 threads over 35 faults; not yet found) -- the benchmark's goal is 0. The leak fixed in issue 24 (4.9
-    # threads, 8 fds per fault) fails this bound by an order of magnitude.
-    cfg = SoakConfig(faults=100, minutes=2.0, seed=2424, warmup_faults=20, wait_s=20.0, growth_per_fault=0.75)
+    # growth_per_fault 0.05 (4 fds over the 80 faults compared; the benchmark's bound is 0): one of three runs under
+    # load 11-14 failed an exact bound. The leak fixed in issue 24 (4.9 threads, 8 fds per fault) and the traceback
+    # cycles found after it (a whole Gloo device, ~5 fds, per failed op until a full collection) fail this.
+    cfg = SoakConfig(faults=100, minutes=2.0, seed=2424, warmup_faults=20, wait_s=20.0, growth_per_fault=0.05)
     result = run_soak(cfg)
     summary = {"errors": result.errors, "skipped": result.skipped, "recovery": result.recovery(),
                "failed": {k: c for k, c in result.checks.items() if not c["ok"]}, "seconds": round(result.seconds)}

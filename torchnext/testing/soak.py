@@ -220,6 +220,7 @@ class _Job:
         self.office = "A"
         self.ports: dict[str, int] = {}
         self.samples: dict[str, dict[str, Any]] = {}
+        self._sampled_t = float("-inf")  # the newest resource record a sample has seen
         self.survivor = 0
         self.ids_of: dict[int, list[int]] = {}  # group -> its member ids (live, spare or gone)
         self.gone: list[int] = []  # groups left whose processes may still run (their hosts are not free yet)
@@ -295,10 +296,16 @@ class _Job:
                                 f"generations {[(e['gen'], e['members']) for e in self._survivor_gens()[-3:]]})")
 
     def _sample(self, name: str) -> None:
-        """Keep the survivor's latest resource counts as ``name`` (taken just before a fault or the stop)."""
+        """Keep the survivor's resource counts as ``name`` (taken just before a fault or the stop): its latest
+        record, with the fewest threads and fds among the records since the previous sample -- a leak is in every
+        one of them; a generation's build under way or a connection not closed yet is not."""
         recs = self.resources.read()
         if recs:
-            self.samples[name] = dict(recs[-1], faults=len([f for f in self.shared.injected if f.job == self.kind]))
+            since = [r for r in recs if r["t"] > self._sampled_t] or recs[-1:]
+            self._sampled_t = recs[-1]["t"]
+            self.samples[name] = dict(recs[-1], threads=min(r["threads"] for r in since),
+                                      fds=min(r["fds"] for r in since),
+                                      faults=len([f for f in self.shared.injected if f.job == self.kind]))
 
     # ------------------------------------------------------------------------------------------- faults
     def inject(self, kind: SoakFault, rng: random.Random, index: int) -> Injected:
