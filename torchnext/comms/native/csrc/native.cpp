@@ -55,6 +55,22 @@ enum State : uint8_t { kInProgress = 0, kCompleted = 1, kFailed = 2, kAborted = 
 // Why an op failed: what the Python side turns into an exception class.
 enum Kind : uint8_t { kNone = 0, kTimeout = 1, kBackendError = 2, kAbort = 3 };
 
+// Releases the GIL for its scope when the calling thread holds it. torch's PyProcessGroup trampoline calls the base
+// ProcessGroup op (and so this backend) with the GIL held; Gloo's worker thread may drop the last reference to a
+// finished op's tensors -- a Python decref, which needs the GIL -- while it holds the queue lock that issuing the
+// next op takes. Holding the GIL across that call deadlocks; torch's own groups release it in pybind's call guard.
+struct NoGil {
+  PyThreadState* state = nullptr;
+  NoGil() {
+    if (Py_IsInitialized() && PyGILState_Check()) state = PyEval_SaveThread();
+  }
+  ~NoGil() {
+    if (state != nullptr) PyEval_RestoreThread(state);
+  }
+  NoGil(const NoGil&) = delete;
+  NoGil& operator=(const NoGil&) = delete;
+};
+
 int64_t wall_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();
@@ -306,7 +322,9 @@ class NativeWork : public Work {
         t0_(Clock::now()),
         deadline_(t0_ + timeout),
         rid_(rid),
-        peer_(peer) {}
+        peer_(peer) {
+    op_type_is_recv_any_ = type == OpType::RECVANYSOURCE;
+  }
 
   // The one transition out of IN_PROGRESS (first caller wins). Returns whether this call made it.
   bool finish(uint8_t to, uint8_t kind, const std::string& msg) {
@@ -322,6 +340,8 @@ class NativeWork : public Work {
       }
     }
     c10::intrusive_ptr<c10::ivalue::Future> fut;
+    c10::intrusive_ptr<Work> drop_inner;  // dropped with no lock held (a Python decref may wait for the GIL)
+    std::function<void()> drop_finalize;
     {
       std::lock_guard<std::mutex> lk(mutex_);
       uint8_t expected = kInProgress;
@@ -336,9 +356,12 @@ class NativeWork : public Work {
         } catch (...) {
         }
       }
-      inner_.reset();  // breaks work -> inner work -> its future -> our callback -> work
+      drop_inner = std::move(inner_);  // breaks work -> inner work -> its future -> our callback -> work
+      drop_finalize = std::move(finalize_);
       finalize_ = nullptr;
     }
+    drop_inner.reset();
+    drop_finalize = nullptr;
     // Bookkeeping before anyone sees the op terminal (as post hooks run before wait() returns on the Python path):
     // invalid outputs marked, the Flight Recorder entry finished, the group's failure noted.
     if (to != kCompleted) {
@@ -346,10 +369,16 @@ class NativeWork : public Work {
       mark_invalid(outputs_);
     }
     core_->ring.complete(rid_, to, kind, to == kCompleted ? std::string() : message);
+    c10::intrusive_ptr<NativeWork> self;  // the table's reference, dropped after the lock
     {
       std::lock_guard<std::mutex> lk(core_->mu);
-      core_->inflight.erase(op_id_);
+      auto it = core_->inflight.find(op_id_);
+      if (it != core_->inflight.end()) {
+        self = std::move(it->second);
+        core_->inflight.erase(it);
+      }
     }
+    self.reset();
     {
       std::lock_guard<std::mutex> lk(mutex_);
       completed_ = true;
@@ -389,11 +418,13 @@ class NativeWork : public Work {
     bool bounded = timeout != kNoTimeout && timeout.count() > 0;
     if (bounded) until = std::min(until, Clock::now() + timeout);
     if (!done_.load(std::memory_order_acquire)) {
+      NoGil nogil;
       std::unique_lock<std::mutex> lk(mutex_);
       cv_.wait_until(lk, until, [&] { return done_.load(std::memory_order_acquire); });
     }
     if (!done_.load(std::memory_order_acquire)) {
       if (Clock::now() >= deadline_) {
+        NoGil nogil;
         time_out();
         std::unique_lock<std::mutex> lk(mutex_);  // another thread may be finishing it: wait for its bookkeeping
         cv_.wait(lk, [&] { return done_.load(std::memory_order_acquire); });
@@ -579,6 +610,67 @@ class WaiterPool {
   std::shared_ptr<State> state_ = std::make_shared<State>();
 };
 
+// The Work of an op run on the Python path: the Python path's Work (a GroupWork) seen from C++. Every method asks
+// the Python object (torch's PyWorkHolder forwards only wait() and getFuture(), so is_completed(), exception() or a
+// recv's source rank would read the base Work's never-set state).
+class PyPathWork : public Work {
+ public:
+  explicit PyPathWork(py::object work) : Work(-1, OpType::UNKNOWN), py_(std::move(work)) {}
+
+  ~PyPathWork() override {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      py_ = py::object();
+    } else {
+      py_.release();
+    }
+  }
+
+  bool isCompleted() override {
+    py::gil_scoped_acquire gil;
+    return py_.attr("is_completed")().cast<bool>();
+  }
+  bool isSuccess() const override {
+    py::gil_scoped_acquire gil;
+    return py_.attr("is_success")().cast<bool>();
+  }
+  std::exception_ptr exception() const override {
+    py::gil_scoped_acquire gil;
+    py::object exc = py_.attr("exception")();
+    if (exc.is_none()) return nullptr;
+    return std::make_exception_ptr(c10::DistBackendError(py::str(exc).cast<std::string>()));
+  }
+  int sourceRank() const override {
+    py::gil_scoped_acquire gil;
+    return py_.attr("source_rank")().cast<int>();
+  }
+  std::vector<at::Tensor> result() override {
+    py::gil_scoped_acquire gil;
+    py::object r = py_.attr("result")();
+    try {
+      return r.cast<std::vector<at::Tensor>>();
+    } catch (const py::cast_error&) {
+      return {};  // a nested layout (all_gather's list of lists): no flat tensor list to give
+    }
+  }
+  void synchronize() override {
+    py::gil_scoped_acquire gil;
+    py_.attr("synchronize")();
+  }
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override {
+    py::gil_scoped_acquire gil;
+    return py_.attr("wait")(timeout).cast<bool>();
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    py::gil_scoped_acquire gil;
+    py::object fut = py_.attr("get_future")();
+    return fut.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
+  }
+
+ private:
+  py::object py_;
+};
+
 // ----------------------------------------------------------------------------------------------- the Backend
 bool plain(const at::Tensor& t) {
   return t.defined() && t.device().is_cpu() && t.layout() == c10::kStrided && t.is_contiguous();
@@ -618,11 +710,13 @@ class NativeBackend : public c10d::Backend {
   }
 
   ~NativeBackend() override {
+    c10::intrusive_ptr<c10d::Backend> drop;
     {
       std::lock_guard<std::mutex> lk(core_->mu);
       core_->stop = true;
-      inner_.reset();
+      drop = std::move(inner_);
     }
+    drop.reset();
     core_->watchdog_cv.notify_all();
     if (Py_IsInitialized()) {
       py::gil_scoped_acquire gil;
@@ -648,14 +742,16 @@ class NativeBackend : public c10d::Backend {
   // the abort's CommAborted) and drop the inner backend (the Python side buries it).
   void abort_all(const std::string& reason) {
     std::vector<c10::intrusive_ptr<NativeWork>> works;
+    c10::intrusive_ptr<c10d::Backend> drop;
     {
       std::lock_guard<std::mutex> lk(core_->mu);
       core_->aborted = true;
       core_->broken.store(true, std::memory_order_release);
       if (core_->first.kind == kNone) core_->first = Failure{kAbort, "abort", reason, 0, -1};
       for (auto& kv : core_->inflight) works.push_back(kv.second);
-      inner_.reset();
+      drop = std::move(inner_);
     }
+    drop.reset();
     std::string msg = "cancelled by abort()" + (reason.empty() ? std::string() : " (" + reason + ")");
     for (auto& w : works) w->finish(kAborted, kAbort, msg);
   }
@@ -676,9 +772,14 @@ class NativeBackend : public c10d::Backend {
         }
       }
     }
-    std::lock_guard<std::mutex> lk(core_->mu);
-    core_->broken.store(true, std::memory_order_release);
-    inner_.reset();
+    c10::intrusive_ptr<c10d::Backend> drop;
+    {
+      std::lock_guard<std::mutex> lk(core_->mu);
+      core_->broken.store(true, std::memory_order_release);
+      drop = std::move(inner_);
+    }
+    py::gil_scoped_release nogil;
+    drop.reset();
   }
 
   // The first failure as (kind, op, op_id, message, peer), or None.
@@ -831,7 +932,10 @@ class NativeBackend : public c10d::Backend {
   }
 
   c10::intrusive_ptr<Work> recvAnysource(std::vector<at::Tensor>& ts, int tag) override {
-    return python_op("recv_anysource", [&] { return py::make_tuple(py::cast(ts), tag); });  // rare: the Python path
+    if (!fast() || ts.size() != 1 || !plain(ts[0]) || tag < 0)
+      return python_op("recv_anysource", [&] { return py::make_tuple(py::cast(ts), tag); });
+    return issue("recv", OpType::RECVANYSOURCE, {}, ts, -1, -1, tag, nullptr, c10d::kUnsetTimeout, true,
+                 [&](c10d::Backend& b) { return b.recvAnysource(ts, tag); });
   }
 
   // --------------------------------------------------------------- the rest: the Python path (validates, runs)
@@ -892,7 +996,7 @@ class NativeBackend : public c10d::Backend {
     TORCH_CHECK(python_path_, "torchnext native backend: no Python path for ", name);
     py::tuple args = make_args();
     py::object work = python_path_(name, *args);
-    return c10::make_intrusive<c10d::PyProcessGroup::PyWorkHolder>(work);
+    return c10::make_intrusive<PyPathWork>(std::move(work));
   }
 
   template <class Launch>
@@ -900,9 +1004,10 @@ class NativeBackend : public c10d::Backend {
                                  const std::vector<at::Tensor>& outs, int64_t root, int64_t peer, int64_t tag,
                                  const char* rop, std::chrono::milliseconds timeout, bool async, Launch&& launch,
                                  std::function<void()> finalize = nullptr) {
+    NoGil nogil;  // see NoGil
     auto td = op_timeout(timeout);
     int64_t op_id = ++op_counter_;
-    bool p2p = type == OpType::SEND || type == OpType::RECV;
+    bool p2p = type == OpType::SEND || type == OpType::RECV || type == OpType::RECVANYSOURCE;
     int64_t rid = core_->ring.record(op, p2p, op_id, peer, tag, root, rop, ins, outs, td.count(), async);
     auto work = c10::make_intrusive<NativeWork>(core_, op, type, op_id, outs, td, rid, peer);
     work->finalize_ = std::move(finalize);
