@@ -521,17 +521,17 @@ class NativeWork : public Work {
 };
 
 // ------------------------------------------------------------------------------- watchdog and waiter threads
-// One watchdog per backend: times out ops past their deadline that nobody waits on. Detached; it owns a reference
-// to the Core and leaves once `stop` is set.
+// One watchdog per backend: times out ops past their deadline that nobody waits on (a waiter enforces its own op's
+// deadline exactly). It looks at the in-flight table every kWatchdogPeriod and is never woken per op: on a small
+// machine a thread wake-up per op costs more than the op. Detached; it owns a reference to the Core and leaves
+// once `stop` is set.
+constexpr auto kWatchdogPeriod = std::chrono::milliseconds(50);
+
 void watchdog(std::shared_ptr<Core> core) {
   std::unique_lock<std::mutex> lk(core->mu);
   while (!core->stop) {
-    if (core->inflight.empty()) {
-      core->watchdog_cv.wait(lk);
-      continue;
-    }
     auto now = Clock::now();
-    auto next = now + std::chrono::milliseconds(50);
+    auto next = now + kWatchdogPeriod;
     std::vector<c10::intrusive_ptr<NativeWork>> expired;
     for (auto& kv : core->inflight) {
       auto d = kv.second->deadline();
@@ -1012,12 +1012,10 @@ class NativeBackend : public c10d::Backend {
     auto work = c10::make_intrusive<NativeWork>(core_, op, type, op_id, outs, td, rid, peer);
     work->finalize_ = std::move(finalize);
     c10::intrusive_ptr<c10d::Backend> inner;
-    bool was_empty;
     {
       std::lock_guard<std::mutex> lk(core_->mu);
       if (!core_->aborted && inner_) {
         inner = inner_;
-        was_empty = core_->inflight.empty();
         core_->inflight.emplace(op_id, work);
       }
     }
@@ -1025,7 +1023,6 @@ class NativeBackend : public c10d::Backend {
       work->finish(kAborted, kAbort, "refused: the group was aborted");
       return work;
     }
-    if (was_empty) core_->watchdog_cv.notify_one();
     c10::intrusive_ptr<Work> iw;
     try {
       iw = launch(*inner);
