@@ -333,3 +333,21 @@ def test_without_a_compiler_groups_use_the_python_path(tmp_path: Path) -> None:
     assert "RESULT False TorchnextProcessGroup False [1.0, 1.0]" in proc.stdout
     assert proc.stderr.count("native process-group path unavailable") == 1
     assert "/nonexistent/c++" in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------ consistency mode
+def consistency_body(ctx: RankContext) -> dict[str, Any]:
+    os.environ["TORCHNEXT_NATIVE_PG"] = "1"
+    os.environ["TORCHNEXT_CHECK_COLLECTIVES"] = "1"
+    dist.init_process_group("torchnext", store=ctx.store, rank=ctx.rank, world_size=ctx.world_size,
+                            timeout=timedelta(seconds=30))
+    pg = dist.group.WORLD
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    return {"native": pg.native, "checked": pg.communicator().check_collectives,  # type: ignore[union-attr]
+            "value": t.tolist(), "native_records": _native_records(pg)}
+
+
+def test_the_consistency_mode_keeps_the_group_on_the_python_path() -> None:
+    for r in run_ranks(consistency_body, 2, timeout=120):
+        assert r == {"native": False, "checked": True, "value": [2.0, 2.0, 2.0], "native_records": 0}
