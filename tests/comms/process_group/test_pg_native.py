@@ -351,3 +351,63 @@ def consistency_body(ctx: RankContext) -> dict[str, Any]:
 def test_the_consistency_mode_keeps_the_group_on_the_python_path() -> None:
     for r in run_ranks(consistency_body, 2, timeout=120):
         assert r == {"native": False, "checked": True, "value": [2.0, 2.0, 2.0], "native_records": 0}
+
+
+# ------------------------------------------------------------------------------ abort at a random point of a run
+def abort_race_body(ctx: RankContext, seed: int) -> dict[str, Any]:
+    import random
+
+    pg = _init(ctx)
+    rng = random.Random(seed)
+    works: list[Any] = []
+    if ctx.rank == 0:
+        stop = threading.Event()
+        t_abort: list[float] = []
+
+        def aborter() -> None:
+            time.sleep(rng.uniform(0.05, 0.4))
+            t_abort.append(time.monotonic())
+            pg.abort()
+            t_abort.append(time.monotonic())
+            stop.set()
+
+        threading.Thread(target=aborter, daemon=True).start()
+        refused = 0
+        while not stop.is_set() and len(works) < 20000:
+            try:
+                works.append(dist.all_reduce(torch.ones(4), async_op=True))
+            except CommAborted:
+                refused += 1
+                break
+        stop.wait(30)
+        terminal_at_return = all(w.is_completed() for w in works)  # abort() returned: nothing is left in flight
+        outcomes: dict[str, int] = {}
+        for w in works:
+            try:
+                w.wait()
+                name = "completed"
+            except CommAborted:
+                name = "aborted"
+            outcomes[name] = outcomes.get(name, 0) + 1
+        states = [e["state"] for e in pg.communicator().flight_recorder.entries()]
+        ctx.store.set("rank0_done", "1")
+        return {"issued": len(works), "outcomes": outcomes, "all_completed": terminal_at_return,
+                "abort_s": t_abort[1] - t_abort[0], "states": sorted(set(states)), "entries": len(states)}
+    # rank 1 joins every all_reduce rank 0 may issue until rank 0 is done (its own ops then fail or are left)
+    try:
+        while not ctx.store.check(["rank0_done"]):
+            dist.all_reduce(torch.ones(4))
+    except Exception:
+        pass
+    ctx.store.wait(["rank0_done"], timedelta(seconds=60))
+    return {}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_abort_at_a_random_point_leaves_every_work_in_one_terminal_state(seed: int) -> None:
+    res = run_ranks(abort_race_body, 2, args=(seed,), timeout=120)[0]
+    assert res["all_completed"] is True
+    assert sum(res["outcomes"].values()) == res["issued"] > 0
+    assert set(res["outcomes"]) <= {"completed", "aborted"}, res
+    assert res["abort_s"] < 0.1, res  # abort() finished every op in flight (hundreds to thousands) within 100 ms
+    assert set(res["states"]) <= {"completed", "aborted"}, res  # one final state per entry, none left "started"

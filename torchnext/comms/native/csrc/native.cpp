@@ -30,6 +30,7 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -342,6 +343,7 @@ class NativeWork : public Work {
     c10::intrusive_ptr<c10::ivalue::Future> fut;
     c10::intrusive_ptr<Work> drop_inner;  // dropped with no lock held (a Python decref may wait for the GIL)
     std::function<void()> drop_finalize;
+    bool has_future;
     {
       std::lock_guard<std::mutex> lk(mutex_);
       uint8_t expected = kInProgress;
@@ -359,14 +361,16 @@ class NativeWork : public Work {
       drop_inner = std::move(inner_);  // breaks work -> inner work -> its future -> our callback -> work
       drop_finalize = std::move(finalize_);
       finalize_ = nullptr;
+      has_future = static_cast<bool>(future_);
     }
     drop_inner.reset();
     drop_finalize = nullptr;
     // Bookkeeping before anyone sees the op terminal (as post hooks run before wait() returns on the Python path):
-    // invalid outputs marked, the Flight Recorder entry finished, the group's failure noted.
+    // the group's failure noted, invalid outputs marked where a future will hand them out (a waiter gets the
+    // exception instead), the Flight Recorder entry finished.
     if (to != kCompleted) {
       if (to == kFailed && breaks_) core_->note_failure(kind, op_, op_id_, message, peer_);
-      mark_invalid(outputs_);
+      if (has_future) mark_invalid(outputs_);
     }
     core_->ring.complete(rid_, to, kind, to == kCompleted ? std::string() : message);
     c10::intrusive_ptr<NativeWork> self;  // the table's reference, dropped after the lock
@@ -465,7 +469,10 @@ class NativeWork : public Work {
         return future_;
       }
     }
-    if (done) fut->markCompleted(c10::IValue(outputs_));
+    if (done) {
+      if (state_.load(std::memory_order_acquire) != kCompleted) mark_invalid(outputs_);
+      fut->markCompleted(c10::IValue(outputs_));
+    }
     return fut;
   }
 
@@ -752,6 +759,8 @@ class NativeBackend : public c10d::Backend {
       drop = std::move(inner_);
     }
     drop.reset();
+    // oldest first: a thread waiting on its ops in order is released by the first of them
+    std::sort(works.begin(), works.end(), [](const auto& a, const auto& b) { return a->op_id() < b->op_id(); });
     std::string msg = "cancelled by abort()" + (reason.empty() ? std::string() : " (" + reason + ")");
     for (auto& w : works) w->finish(kAborted, kAbort, msg);
   }
