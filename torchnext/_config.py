@@ -95,6 +95,12 @@ class EnvConfig:
     """``TORCHNEXT_SUITE_GROUPS``: which groups :mod:`torchnext.testing.torch_suite` (PyTorch's distributed test
     suite as a harness) gives the suite -- ``gloo`` (torch's own) or ``torchnext``."""
 
+    native_pg: int = 0
+    """``TORCHNEXT_NATIVE_PG``: ``1`` runs the ops of torchnext process groups on the native data path (a C++
+    ``c10d::Backend`` over the group's Gloo backend, built on first use: :mod:`torchnext.comms.native`) whenever no
+    hook, consistency mode or fault-tolerant staging asks for Python per op; ``0`` (default) keeps every op on the
+    Python path."""
+
     check_collectives: bool = False
     """``TORCHNEXT_CHECK_COLLECTIVES``: ``1`` turns the consistency mode on for every Communicator (and the groups
     of ``backend="torchnext"``) built without an explicit ``check_collectives=``, ``0`` off. Unset: on when torch's
@@ -122,6 +128,7 @@ ENV_VARS = {
     "pg_fr_dump_dir": "TORCHNEXT_FR_DUMP_DIR",
     "suite_groups": "TORCHNEXT_SUITE_GROUPS",
     "check_collectives": "TORCHNEXT_CHECK_COLLECTIVES",
+    "native_pg": "TORCHNEXT_NATIVE_PG",
 }
 _TORCH_FALLBACKS = {"pg_fr_buffer_size": "TORCH_FR_BUFFER_SIZE"}
 """Fields that fall back to torch's variable of the same meaning when ours is unset."""
@@ -147,6 +154,8 @@ def env_config() -> EnvConfig:
         raise ValueError(f"TORCHNEXT_AUTOTUNE={autotune!r}: expected one of '0', '1', 'readonly', 'fastest'")
     if values["cpu_kernels"] not in (0, 1):
         raise ValueError(f"TORCHNEXT_CPU_KERNELS={values['cpu_kernels']!r}: expected 0 or 1")
+    if values["native_pg"] not in (0, 1):
+        raise ValueError(f"TORCHNEXT_NATIVE_PG={values['native_pg']!r}: expected 0 or 1")
     if values["huge_pages"] not in (0, 1):
         raise ValueError(f"TORCHNEXT_HUGE_PAGES={values['huge_pages']!r}: expected 0 or 1")
     if int(values["fr_buffer_size"]) < 0:  # type: ignore[call-overload]

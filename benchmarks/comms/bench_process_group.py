@@ -19,11 +19,16 @@ Then, alternating the two groups sample by sample (A B B A ...):
 * a DDP training step (forward + backward + SGD) of MLPs with ~4 MiB and ~64 MiB of gradients;
 * an FSDP2 training step (``fully_shard`` on a 1-D mesh made from each group: ``DeviceMesh.from_group``).
 
+``--path`` chooses how the torchnext group runs its ops: ``python`` (default; the Python path, with the pre and post
+hook above), ``python-nohooks`` (the Python path, no hook of ours: the Flight Recorder only) or ``native``
+(``TORCHNEXT_NATIVE_PG=1``, no hook of ours, so the group stays on the native data path: torchnext.comms.native).
+
 Goals (issue 14): DDP and FSDP2 steps >= 0.97x Gloo's throughput, collectives >= 1 MiB >= 0.97x, added latency at
-4 B <= 10 us per op.
+4 B <= 10 us per op. Issue 25 (the native path): <= 3 us at 4 B on two ranks, >= 0.98x for the rest.
 
     python benchmarks/comms/bench_process_group.py [--world-size 2] [--reps 400] [--step-reps 15]
-        [--peer shared|independent|aa] [--only collectives ddp fsdp] [--json out.json]
+        [--peer shared|independent|aa] [--path python|python-nohooks|native] [--only collectives ddp fsdp]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -89,17 +94,22 @@ def _shared_gloo_group(backend: Any, ranks: list[int]) -> dist.ProcessGroup:
     return group
 
 
-def _rank_main(ctx: RankContext, reps: int, step_reps: int, only: list[str], peer: str) -> dict[str, Any]:
+def _rank_main(ctx: RankContext, reps: int, step_reps: int, only: list[str], peer: str,
+               path: str = "python") -> dict[str, Any]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
+    os.environ["TORCHNEXT_NATIVE_PG"] = "1" if path == "native" else "0"
     dist.init_process_group("torchnext", store=ctx.store, rank=ctx.rank, world_size=ctx.world_size)
     ours = dist.group.WORLD
     assert isinstance(ours, torchnext.comms.TorchnextProcessGroup)
     comm = ours.communicator("cpu")
-    comm.register_pre_hook(lambda info: None)
-    comm.register_post_hook(lambda args: None)
+    if path == "python":
+        comm.register_pre_hook(lambda info: None)
+        comm.register_post_hook(lambda args: None)
+    if path == "native" and not ours.native:
+        raise RuntimeError("--path native: the group is not on the native path (see the warning above)")
     assert comm.flight_recorder is not None and comm.flight_recorder.enabled
     ranks = list(range(ctx.world_size))
     if peer == "shared":
@@ -150,12 +160,14 @@ def main() -> None:
     parser.add_argument("--peer", choices=["shared", "independent", "aa"], default="shared",
                         help="the plain group: over our Communicator's own Gloo (default), a second Gloo instance, "
                              "or (aa) two plain Gloo groups against each other")
+    parser.add_argument("--path", choices=["python", "python-nohooks", "native"], default="python",
+                        help="the torchnext group's data path (see the module docstring)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, torchnext {torchnext.__version__}, python {platform.python_version()}, "
-          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, world size {args.world_size}, peer {args.peer}",
+          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, world size {args.world_size}, peer {args.peer}, path {args.path}",
           flush=True)
-    results = run_ranks(_rank_main, args.world_size, args=(args.reps, args.step_reps, args.only, args.peer),
+    results = run_ranks(_rank_main, args.world_size, args=(args.reps, args.step_reps, args.only, args.peer, args.path),
                         timeout=3600)
     rank0 = results[0]
     rows = []
@@ -172,7 +184,7 @@ def main() -> None:
           f"{rank0['recorded']} ops in rank 0's Flight Recorder ring)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"load": os.getloadavg()[0], "peer": args.peer, "rows": rows}, f, indent=1)
+            json.dump({"load": os.getloadavg()[0], "peer": args.peer, "path": args.path, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

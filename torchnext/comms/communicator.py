@@ -17,7 +17,7 @@ from torchnext.comms import _peer_reports
 from torchnext.comms import _validate as v
 from torchnext.comms._ops import CollectiveOps, P2POp
 from torchnext.comms.backends import BackendConfig, BackendHandle, get_backend
-from torchnext.comms.errors import CommAborted, CommError, PeerFailure
+from torchnext.comms.errors import CommAborted, CommError, CommTimeout, PeerFailure
 from torchnext.comms.extension import factory, option
 from torchnext.comms.hooks import AbortHookArgs, HookList, OpInfo, PostHookArgs, RemovableHandle
 from torchnext.comms.reaper import Grave, bury, drain
@@ -498,6 +498,26 @@ class Communicator(CollectiveOps):
         """The failure another member published, if any (bounded: never hangs on a dead store)."""
         store = self._store
         return None if store is None else _peer_reports.reported(store, self._name)
+
+    def _fail_from_outside(self, exc: CommError) -> CommError:
+        """A failure of an op that ran outside this communicator's own Works (the native process-group data path
+        over this communicator's backend): the communicator becomes errored with it (the first failure wins), as
+        after a failed op of its own. A timeout while another member reported a peer failure becomes that
+        ``PeerFailure`` (returned); an original peer failure is published to the other members."""
+        if isinstance(exc, CommTimeout):
+            report = self._reported_peer_failure()
+            if report is not None:
+                failure = PeerFailure(f"a member reported a peer failure ({report}); this op could not complete",
+                                      **self._error_context(exc.op, exc.op_id))
+                failure.__cause__ = exc
+                exc = failure
+        with self._lock:
+            first = self._error is None and self._aborted is None
+            if first:
+                self._error = exc
+        if first and isinstance(exc, PeerFailure) and not isinstance(exc.__cause__, CommTimeout):
+            self._publish_peer_failure(exc)
+        return exc
 
     def _error_context(self, op: str | None, op_id: int | None) -> dict[str, Any]:
         return {"op": op, "op_id": op_id, "comm_name": self._name, "rank": self._rank, "ranks": self._ranks}

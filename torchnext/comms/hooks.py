@@ -44,11 +44,28 @@ import torch
 
 from torchnext.comms.errors import CollectiveMismatch, CommError, HookError
 
+F = TypeVar("F", bound=Callable[..., Any])
+
 if TYPE_CHECKING:
     from torchnext.comms._ops import P2POp
     from torchnext.comms.work import Work, WorkStatus
 
-__all__ = ["AbortHookArgs", "OpInfo", "PostHookArgs", "RemovableHandle"]
+__all__ = ["AbortHookArgs", "OpInfo", "PostHookArgs", "RemovableHandle", "mirrored_natively", "native_equivalent"]
+
+_NATIVE_MARK = "__torchnext_native_equivalent__"
+
+
+def native_equivalent(fn: F) -> F:
+    """Mark hook ``fn`` as one whose work the native process-group data path does itself (the Flight Recorder's
+    record/complete hooks: the C++ ring records the same entries), so registering it does not switch a group to
+    the Python path (see :mod:`torchnext.comms.process_group.native`)."""
+    setattr(fn, _NATIVE_MARK, True)
+    return fn
+
+
+def mirrored_natively(fn: object) -> bool:
+    """Whether hook ``fn`` (a function or a bound method) is marked with :func:`native_equivalent`."""
+    return bool(getattr(fn, _NATIVE_MARK, False))
 
 
 class OpInfo(NamedTuple):
@@ -144,13 +161,28 @@ class RemovableHandle:
 class HookList(Generic[A]):
     """Ordered hooks of one kind. ``snapshot`` is a tuple replaced on change, so running never sees a half update."""
 
-    __slots__ = ("_hooks", "_keys", "kind", "snapshot")
+    __slots__ = ("_hooks", "_keys", "_watchers", "kind", "snapshot")
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._hooks: dict[int, Callable[[A], object]] = {}
         self._keys = itertools.count()
+        self._watchers: tuple[Callable[[], object], ...] = ()
         self.snapshot: tuple[Callable[[A], object], ...] = ()
+
+    def watch(self, fn: Callable[[], object]) -> Callable[[], None]:
+        """Call ``fn()`` after every change of the list (a hook added or removed), on the changing thread; returns
+        an undo. How a process group learns that a hook now asks for the Python path, and when it no longer does."""
+        self._watchers = (*self._watchers, fn)
+
+        def undo() -> None:
+            self._watchers = tuple(w for w in self._watchers if w is not fn)
+
+        return undo
+
+    def _changed(self) -> None:
+        for fn in self._watchers:
+            fn()
 
     def add(self, fn: Callable[[A], object]) -> RemovableHandle:
         if not callable(fn):
@@ -158,11 +190,15 @@ class HookList(Generic[A]):
         key = next(self._keys)
         self._hooks[key] = fn
         self.snapshot = tuple(self._hooks.values())
+        if self._watchers:
+            self._changed()
         return RemovableHandle(self, key)
 
     def _remove(self, key: int) -> None:
-        self._hooks.pop(key, None)
-        self.snapshot = tuple(self._hooks.values())
+        if self._hooks.pop(key, None) is not None:
+            self.snapshot = tuple(self._hooks.values())
+            if self._watchers:
+                self._changed()
 
     def run(self, args: A, *, stop_on_error: bool) -> HookError | None:
         """Call every hook with ``args`` in order; return the first failure as a HookError (never raises)."""

@@ -25,6 +25,7 @@ from time import time_ns
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from torchnext.comms.hooks import native_equivalent
 from torchnext.comms.work import WorkStatus
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ class Attachment:
             comm.register_abort_hook(self.on_abort),
         ]
 
+    @native_equivalent
     def pre(self, info: Any) -> None:
         try:
             # one unpack of the OpInfo tuple instead of a dozen attribute loads (the hot path)
@@ -86,6 +88,7 @@ class Attachment:
         except Exception as exc:  # the recorder must never stop an op from being issued
             self.recorder._internal_error("pre hook", exc)
 
+    @native_equivalent
     def post(self, args: Any) -> None:
         try:
             rids = self._rids.pop(id(args.info), -1)

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from enum import Enum
 from pathlib import Path
 from types import CodeType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -49,6 +49,7 @@ from torchnext.comms.flight_recorder.entries import (
     _CSEQ,
     _ERROR,
     _FINAL_STATES,
+    _GEN,
     _ISP2P,
     _PG,
     _PSEQ,
@@ -72,6 +73,32 @@ from torchnext.comms.flight_recorder.format import (
 from torchnext.comms.flight_recorder.groups import _G_CDONE, _G_CSTART, _G_PDONE, _G_PSTART, Group, unique_key
 
 __all__ = ["EntryState", "FlightRecorder", "FlightRecorderError", "P2P_OPS"]
+
+
+class RecordSource(Protocol):
+    """Records made outside a recorder for one of its groups (the native process-group data path's C++ ring: see
+    :meth:`FlightRecorder.add_source`)."""
+
+    def slots(self) -> list[list[Any]]:
+        """The live records, oldest first, in the recorder's slot layout (``pg_id``/``generation`` may be None)."""
+        ...
+
+    def counters(self) -> list[int]:
+        """The group's 8 sequence counters as the source sees them (see ``groups.py``)."""
+        ...
+
+
+class _Frozen:
+    """What a removed source had recorded (its dumps keep the entries)."""
+
+    def __init__(self, slots: list[list[Any]], counters: list[int]) -> None:
+        self._slots, self._counters = slots, counters
+
+    def slots(self) -> list[list[Any]]:
+        return [list(s) for s in self._slots]
+
+    def counters(self) -> list[int]:
+        return list(self._counters)
 
 
 class FlightRecorderError(ValueError):
@@ -158,6 +185,7 @@ class FlightRecorder:
         self.last_dump_paths: list[Path] = []
         self.dump_errors: list[str] = []
         self._events: list[dict[str, Any]] = []
+        self._sources: list[tuple[int, RecordSource]] = []
 
     # ------------------------------------------------------------------ attaching
     @classmethod
@@ -213,6 +241,11 @@ class FlightRecorder:
         with self._lock:
             self._attachments.append(att)
         return att.pg_id
+
+    def pg_id_of(self, comm: Any) -> int | None:
+        """The pg id under which ``comm`` is recorded, or None when it is not attached (or recording is disabled)."""
+        with self._lock:
+            return next((a.pg_id for a in self._attachments if a.comm is comm), None)
 
     def detach(self) -> None:
         """Stop recording: remove every hook and handler this recorder installed (entries stay readable)."""
@@ -500,13 +533,55 @@ class FlightRecorder:
         """Records overwritten by the ring."""
         return max(0, self._next_id - self.capacity) if self.capacity else 0
 
+    def add_source(self, pg_id: int, source: RecordSource) -> Callable[[], None]:
+        """Merge what ``source`` records for group ``pg_id`` into :meth:`entries`, :meth:`snapshot`, :meth:`dump` and
+        :meth:`pg_status` (the native process-group data path records in C++; its entries then appear in the dumps
+        unchanged in format). Returns an undo that keeps a copy of what the source had recorded.
+
+        Merged entries are ordered by creation time and numbered anew (``record_id`` 0, 1, ...) in the output."""
+        if not 0 <= pg_id < len(self._groups):
+            raise FlightRecorderError(f"add_source: no group with pg_id {pg_id} (have {len(self._groups)})")
+        entry = (pg_id, source)
+        with self._lock:
+            self._sources.append(entry)
+
+        def undo() -> None:
+            with self._lock:
+                if entry in self._sources:
+                    idx = self._sources.index(entry)
+                    self._sources[idx] = (pg_id, _Frozen(source.slots(), source.counters()))
+
+        return undo
+
+    def _source_counters(self) -> None:
+        """Merge the sources' sequence counters into their groups' (each counter only grows: the larger is right)."""
+        for pg_id, src in list(self._sources):
+            c = self._groups[pg_id].counters
+            for i, v in enumerate(src.counters()[:len(c)]):
+                if v > c[i]:
+                    c[i] = v
+
     def _live(self) -> list[list[Any]]:
         if not self.capacity:
             return []
         ring = list(self._ring)  # snapshot; slots keep mutating (states), which is fine
         live = [e for e in ring if e is not None]
         live.sort(key=lambda e: e[_RID])
-        return live
+        if not self._sources:
+            return live
+        extra: list[list[Any]] = []
+        for pg_id, src in list(self._sources):
+            for slot in src.slots():
+                slot[_PG] = pg_id
+                if slot[_GEN] is None:
+                    slot[_GEN] = self._groups[pg_id].generation
+                extra.append(slot)
+        if not extra:
+            return live
+        merged = sorted([list(e) for e in live] + extra, key=lambda e: (e[_TCREATED], e[_RID]))
+        for i, e in enumerate(merged):
+            e[_RID] = i
+        return merged
 
     def entries(self) -> list[dict[str, Any]]:
         """The live records, oldest first, in the dump's entry schema (see :mod:`torchnext.comms.flight_recorder.format`)."""
@@ -518,6 +593,8 @@ class FlightRecorder:
 
     def pg_status(self) -> dict[str, dict[str, int]]:
         """Per communicator: the last enqueued / started / completed collective and p2p sequence numbers (-1: none)."""
+        if self._sources:
+            self._source_counters()
         return {g.key: g.status() for g in self._groups}
 
     # ------------------------------------------------------------------ dumping

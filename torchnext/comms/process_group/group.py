@@ -28,6 +28,9 @@ on every reduction (allreduce[_coalesced], reduce, reduce_scatter[_tensor[_coale
 its own tensor (its contents are replaced by the result anyway), a reduce-scatter scales a copy of its input.
 Floating and complex dtypes only (``TypeError`` otherwise, as the product of an integer and a factor is no integer).
 
+With ``TORCHNEXT_NATIVE_PG=1`` the CPU ops run on the native data path whenever nothing asks for Python per op
+(:mod:`torchnext.comms.process_group.native`): same results, errors and Flight Recorder entries, torch's per-op cost.
+
 Failures (see :mod:`torchnext.comms.process_group.work`): a failed op raises from ``wait()``; its future never
 raises; and once the communicator is errored or aborted, every later call into the group raises the original
 failure's class (``PeerFailure``, ``CommTimeout``, ``CommAborted``) naming the op it refused.
@@ -46,6 +49,7 @@ import torch.distributed as dist
 
 from torchnext.comms.communicator import Communicator
 from torchnext.comms.errors import CommError, PeerFailure
+from torchnext.comms.process_group import native as _native
 from torchnext.comms.process_group.work import GroupWork
 from torchnext.comms.reduce_op import ReduceOp
 from torchnext.comms.work import Work
@@ -102,6 +106,9 @@ class TorchnextProcessGroup(dist.ProcessGroup):
     ``dist.destroy_process_group`` calls) shuts them down.
     """
 
+    _native: _native._Native | None = None
+    """The native data path (``TORCHNEXT_NATIVE_PG=1``), else None."""
+
     def __init__(self, comms: Mapping[str, Communicator], *, description: str = "") -> None:
         if not comms:
             raise ValueError("TorchnextProcessGroup needs at least one Communicator")
@@ -120,6 +127,8 @@ class TorchnextProcessGroup(dist.ProcessGroup):
         self._group_desc = description or main.name
         self._lock = threading.Lock()
         self._warned = False
+        if type(self) is TorchnextProcessGroup:  # subclasses (fault-tolerant staging) keep the Python path
+            self._native = _native.attach(self)
 
     # ------------------------------------------------------------------------------------------- identity
     def getBackendName(self) -> str:
@@ -156,12 +165,19 @@ class TorchnextProcessGroup(dist.ProcessGroup):
         return comm
 
     @property
+    def native(self) -> bool:
+        """Whether the group's ops run on the native data path now (see :mod:`torchnext.comms.process_group.native`)."""
+        return self._native is not None and self._native.on_native
+
+    @property
     def communicators(self) -> dict[str, Communicator]:
         """device type -> Communicator."""
         return dict(self._comms)
 
     def errored(self) -> BaseException | None:
         """The first failure of any of the group's communicators (or its abort), else None."""
+        if self._native is not None:
+            self._native.sync_failure()
         return next((e for e in (c.errored() for c in self._comms.values()) if e is not None), None)
 
     # ------------------------------------------------------------------------------------------- lifecycle
@@ -183,11 +199,15 @@ class TorchnextProcessGroup(dist.ProcessGroup):
         is imported, ``torch.distributed.distributed_c10d._set_pg_timeout`` do to a torchnext group."""
         for comm in self.communicators.values():
             comm.set_timeout(timeout)
+        if self._native is not None:
+            self._native.set_timeout(timeout)
 
     def _set_default_timeout(self, timeout: timedelta) -> None:
         self.set_timeout(timeout)
 
     def _get_sequence_number_for_group(self) -> int:
+        if self._native is not None:
+            self._native.to_python_counters()
         return int(self._main._op_counter)
 
     def _set_sequence_number_for_group(self) -> None:

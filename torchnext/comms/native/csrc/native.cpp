@@ -1,0 +1,1118 @@
+// torchnext's native process-group data path: a c10d::Backend that wraps another c10d::Backend (Gloo today)
+// through the virtual c10d::Backend interface only (torch's ProcessGroupWrapper is the model; nothing here
+// depends on Gloo's headers).
+//
+// Per op, on the fast path (no Python):
+//   * forward the op to the inner backend;
+//   * return a NativeWork: its status is one atomic state machine
+//       IN_PROGRESS -> exactly one of COMPLETED / FAILED / ABORTED   (compare-and-swap under the Work's mutex)
+//     with a condition variable, so abort() (any thread) wakes every waiter at once, and a deadline (the op's
+//     timeout) enforced by wait() and by one watchdog thread per backend (for ops nobody waits on: DDP's futures);
+//   * record a Flight Recorder entry in a C++ ring whose fields are those of the Python recorder's slots
+//     (torchnext/comms/flight_recorder/entries.py); Python merges the ring into its dumps.
+//
+// Anything unusual (PREMUL_SUM, several tensors, non-CPU / non-contiguous / sparse tensors, dtype or size
+// mismatches, an errored or aborted group, a group switched to the Python path) goes to the Python path
+// (`python_path(name, *args)`), which validates, raises the Python path's own errors or runs the op there.
+// Failures raise the Python exception the Python side builds (`make_error(...)`: CommTimeout, PeerFailure,
+// CommAborted, ...), so callers see the same classes and messages on both paths.
+//
+// The future of a Work never completes with an error (torch's DDP reducer crashes on one): a failed op's
+// floating-point outputs are filled with NaN and the future completes with the outputs.
+
+#include <torch/extension.h>
+#include <pybind11/chrono.h>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/PyProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace torchnext_native {
+
+constexpr int kAbiVersion = 1;
+
+using Clock = std::chrono::steady_clock;
+using c10d::OpType;
+using c10d::Work;
+
+enum State : uint8_t { kInProgress = 0, kCompleted = 1, kFailed = 2, kAborted = 3 };
+// Why an op failed: what the Python side turns into an exception class.
+enum Kind : uint8_t { kNone = 0, kTimeout = 1, kBackendError = 2, kAbort = 3 };
+
+// Releases the GIL for its scope when the calling thread holds it. torch's PyProcessGroup trampoline calls the base
+// ProcessGroup op (and so this backend) with the GIL held; Gloo's worker thread may drop the last reference to a
+// finished op's tensors -- a Python decref, which needs the GIL -- while it holds the queue lock that issuing the
+// next op takes. Holding the GIL across that call deadlocks; torch's own groups release it in pybind's call guard.
+struct NoGil {
+  PyThreadState* state = nullptr;
+  NoGil() {
+    if (Py_IsInitialized() && PyGILState_Check()) state = PyEval_SaveThread();
+  }
+  ~NoGil() {
+    if (state != nullptr) PyEval_RestoreThread(state);
+  }
+  NoGil(const NoGil&) = delete;
+  NoGil& operator=(const NoGil&) = delete;
+};
+
+int64_t wall_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// ------------------------------------------------------------------------------------------ Flight Recorder ring
+// One entry; the fields of the Python recorder's slot (entries.py: _RID ... _ROP), frames excepted.
+struct Entry {
+  int64_t rid = -1;
+  int64_t cseq = 0, pseq = 0, op_id = 0;
+  const char* op = "";
+  bool p2p = false;
+  int64_t peer = -1, tag = 0, root = -1;
+  std::vector<std::vector<int64_t>> in_shapes, out_shapes;
+  std::vector<c10::ScalarType> in_dtypes, out_dtypes;
+  int64_t timeout_ms = 0;
+  int64_t t_created = 0, t_started = 0, t_done = 0;
+  uint8_t state = kInProgress;  // started / completed / error / timed_out / aborted (see state_name)
+  uint8_t kind = kNone;
+  uint64_t tid = 0;
+  bool async = true;
+  std::string error;
+  const char* reduce_op = nullptr;
+};
+
+// Per-group counters, the Python recorder's layout (groups.py): collective seq, p2p seq, last enqueued / started /
+// completed collective, last enqueued / started / completed p2p.
+enum { G_CSEQ, G_PSEQ, G_CENQ, G_CSTART, G_CDONE, G_PENQ, G_PSTART, G_PDONE };
+
+class Ring {
+ public:
+  explicit Ring(int64_t capacity) : slots_(capacity > 0 ? capacity : 0) {}
+
+  bool enabled() const { return !slots_.empty(); }
+
+  int64_t record(const char* op, bool p2p, int64_t op_id, int64_t peer, int64_t tag, int64_t root,
+                 const char* reduce_op, const std::vector<at::Tensor>& ins, const std::vector<at::Tensor>& outs,
+                 int64_t timeout_ms, bool async) {
+    if (slots_.empty()) return -1;
+    std::lock_guard<std::mutex> lk(mu_);
+    int64_t rid = next_++;
+    Entry& e = slots_[rid % static_cast<int64_t>(slots_.size())];
+    e.rid = rid;
+    if (p2p) {
+      e.cseq = counters_[G_CSEQ];
+      e.pseq = ++counters_[G_PSEQ];
+      counters_[G_PENQ] = counters_[G_PSTART] = e.pseq;
+    } else {
+      e.cseq = ++counters_[G_CSEQ];
+      e.pseq = counters_[G_PSEQ];
+      counters_[G_CENQ] = counters_[G_CSTART] = e.cseq;
+    }
+    e.op_id = op_id;
+    e.op = op;
+    e.p2p = p2p;
+    e.peer = peer;
+    e.tag = tag;
+    e.root = root;
+    e.reduce_op = reduce_op;
+    fill(e.in_shapes, e.in_dtypes, ins);
+    fill(e.out_shapes, e.out_dtypes, outs);
+    e.timeout_ms = timeout_ms;
+    e.t_created = e.t_started = wall_ns();
+    e.t_done = 0;
+    e.state = kInProgress;
+    e.kind = kNone;
+    e.tid = static_cast<uint64_t>(pthread_self());
+    e.async = async;
+    e.error.clear();
+    return rid;
+  }
+
+  void complete(int64_t rid, uint8_t state, uint8_t kind, const std::string& error) {
+    if (rid < 0 || slots_.empty()) return;
+    std::lock_guard<std::mutex> lk(mu_);
+    Entry& e = slots_[rid % static_cast<int64_t>(slots_.size())];
+    if (e.rid != rid || e.state != kInProgress) return;
+    e.t_done = wall_ns();
+    e.state = state;
+    e.kind = kind;
+    e.error = error;
+    if (state == kCompleted) {
+      if (e.p2p) {
+        if (e.pseq > counters_[G_PDONE]) counters_[G_PDONE] = e.pseq;
+      } else if (e.cseq > counters_[G_CDONE]) {
+        counters_[G_CDONE] = e.cseq;
+      }
+    }
+  }
+
+  // The live entries, oldest first, as the Python recorder's slot lists (pg_id and generation filled by Python).
+  py::list slots() {
+    std::vector<Entry> copy;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      copy.reserve(slots_.size());
+      int64_t n = static_cast<int64_t>(slots_.size());
+      for (int64_t rid = std::max<int64_t>(0, next_ - n); rid < next_; ++rid) copy.push_back(slots_[rid % n]);
+    }
+    py::list out;
+    for (const Entry& e : copy) {
+      py::list s;
+      s.append(e.rid);
+      s.append(py::none());  // pg_id: Python's
+      s.append(e.cseq);
+      s.append(e.pseq);
+      s.append(e.op_id);
+      s.append(py::str(e.op));
+      s.append(e.p2p);
+      s.append(e.peer < 0 ? py::object(py::none()) : py::object(py::int_(e.peer)));
+      s.append(e.tag);
+      s.append(shapes(e.in_shapes));
+      s.append(dtypes(e.in_dtypes));
+      s.append(shapes(e.out_shapes));
+      s.append(dtypes(e.out_dtypes));
+      s.append(e.timeout_ms);
+      s.append(e.t_created);
+      s.append(e.t_started);
+      s.append(e.t_done ? py::object(py::int_(e.t_done)) : py::object(py::none()));
+      s.append(py::str(state_name(e.state, e.kind)));
+      s.append(py::none());  // frames: not recorded on the native path
+      s.append(e.tid);
+      s.append(py::none());  // generation: Python's
+      s.append(e.async);
+      s.append(e.error.empty() ? py::object(py::none()) : py::object(py::str(e.error)));
+      s.append(e.root < 0 ? py::object(py::none()) : py::object(py::int_(e.root)));
+      s.append(e.reduce_op ? py::object(py::str(e.reduce_op)) : py::object(py::none()));
+      out.append(s);
+    }
+    return out;
+  }
+
+  std::vector<int64_t> counters() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return std::vector<int64_t>(counters_, counters_ + 8);
+  }
+
+  void set_counters(const std::vector<int64_t>& c) {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (size_t i = 0; i < 8 && i < c.size(); ++i) counters_[i] = c[i];
+  }
+
+  int64_t recorded() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return next_;
+  }
+
+ private:
+  static void fill(std::vector<std::vector<int64_t>>& shapes, std::vector<c10::ScalarType>& dtypes,
+                   const std::vector<at::Tensor>& ts) {
+    shapes.resize(ts.size());
+    dtypes.resize(ts.size());
+    for (size_t i = 0; i < ts.size(); ++i) {
+      auto sz = ts[i].sizes();
+      shapes[i].assign(sz.begin(), sz.end());
+      dtypes[i] = ts[i].scalar_type();
+    }
+  }
+  static py::tuple shapes(const std::vector<std::vector<int64_t>>& s) {
+    py::tuple t(s.size());
+    for (size_t i = 0; i < s.size(); ++i) t[i] = py::tuple(py::cast(s[i]));
+    return t;
+  }
+  static py::tuple dtypes(const std::vector<c10::ScalarType>& d) {
+    py::tuple t(d.size());
+    for (size_t i = 0; i < d.size(); ++i) t[i] = py::str(c10::toString(d[i]));
+    return t;
+  }
+  static const char* state_name(uint8_t state, uint8_t kind) {
+    switch (state) {
+      case kInProgress: return "started";
+      case kCompleted: return "completed";
+      case kAborted: return "aborted";
+      default: return kind == kTimeout ? "timed_out" : "error";
+    }
+  }
+
+  std::mutex mu_;
+  std::vector<Entry> slots_;
+  int64_t next_ = 0;
+  int64_t counters_[8] = {0, 0, -1, -1, -1, -1, -1, -1};
+};
+
+// ------------------------------------------------------------------------------------------------ shared state
+class NativeWork;
+
+struct Failure {
+  uint8_t kind = kNone;
+  std::string op, message;
+  int64_t op_id = 0, peer = -1;
+};
+
+// What the backend, its Works, its watchdog and its waiter threads share (a Work may outlive the backend).
+struct Core {
+  explicit Core(int64_t capacity) : ring(capacity) {}
+  std::mutex mu;  // guards inflight, aborted, first
+  std::unordered_map<int64_t, c10::intrusive_ptr<NativeWork>> inflight;  // op_id -> Work
+  std::condition_variable watchdog_cv;
+  bool stop = false;
+  bool aborted = false;
+  std::atomic<bool> broken{false};  // errored or aborted: every later op goes to the Python path
+  Failure first;                    // the first failure (kind kNone: none yet)
+  Ring ring;
+  py::object make_error;  // (kind, op, op_id, message, peer) -> exception instance; set by Python
+
+  void note_failure(uint8_t kind, const char* op, int64_t op_id, const std::string& msg, int64_t peer) {
+    std::lock_guard<std::mutex> lk(mu);
+    if (first.kind == kNone) first = Failure{kind, op, msg, op_id, peer};
+    broken.store(true, std::memory_order_release);
+  }
+};
+
+void mark_invalid(const std::vector<at::Tensor>& ts) {
+  for (const auto& t : ts) {
+    if (t.defined() && (t.is_floating_point() || t.is_complex())) {
+      try {
+        at::NoGradGuard g;
+        t.fill_(std::numeric_limits<double>::quiet_NaN());
+      } catch (...) {
+      }
+    }
+  }
+}
+
+[[noreturn]] void raise_python(Core& core, uint8_t kind, const std::string& op, int64_t op_id,
+                               const std::string& msg, int64_t peer) {
+  {
+    py::gil_scoped_acquire gil;
+    if (core.make_error) {
+      py::object exc = core.make_error(static_cast<int>(kind), op, op_id, msg, peer);
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+      throw py::error_already_set();
+    }
+  }
+  throw c10::DistBackendError(op + " (op_id=" + std::to_string(op_id) + "): " + msg);
+}
+
+// ------------------------------------------------------------------------------------------------- the Work
+class NativeWork : public Work {
+ public:
+  NativeWork(std::shared_ptr<Core> core, const char* op, OpType type, int64_t op_id, std::vector<at::Tensor> outputs,
+             std::chrono::milliseconds timeout, int64_t rid, int64_t peer)
+      : Work(-1, type),
+        core_(std::move(core)),
+        op_(op),
+        op_id_(op_id),
+        outputs_(std::move(outputs)),
+        timeout_(timeout),
+        t0_(Clock::now()),
+        deadline_(t0_ + timeout),
+        rid_(rid),
+        peer_(peer) {
+    op_type_is_recv_any_ = type == OpType::RECVANYSOURCE;
+  }
+
+  // The one transition out of IN_PROGRESS (first caller wins). Returns whether this call made it.
+  bool finish(uint8_t to, uint8_t kind, const std::string& msg) {
+    if (state_.load(std::memory_order_acquire) != kInProgress) return false;
+    std::string message = msg;
+    if (to == kCompleted && finalize_) {  // e.g. all_to_all's copy out of its flat buffer
+      try {
+        finalize_();
+      } catch (const std::exception& e) {
+        to = kFailed;
+        kind = kBackendError;
+        message = e.what();
+      }
+    }
+    c10::intrusive_ptr<c10::ivalue::Future> fut;
+    c10::intrusive_ptr<Work> drop_inner;  // dropped with no lock held (a Python decref may wait for the GIL)
+    std::function<void()> drop_finalize;
+    bool has_future;
+    {
+      std::lock_guard<std::mutex> lk(mutex_);
+      uint8_t expected = kInProgress;
+      if (!state_.compare_exchange_strong(expected, to, std::memory_order_acq_rel)) return false;
+      kind_ = kind;
+      message_ = message;
+      t_end_ = Clock::now();
+      if (to != kCompleted) exception_ = std::make_exception_ptr(c10::DistBackendError(describe()));
+      if (inner_ && op_type_is_recv_any_) {
+        try {
+          source_rank_ = inner_->sourceRank();
+        } catch (...) {
+        }
+      }
+      drop_inner = std::move(inner_);  // breaks work -> inner work -> its future -> our callback -> work
+      drop_finalize = std::move(finalize_);
+      finalize_ = nullptr;
+      has_future = static_cast<bool>(future_);
+    }
+    drop_inner.reset();
+    drop_finalize = nullptr;
+    // Bookkeeping before anyone sees the op terminal (as post hooks run before wait() returns on the Python path):
+    // the group's failure noted, invalid outputs marked where a future will hand them out (a waiter gets the
+    // exception instead), the Flight Recorder entry finished.
+    if (to != kCompleted) {
+      if (to == kFailed && breaks_) core_->note_failure(kind, op_, op_id_, message, peer_);
+      if (has_future) mark_invalid(outputs_);
+    }
+    core_->ring.complete(rid_, to, kind, to == kCompleted ? std::string() : message);
+    c10::intrusive_ptr<NativeWork> self;  // the table's reference, dropped after the lock
+    {
+      std::lock_guard<std::mutex> lk(core_->mu);
+      auto it = core_->inflight.find(op_id_);
+      if (it != core_->inflight.end()) {
+        self = std::move(it->second);
+        core_->inflight.erase(it);
+      }
+    }
+    self.reset();
+    {
+      std::lock_guard<std::mutex> lk(mutex_);
+      completed_ = true;
+      done_.store(true, std::memory_order_release);
+      fut = future_;
+    }
+    cv_.notify_all();
+    if (fut) fut->markCompleted(c10::IValue(outputs_));
+    return true;
+  }
+
+  bool isCompleted() override { return done_.load(std::memory_order_acquire); }
+  bool isSuccess() const override { return state_.load(std::memory_order_acquire) == kCompleted; }
+
+  std::exception_ptr exception() const override {
+    std::lock_guard<std::mutex> lk(mutex_);
+    return exception_;
+  }
+
+  int sourceRank() const override {
+    std::lock_guard<std::mutex> lk(mutex_);
+    if (source_rank_ < 0) TORCH_CHECK(false, op_, ": no source rank (not a completed recv from any source)");
+    return static_cast<int>(source_rank_);
+  }
+
+  std::vector<at::Tensor> result() override {
+    wait();
+    return outputs_;
+  }
+
+  void synchronize() override {}
+
+  // Block until terminal (or the op's deadline: then the op times out, or `timeout`: RuntimeError, the op keeps
+  // running); raise the op's exception if it did not complete.
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override {
+    auto until = deadline_;
+    bool bounded = timeout != kNoTimeout && timeout.count() > 0;
+    if (bounded) until = std::min(until, Clock::now() + timeout);
+    if (!done_.load(std::memory_order_acquire)) {
+      NoGil nogil;
+      std::unique_lock<std::mutex> lk(mutex_);
+      cv_.wait_until(lk, until, [&] { return done_.load(std::memory_order_acquire); });
+    }
+    if (!done_.load(std::memory_order_acquire)) {
+      if (Clock::now() >= deadline_) {
+        NoGil nogil;
+        time_out();
+        std::unique_lock<std::mutex> lk(mutex_);  // another thread may be finishing it: wait for its bookkeeping
+        cv_.wait(lk, [&] { return done_.load(std::memory_order_acquire); });
+      } else {
+        TORCH_CHECK(false, op_, ": wait() timed out after ", timeout.count(),
+                    " ms (the op is still in flight; wait again, or abort the group)");
+      }
+    }
+    uint8_t s = state_.load(std::memory_order_acquire);
+    if (s == kCompleted) return true;
+    std::string msg;
+    uint8_t kind;
+    {
+      std::lock_guard<std::mutex> lk(mutex_);
+      msg = message_;
+      kind = kind_;
+    }
+    raise_python(*core_, kind, op_, op_id_, msg, peer_);
+  }
+
+  void time_out() {
+    finish(kFailed, kTimeout,
+           "did not complete within its timeout of " + fmt_seconds(timeout_) + " (the communicator is now errored)");
+  }
+
+  void abort() override { finish(kAborted, kAbort, "cancelled by abort()"); }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    bool done;
+    c10::intrusive_ptr<c10::ivalue::Future> fut;
+    {
+      std::lock_guard<std::mutex> lk(mutex_);
+      if (!future_) {
+        future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+        done = done_.load(std::memory_order_acquire);
+        fut = future_;
+      } else {
+        return future_;
+      }
+    }
+    if (done) {
+      if (state_.load(std::memory_order_acquire) != kCompleted) mark_invalid(outputs_);
+      fut->markCompleted(c10::IValue(outputs_));
+    }
+    return fut;
+  }
+
+  float getDuration() const override {
+    std::lock_guard<std::mutex> lk(mutex_);
+    auto end = completed_ ? t_end_ : Clock::now();
+    return std::chrono::duration<float, std::milli>(end - t0_).count();
+  }
+
+  uint64_t getSequencenumber() const override { return static_cast<uint64_t>(op_id_); }
+
+  Clock::time_point deadline() const { return deadline_; }
+  int64_t op_id() const { return op_id_; }
+  const char* op() const { return op_; }
+  uint8_t state() const { return state_.load(std::memory_order_acquire); }
+
+  std::string describe() const {
+    return std::string(op_) + " (op_id=" + std::to_string(op_id_) + "): " + message_;
+  }
+
+  static std::string fmt_seconds(std::chrono::milliseconds ms) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.3fs", ms.count() / 1000.0);
+    return buf;
+  }
+
+  void set_inner(const c10::intrusive_ptr<Work>& iw) {
+    std::lock_guard<std::mutex> lk(mutex_);
+    if (state_.load(std::memory_order_acquire) == kInProgress) inner_ = iw;
+  }
+
+  // set by the backend before the Work is published (inner_: by set_inner)
+  c10::intrusive_ptr<Work> inner_;
+  std::function<void()> finalize_;
+  bool op_type_is_recv_any_ = false;
+  bool breaks_ = true;
+
+ private:
+  std::shared_ptr<Core> core_;
+  const char* op_;
+  int64_t op_id_;
+  std::vector<at::Tensor> outputs_;
+  std::chrono::milliseconds timeout_;
+  Clock::time_point t0_, deadline_, t_end_;
+  int64_t rid_;
+  int64_t peer_;
+  std::atomic<uint8_t> state_{kInProgress};  // the state machine: one CAS out of IN_PROGRESS
+  std::atomic<bool> done_{false};            // the terminal state is published (bookkeeping done)
+  uint8_t kind_ = kNone;
+  std::string message_;
+  int64_t source_rank_ = -1;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// ------------------------------------------------------------------------------- watchdog and waiter threads
+// One watchdog per backend: times out ops past their deadline that nobody waits on (a waiter enforces its own op's
+// deadline exactly). It looks at the in-flight table every kWatchdogPeriod and is never woken per op: on a small
+// machine a thread wake-up per op costs more than the op. Detached; it owns a reference to the Core and leaves
+// once `stop` is set.
+constexpr auto kWatchdogPeriod = std::chrono::milliseconds(50);
+
+void watchdog(std::shared_ptr<Core> core) {
+  std::unique_lock<std::mutex> lk(core->mu);
+  while (!core->stop) {
+    auto now = Clock::now();
+    auto next = now + kWatchdogPeriod;
+    std::vector<c10::intrusive_ptr<NativeWork>> expired;
+    for (auto& kv : core->inflight) {
+      auto d = kv.second->deadline();
+      if (d <= now) expired.push_back(kv.second);
+      else if (d < next) next = d;
+    }
+    if (!expired.empty()) {
+      lk.unlock();
+      for (auto& w : expired) w->time_out();
+      expired.clear();
+      lk.lock();
+      continue;
+    }
+    core->watchdog_cv.wait_until(lk, next);
+  }
+}
+
+// Waits on inner Works that have no future (Gloo's send/recv, reduce_scatter): a pool that grows when every thread
+// is busy (a recv may wait for long), threads detached.
+class WaiterPool {
+ public:
+  struct Job {
+    c10::intrusive_ptr<Work> inner;
+    c10::intrusive_ptr<NativeWork> work;
+    std::chrono::milliseconds timeout;
+  };
+
+  void push(Job job) {
+    std::lock_guard<std::mutex> lk(state_->mu);
+    state_->jobs.push_back(std::move(job));
+    if (state_->idle == 0) {
+      std::thread(run, state_).detach();
+    } else {
+      state_->cv.notify_one();
+    }
+  }
+
+  ~WaiterPool() {
+    std::lock_guard<std::mutex> lk(state_->mu);
+    state_->stop = true;
+    state_->cv.notify_all();
+  }
+
+ private:
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<Job> jobs;
+    int idle = 0;
+    bool stop = false;
+  };
+
+  static void run(std::shared_ptr<State> st) {
+    std::unique_lock<std::mutex> lk(st->mu);
+    while (true) {
+      while (st->jobs.empty() && !st->stop) {
+        ++st->idle;
+        st->cv.wait(lk);
+        --st->idle;
+      }
+      if (st->jobs.empty()) return;
+      Job job = std::move(st->jobs.front());
+      st->jobs.pop_front();
+      lk.unlock();
+      try {
+        job.inner->wait(job.timeout);
+        job.work->finish(kCompleted, kNone, "");
+      } catch (const std::exception& e) {
+        job.work->finish(kFailed, kBackendError, e.what());
+      }
+      job = Job{};
+      lk.lock();
+    }
+  }
+
+  std::shared_ptr<State> state_ = std::make_shared<State>();
+};
+
+// The Work of an op run on the Python path: the Python path's Work (a GroupWork) seen from C++. Every method asks
+// the Python object (torch's PyWorkHolder forwards only wait() and getFuture(), so is_completed(), exception() or a
+// recv's source rank would read the base Work's never-set state).
+class PyPathWork : public Work {
+ public:
+  explicit PyPathWork(py::object work) : Work(-1, OpType::UNKNOWN), py_(std::move(work)) {}
+
+  ~PyPathWork() override {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      py_ = py::object();
+    } else {
+      py_.release();
+    }
+  }
+
+  bool isCompleted() override {
+    py::gil_scoped_acquire gil;
+    return py_.attr("is_completed")().cast<bool>();
+  }
+  bool isSuccess() const override {
+    py::gil_scoped_acquire gil;
+    return py_.attr("is_success")().cast<bool>();
+  }
+  std::exception_ptr exception() const override {
+    py::gil_scoped_acquire gil;
+    py::object exc = py_.attr("exception")();
+    if (exc.is_none()) return nullptr;
+    return std::make_exception_ptr(c10::DistBackendError(py::str(exc).cast<std::string>()));
+  }
+  int sourceRank() const override {
+    py::gil_scoped_acquire gil;
+    return py_.attr("source_rank")().cast<int>();
+  }
+  std::vector<at::Tensor> result() override {
+    py::gil_scoped_acquire gil;
+    py::object r = py_.attr("result")();
+    try {
+      return r.cast<std::vector<at::Tensor>>();
+    } catch (const py::cast_error&) {
+      return {};  // a nested layout (all_gather's list of lists): no flat tensor list to give
+    }
+  }
+  void synchronize() override {
+    py::gil_scoped_acquire gil;
+    py_.attr("synchronize")();
+  }
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override {
+    py::gil_scoped_acquire gil;
+    return py_.attr("wait")(timeout).cast<bool>();
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    py::gil_scoped_acquire gil;
+    py::object fut = py_.attr("get_future")();
+    return fut.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
+  }
+
+ private:
+  py::object py_;
+};
+
+// ----------------------------------------------------------------------------------------------- the Backend
+bool plain(const at::Tensor& t) {
+  return t.defined() && t.device().is_cpu() && t.layout() == c10::kStrided && t.is_contiguous();
+}
+
+bool all_plain(const std::vector<at::Tensor>& ts, c10::ScalarType dtype) {
+  for (const auto& t : ts) {
+    if (!plain(t) || t.scalar_type() != dtype) return false;
+  }
+  return true;
+}
+
+// The ReduceOp's name as the Python recorder writes it (ReduceOp._value_), or nullptr: not on the fast path.
+const char* reduce_name(const c10d::ReduceOp& op, c10::ScalarType dtype) {
+  if (dtype == c10::kBool) return nullptr;
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: return "sum";
+    case c10d::ReduceOp::PRODUCT: return "product";
+    case c10d::ReduceOp::MIN: return "min";
+    case c10d::ReduceOp::MAX: return "max";
+    case c10d::ReduceOp::AVG: return (c10::isFloatingType(dtype) || c10::isComplexType(dtype)) ? "avg" : nullptr;
+    default: return nullptr;  // PREMUL_SUM, bitwise ops: the Python path
+  }
+}
+
+class NativeBackend : public c10d::Backend {
+ public:
+  NativeBackend(c10::intrusive_ptr<c10d::Backend> inner, int rank, int size, std::chrono::milliseconds timeout,
+                int64_t fr_capacity, py::object python_path, py::object make_error)
+      : Backend(rank, size),
+        inner_(std::move(inner)),
+        timeout_(timeout),
+        core_(std::make_shared<Core>(fr_capacity)),
+        python_path_(std::move(python_path)) {
+    core_->make_error = std::move(make_error);
+    std::thread(watchdog, core_).detach();
+  }
+
+  ~NativeBackend() override {
+    c10::intrusive_ptr<c10d::Backend> drop;
+    {
+      std::lock_guard<std::mutex> lk(core_->mu);
+      core_->stop = true;
+      drop = std::move(inner_);
+    }
+    drop.reset();
+    core_->watchdog_cv.notify_all();
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      python_path_ = py::object();
+      core_->make_error = py::object();
+    } else {
+      python_path_.release();
+      core_->make_error.release();
+    }
+  }
+
+  const std::string getBackendName() const override { return "torchnext-native"; }
+
+  void setTimeout(std::chrono::milliseconds timeout) override { timeout_.store(timeout); }
+
+  // ------------------------------------------------------------------------------------ controls (from Python)
+  void set_python_mode(bool on) { python_mode_.store(on, std::memory_order_release); }
+  bool python_mode() const { return python_mode_.load(std::memory_order_acquire); }
+  int64_t op_counter() const { return op_counter_.load(); }
+  void set_op_counter(int64_t n) { op_counter_.store(n); }
+
+  // Finish every op in flight as ABORTED (their waiters raise at once), refuse later ops (the Python path raises
+  // the abort's CommAborted) and drop the inner backend (the Python side buries it).
+  void abort_all(const std::string& reason) {
+    std::vector<c10::intrusive_ptr<NativeWork>> works;
+    c10::intrusive_ptr<c10d::Backend> drop;
+    {
+      std::lock_guard<std::mutex> lk(core_->mu);
+      core_->aborted = true;
+      core_->broken.store(true, std::memory_order_release);
+      if (core_->first.kind == kNone) core_->first = Failure{kAbort, "abort", reason, 0, -1};
+      for (auto& kv : core_->inflight) works.push_back(kv.second);
+      drop = std::move(inner_);
+    }
+    drop.reset();
+    // oldest first: a thread waiting on its ops in order is released by the first of them
+    std::sort(works.begin(), works.end(), [](const auto& a, const auto& b) { return a->op_id() < b->op_id(); });
+    std::string msg = "cancelled by abort()" + (reason.empty() ? std::string() : " (" + reason + ")");
+    for (auto& w : works) w->finish(kAborted, kAbort, msg);
+  }
+
+  // Let go of the inner backend once the ops in flight are done (bounded by their deadlines): shutdown.
+  void release() {
+    std::vector<c10::intrusive_ptr<NativeWork>> works;
+    {
+      std::lock_guard<std::mutex> lk(core_->mu);
+      for (auto& kv : core_->inflight) works.push_back(kv.second);
+    }
+    {
+      py::gil_scoped_release nogil;
+      for (auto& w : works) {
+        try {
+          w->Work::wait();  // the base: the state machine's cv (no Python exception)
+        } catch (...) {
+        }
+      }
+    }
+    c10::intrusive_ptr<c10d::Backend> drop;
+    {
+      std::lock_guard<std::mutex> lk(core_->mu);
+      core_->broken.store(true, std::memory_order_release);
+      drop = std::move(inner_);
+    }
+    py::gil_scoped_release nogil;
+    drop.reset();
+  }
+
+  // The first failure as (kind, op, op_id, message, peer), or None.
+  py::object first_failure() {
+    std::lock_guard<std::mutex> lk(core_->mu);
+    if (core_->first.kind == kNone) return py::none();
+    const Failure& f = core_->first;
+    return py::make_tuple(static_cast<int>(f.kind), f.op, f.op_id, f.message, f.peer);
+  }
+
+  bool broken() const { return core_->broken.load(std::memory_order_acquire); }
+  size_t in_flight() {
+    std::lock_guard<std::mutex> lk(core_->mu);
+    return core_->inflight.size();
+  }
+  Ring& ring() { return core_->ring; }
+
+  // ---------------------------------------------------------------------------------------------- reductions
+  c10::intrusive_ptr<Work> allreduce(std::vector<at::Tensor>& ts, const c10d::AllreduceOptions& opts) override {
+    const char* rop = ts.size() == 1 && plain(ts[0]) ? reduce_name(opts.reduceOp, ts[0].scalar_type()) : nullptr;
+    if (!fast() || rop == nullptr || opts.sparseIndices.has_value())
+      return python_op("allreduce", [&] { return py::make_tuple(py::cast(ts), py::cast(opts, py::return_value_policy::copy)); });
+    return issue("all_reduce", OpType::ALLREDUCE, ts, ts, -1, -1, 0, rop, opts.timeout, opts.asyncOp,
+                 [&](c10d::Backend& b) { return b.allreduce(ts, opts); });
+  }
+
+  c10::intrusive_ptr<Work> reduce(std::vector<at::Tensor>& ts, const c10d::ReduceOptions& opts) override {
+    const char* rop = ts.size() == 1 && plain(ts[0]) ? reduce_name(opts.reduceOp, ts[0].scalar_type()) : nullptr;
+    if (!fast() || rop == nullptr || !valid_rank(opts.rootRank)) return python_op("reduce", [&] { return py::make_tuple(py::cast(ts), py::cast(opts, py::return_value_policy::copy)); });
+    return issue("reduce", OpType::REDUCE, ts, ts, opts.rootRank, -1, 0, rop, opts.timeout, opts.asyncOp,
+                 [&](c10d::Backend& b) { return b.reduce(ts, opts); });
+  }
+
+  c10::intrusive_ptr<Work> reduce_scatter(std::vector<at::Tensor>& outs, std::vector<std::vector<at::Tensor>>& ins,
+                                          const c10d::ReduceScatterOptions& opts) override {
+    bool ok = fast() && outs.size() == 1 && ins.size() == 1 && plain(outs[0]) &&
+              static_cast<int>(ins[0].size()) == getSize() && all_plain(ins[0], outs[0].scalar_type());
+    if (ok)
+      for (const auto& t : ins[0]) ok = ok && t.sizes() == outs[0].sizes();
+    const char* rop = ok ? reduce_name(opts.reduceOp, outs[0].scalar_type()) : nullptr;
+    if (rop == nullptr) return python_op("reduce_scatter", [&] { return py::make_tuple(py::cast(outs), py::cast(ins), py::cast(opts, py::return_value_policy::copy)); });
+    return issue("reduce_scatter", OpType::REDUCE_SCATTER, ins[0], outs, -1, -1, 0, rop, opts.timeout, opts.asyncOp,
+                 [&](c10d::Backend& b) { return b.reduce_scatter(outs, ins, opts); });
+  }
+
+  c10::intrusive_ptr<Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
+                                                const c10d::ReduceScatterOptions& opts) override {
+    bool ok = fast() && plain(out) && plain(in) && in.scalar_type() == out.scalar_type() &&
+              in.numel() == out.numel() * getSize();
+    const char* rop = ok ? reduce_name(opts.reduceOp, out.scalar_type()) : nullptr;
+    if (rop == nullptr) return python_op("_reduce_scatter_base", [&] { return py::make_tuple(py::cast(out), py::cast(in), py::cast(opts, py::return_value_policy::copy)); });
+    // flat views, as the Python path passes them (Gloo checks chunk shapes against the input's shape)
+    at::Tensor fo = out.view({-1}), fi = in.view({-1});
+    return issue("reduce_scatter_single", OpType::_REDUCE_SCATTER_BASE, {in}, {out}, -1, -1, 0, rop, opts.timeout,
+                 opts.asyncOp, [&](c10d::Backend& b) { return b._reduce_scatter_base(fo, fi, opts); });
+  }
+
+  // ------------------------------------------------------------------------------------------- data movement
+  c10::intrusive_ptr<Work> broadcast(std::vector<at::Tensor>& ts, const c10d::BroadcastOptions& opts) override {
+    if (!fast() || ts.size() != 1 || !plain(ts[0]) || !valid_rank(opts.rootRank))
+      return python_op("broadcast", [&] { return py::make_tuple(py::cast(ts), py::cast(opts, py::return_value_policy::copy)); });
+    return issue("broadcast", OpType::BROADCAST, ts, ts, opts.rootRank, -1, 0, nullptr, opts.timeout, opts.asyncOp,
+                 [&](c10d::Backend& b) { return b.broadcast(ts, opts); });
+  }
+
+  c10::intrusive_ptr<Work> allgather(std::vector<std::vector<at::Tensor>>& outs, std::vector<at::Tensor>& ins,
+                                     const c10d::AllgatherOptions& opts) override {
+    bool ok = fast() && ins.size() == 1 && outs.size() == 1 && plain(ins[0]) &&
+              static_cast<int>(outs[0].size()) == getSize() && all_plain(outs[0], ins[0].scalar_type());
+    if (ok)
+      for (const auto& t : outs[0]) ok = ok && t.sizes() == ins[0].sizes();
+    if (!ok) return python_op("allgather", [&] { return py::make_tuple(py::cast(outs), py::cast(ins), py::cast(opts, py::return_value_policy::copy)); });
+    return issue("all_gather", OpType::ALLGATHER, ins, outs[0], -1, -1, 0, nullptr, opts.timeout, opts.asyncOp,
+                 [&](c10d::Backend& b) { return b.allgather(outs, ins, opts); });
+  }
+
+  c10::intrusive_ptr<Work> _allgather_base(at::Tensor& out, at::Tensor& in,
+                                           const c10d::AllgatherOptions& opts) override {
+    bool ok = fast() && plain(out) && plain(in) && in.scalar_type() == out.scalar_type() &&
+              out.numel() == in.numel() * getSize();
+    if (!ok) return python_op("_allgather_base", [&] { return py::make_tuple(py::cast(out), py::cast(in), py::cast(opts, py::return_value_policy::copy)); });
+    at::Tensor fo = out.view({-1}), fi = in.view({-1});
+    return issue("all_gather_single", OpType::_ALLGATHER_BASE, {in}, {out}, -1, -1, 0, nullptr, opts.timeout,
+                 opts.asyncOp, [&](c10d::Backend& b) { return b._allgather_base(fo, fi, opts); });
+  }
+
+  c10::intrusive_ptr<Work> alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
+                                         std::vector<int64_t>& in_splits, const c10d::AllToAllOptions& opts) override {
+    bool ok = fast() && plain(out) && plain(in) && in.scalar_type() == out.scalar_type() && in.dim() >= 1 &&
+              out.dim() >= 1 && splits_ok(out_splits, out) && splits_ok(in_splits, in);
+    if (!ok)
+      return python_op("alltoall_base", [&] { return py::make_tuple(py::cast(out), py::cast(in), py::cast(out_splits), py::cast(in_splits),
+                    py::cast(opts, py::return_value_policy::copy)); });
+    return issue("all_to_all_single", OpType::ALLTOALL_BASE, {in}, {out}, -1, -1, 0, nullptr, opts.timeout,
+                 opts.asyncOp, [&](c10d::Backend& b) { return b.alltoall_base(out, in, out_splits, in_splits, opts); });
+  }
+
+  // The list form runs as one all_to_all_single over flat buffers, always (as the Python path does on Gloo: every
+  // rank must take the same path, and a rank cannot see the other ranks' sizes).
+  c10::intrusive_ptr<Work> alltoall(std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins,
+                                    const c10d::AllToAllOptions& opts) override {
+    bool ok = fast() && !ins.empty() && static_cast<int>(ins.size()) == getSize() && outs.size() == ins.size() &&
+              all_plain(ins, ins[0].scalar_type()) && all_plain(outs, ins[0].scalar_type());
+    if (!ok) return python_op("alltoall", [&] { return py::make_tuple(py::cast(outs), py::cast(ins), py::cast(opts, py::return_value_policy::copy)); });
+    std::vector<at::Tensor> flat_in;
+    std::vector<int64_t> in_splits, out_splits;
+    int64_t out_total = 0;
+    for (const auto& t : ins) {
+      flat_in.push_back(t.reshape({-1}));
+      in_splits.push_back(t.numel());
+    }
+    for (const auto& t : outs) {
+      out_splits.push_back(t.numel());
+      out_total += t.numel();
+    }
+    at::Tensor in_buf = at::cat(flat_in);
+    at::Tensor out_buf = at::empty({out_total}, outs[0].options());
+    std::vector<at::Tensor> targets = outs;
+    auto finalize = [targets, out_buf, out_splits]() {
+      int64_t off = 0;
+      for (size_t i = 0; i < targets.size(); ++i) {
+        targets[i].view({-1}).copy_(out_buf.narrow(0, off, out_splits[i]));
+        off += out_splits[i];
+      }
+    };
+    return issue("all_to_all", OpType::ALLTOALL, ins, outs, -1, -1, 0, nullptr, opts.timeout, opts.asyncOp,
+                 [&](c10d::Backend& b) { return b.alltoall_base(out_buf, in_buf, out_splits, in_splits, opts); },
+                 finalize);
+  }
+
+  c10::intrusive_ptr<Work> barrier(const c10d::BarrierOptions& opts) override {
+    if (!fast()) return python_op("barrier", [&] { return py::make_tuple(py::cast(opts, py::return_value_policy::copy)); });
+    return issue("barrier", OpType::BARRIER, {}, {}, -1, -1, 0, nullptr, opts.timeout, opts.asyncOp,
+                 [&](c10d::Backend& b) { return b.barrier(opts); });
+  }
+
+  // ----------------------------------------------------------------------------------------- point to point
+  c10::intrusive_ptr<Work> send(std::vector<at::Tensor>& ts, int dst, int tag) override {
+    if (!fast() || ts.size() != 1 || !plain(ts[0]) || !valid_peer(dst) || tag < 0)
+      return python_op("send", [&] { return py::make_tuple(py::cast(ts), dst, tag); });
+    return issue("send", OpType::SEND, ts, {}, -1, dst, tag, nullptr, c10d::kUnsetTimeout, true,
+                 [&](c10d::Backend& b) { return b.send(ts, dst, tag); });
+  }
+
+  c10::intrusive_ptr<Work> recv(std::vector<at::Tensor>& ts, int src, int tag) override {
+    if (!fast() || ts.size() != 1 || !plain(ts[0]) || !valid_peer(src) || tag < 0)
+      return python_op("recv", [&] { return py::make_tuple(py::cast(ts), src, tag); });
+    return issue("recv", OpType::RECV, {}, ts, -1, src, tag, nullptr, c10d::kUnsetTimeout, true,
+                 [&](c10d::Backend& b) { return b.recv(ts, src, tag); });
+  }
+
+  c10::intrusive_ptr<Work> recvAnysource(std::vector<at::Tensor>& ts, int tag) override {
+    if (!fast() || ts.size() != 1 || !plain(ts[0]) || tag < 0)
+      return python_op("recv_anysource", [&] { return py::make_tuple(py::cast(ts), tag); });
+    return issue("recv", OpType::RECVANYSOURCE, {}, ts, -1, -1, tag, nullptr, c10d::kUnsetTimeout, true,
+                 [&](c10d::Backend& b) { return b.recvAnysource(ts, tag); });
+  }
+
+  // --------------------------------------------------------------- the rest: the Python path (validates, runs)
+  c10::intrusive_ptr<Work> allreduce_coalesced(std::vector<at::Tensor>& ts,
+                                               const c10d::AllreduceCoalescedOptions& opts) override {
+    return python_op("allreduce_coalesced", [&] { return py::make_tuple(py::cast(ts), py::cast(opts, py::return_value_policy::copy)); });
+  }
+  c10::intrusive_ptr<Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outs,
+                                               std::vector<at::Tensor>& ins,
+                                               const c10d::AllgatherOptions& opts) override {
+    return python_op("allgather_coalesced", [&] { return py::make_tuple(py::cast(outs), py::cast(ins), py::cast(opts, py::return_value_policy::copy)); });
+  }
+  c10::intrusive_ptr<Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outs,
+                                                           std::vector<at::Tensor>& ins,
+                                                           const c10d::AllgatherOptions& opts) override {
+    return python_op("allgather_into_tensor_coalesced", [&] { return py::make_tuple(py::cast(outs), py::cast(ins), py::cast(opts, py::return_value_policy::copy)); });
+  }
+  c10::intrusive_ptr<Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outs,
+                                                           std::vector<at::Tensor>& ins,
+                                                           const c10d::ReduceScatterOptions& opts) override {
+    return python_op("reduce_scatter_tensor_coalesced", [&] { return py::make_tuple(py::cast(outs), py::cast(ins), py::cast(opts, py::return_value_policy::copy)); });
+  }
+  c10::intrusive_ptr<Work> gather(std::vector<std::vector<at::Tensor>>& outs, std::vector<at::Tensor>& ins,
+                                  const c10d::GatherOptions& opts) override {
+    return python_op("gather", [&] { return py::make_tuple(py::cast(outs), py::cast(ins), py::cast(opts, py::return_value_policy::copy)); });
+  }
+  c10::intrusive_ptr<Work> scatter(std::vector<at::Tensor>& outs, std::vector<std::vector<at::Tensor>>& ins,
+                                   const c10d::ScatterOptions& opts) override {
+    return python_op("scatter", [&] { return py::make_tuple(py::cast(outs), py::cast(ins), py::cast(opts, py::return_value_policy::copy)); });
+  }
+
+ private:
+  bool fast() const {
+    return !python_mode_.load(std::memory_order_acquire) && !core_->broken.load(std::memory_order_acquire);
+  }
+  bool valid_rank(int64_t r) const { return r >= 0 && r < getSize(); }
+  bool valid_peer(int64_t r) const { return valid_rank(r) && r != getRank(); }
+  bool splits_ok(const std::vector<int64_t>& splits, const at::Tensor& t) const {
+    if (splits.empty()) return t.size(0) % getSize() == 0;
+    if (static_cast<int>(splits.size()) != getSize()) return false;
+    int64_t total = 0;
+    for (auto s : splits) {
+      if (s < 0) return false;
+      total += s;
+    }
+    return total == t.size(0);
+  }
+
+  std::chrono::milliseconds op_timeout(std::chrono::milliseconds t) const {
+    return t.count() > 0 ? t : timeout_.load();  // kUnsetTimeout (-1) and 0: the default
+  }
+
+  // The Python path of the group for this op: `python_path(name, *make_args())` under the GIL (the arguments are
+  // built there: pybind casts need the GIL). Its Work is a Python object; PyWorkHolder keeps it alive.
+  template <class MakeArgs>
+  c10::intrusive_ptr<Work> python_op(const char* name, MakeArgs&& make_args) {
+    py::gil_scoped_acquire gil;
+    TORCH_CHECK(python_path_, "torchnext native backend: no Python path for ", name);
+    py::tuple args = make_args();
+    py::object work = python_path_(name, *args);
+    return c10::make_intrusive<PyPathWork>(std::move(work));
+  }
+
+  template <class Launch>
+  c10::intrusive_ptr<Work> issue(const char* op, OpType type, const std::vector<at::Tensor>& ins,
+                                 const std::vector<at::Tensor>& outs, int64_t root, int64_t peer, int64_t tag,
+                                 const char* rop, std::chrono::milliseconds timeout, bool async, Launch&& launch,
+                                 std::function<void()> finalize = nullptr) {
+    NoGil nogil;  // see NoGil
+    auto td = op_timeout(timeout);
+    int64_t op_id = ++op_counter_;
+    bool p2p = type == OpType::SEND || type == OpType::RECV || type == OpType::RECVANYSOURCE;
+    int64_t rid = core_->ring.record(op, p2p, op_id, peer, tag, root, rop, ins, outs, td.count(), async);
+    auto work = c10::make_intrusive<NativeWork>(core_, op, type, op_id, outs, td, rid, peer);
+    work->finalize_ = std::move(finalize);
+    c10::intrusive_ptr<c10d::Backend> inner;
+    {
+      std::lock_guard<std::mutex> lk(core_->mu);
+      if (!core_->aborted && inner_) {
+        inner = inner_;
+        core_->inflight.emplace(op_id, work);
+      }
+    }
+    if (!inner) {  // aborted (or released) since fast() said yes
+      work->finish(kAborted, kAbort, "refused: the group was aborted");
+      return work;
+    }
+    c10::intrusive_ptr<Work> iw;
+    try {
+      iw = launch(*inner);
+    } catch (const std::exception& e) {
+      // the backend refused the op while issuing it (nothing was issued): the group stays usable
+      work->breaks_ = false;
+      work->finish(kFailed, kBackendError, e.what());
+      throw;
+    }
+    work->set_inner(iw);
+    c10::intrusive_ptr<c10::ivalue::Future> fut;
+    try {
+      fut = iw->getFuture();
+    } catch (const std::exception&) {
+      fut.reset();
+    }
+    if (fut) {
+      c10::intrusive_ptr<NativeWork> w = work;
+      fut->addCallback([w](c10::ivalue::Future& f) {
+        if (f.hasError()) {
+          w->finish(kFailed, kBackendError, f.tryRetrieveErrorMessage());
+        } else {
+          w->finish(kCompleted, kNone, "");
+        }
+      });
+    } else {
+      waiters_.push(WaiterPool::Job{iw, work, td});
+    }
+    return work;
+  }
+
+  std::atomic<bool> python_mode_{false};
+  std::atomic<int64_t> op_counter_{0};
+  c10::intrusive_ptr<c10d::Backend> inner_;  // guarded by core_->mu (read under it when issuing)
+  std::atomic<std::chrono::milliseconds> timeout_;
+  std::shared_ptr<Core> core_;
+  WaiterPool waiters_;
+  py::object python_path_;  // (name, *args) -> Work: the Python path of the group
+};
+
+}  // namespace torchnext_native
+
+// ------------------------------------------------------------------------------------------------ the module
+namespace torchnext_native {
+
+NativeBackend& native(const c10::intrusive_ptr<c10d::Backend>& b) {
+  auto* n = dynamic_cast<NativeBackend*>(b.get());
+  TORCH_CHECK(n != nullptr, "not a torchnext native backend: ", b->getBackendName());
+  return *n;
+}
+
+}  // namespace torchnext_native
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace torchnext_native;
+  using BackendPtr = c10::intrusive_ptr<c10d::Backend>;
+  m.doc() = "torchnext's native process-group backend (see torchnext/comms/native/__init__.py)";
+  m.def("abi_version", [] { return kAbiVersion; });
+  m.def(
+      "create",
+      [](BackendPtr inner, int rank, int size, std::chrono::milliseconds timeout, int64_t fr_capacity,
+         py::object python_path, py::object make_error) -> BackendPtr {
+        TORCH_CHECK(inner, "create: no inner backend");
+        return c10::make_intrusive<NativeBackend>(std::move(inner), rank, size, timeout, fr_capacity,
+                                                  std::move(python_path), std::move(make_error));
+      },
+      py::arg("inner"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("fr_capacity"),
+      py::arg("python_path"), py::arg("make_error"));
+  m.def("set_timeout", [](const BackendPtr& b, std::chrono::milliseconds t) { native(b).setTimeout(t); });
+  m.def("set_python_mode", [](const BackendPtr& b, bool on) { native(b).set_python_mode(on); });
+  m.def("python_mode", [](const BackendPtr& b) { return native(b).python_mode(); });
+  m.def("op_counter", [](const BackendPtr& b) { return native(b).op_counter(); });
+  m.def("set_op_counter", [](const BackendPtr& b, int64_t n) { native(b).set_op_counter(n); });
+  m.def("abort", [](const BackendPtr& b, const std::string& reason) { native(b).abort_all(reason); },
+        py::call_guard<py::gil_scoped_release>());
+  m.def("release", [](const BackendPtr& b) { native(b).release(); });
+  m.def("first_failure", [](const BackendPtr& b) { return native(b).first_failure(); });
+  m.def("broken", [](const BackendPtr& b) { return native(b).broken(); });
+  m.def("in_flight", [](const BackendPtr& b) { return native(b).in_flight(); });
+  m.def("fr_slots", [](const BackendPtr& b) { return native(b).ring().slots(); });
+  m.def("fr_counters", [](const BackendPtr& b) { return native(b).ring().counters(); });
+  m.def("fr_set_counters", [](const BackendPtr& b, const std::vector<int64_t>& c) { native(b).ring().set_counters(c); });
+  m.def("fr_recorded", [](const BackendPtr& b) { return native(b).ring().recorded(); });
+}

@@ -1,0 +1,254 @@
+"""The native data path of a :class:`~torchnext.comms.process_group.group.TorchnextProcessGroup` (opt-in:
+``TORCHNEXT_NATIVE_PG=1``): its CPU ops run in C++ (:mod:`torchnext.comms.native`), Python runs per op only when
+something asked for it.
+
+How a group runs its ops::
+
+    python_needed = (check hooks (consistency mode)                         # check_collectives
+                     or any pre/post hook not marked native_equivalent     # user hooks (the Flight Recorder's are)
+                     or the group is a FaultTolerantProcessGroup)          # fault-tolerant staging: never native
+    if python_needed: the Python path (TorchnextProcessGroup's own methods, as without the flag)
+    else:             torch's C++ ProcessGroup methods -> c10d dispatcher -> the native backend -> Gloo
+
+The switch is made when a hook is added or removed (a watch on the communicator's hook lists), in both directions:
+the group's class becomes :data:`NATIVE_CLASS` (a subclass of ``TorchnextProcessGroup`` of the same name whose op
+methods are torch's C++ ones, so pybind's trampoline never calls Python) or ``TorchnextProcessGroup`` again, and
+the op counter and the Flight Recorder's sequence counters are carried over, so op ids and ``collective_seq_id``
+continue across the switch.
+
+On the native path, an op the C++ side does not take on its fast path (PREMUL_SUM, several tensors, a non-CPU,
+non-contiguous or sparse tensor, a dtype or size mismatch, an errored or aborted group) runs on the Python path
+for that op: the same validation, the same errors (``TypeError``/``ValueError`` naming the op) and, once the group
+failed, the same refusals (``PeerFailure``/``CommTimeout``/``CommAborted`` "refused: ..."). A failed native op
+raises the exception :func:`_Native.make_error` builds: the class the Python path raises, a message naming the op,
+its op id, the group and the rank; the communicator becomes errored with it (``Communicator._fail_from_outside``)
+and the Flight Recorder dumps as after a failure on the Python path. ``abort()`` (the communicator's abort hook)
+finishes every native op in flight as ABORTED at once; their waiters raise ``CommAborted``.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from torchnext._config import env_config
+from torchnext.comms import native as _native_ext
+from torchnext.comms.communicator import Communicator
+from torchnext.comms.errors import CommAborted, CommError, CommTimeout, PeerFailure, classify_backend_error
+from torchnext.comms.hooks import AbortHookArgs, mirrored_natively
+
+if TYPE_CHECKING:
+    from torchnext.comms.process_group.group import TorchnextProcessGroup
+
+__all__ = ["NATIVE_OPS", "attach", "native_class", "python_needed"]
+
+_LOG = logging.getLogger("torchnext.comms")
+
+NATIVE_OPS = (
+    "allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
+    "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced", "broadcast", "allgather",
+    "_allgather_base", "all_gather_single", "allgather_coalesced", "allgather_into_tensor_coalesced",
+    "all_gather_single_coalesced", "alltoall", "alltoall_base", "all_to_all_single", "gather", "scatter", "barrier",
+    "send", "recv", "recv_anysource",
+)
+"""The op methods :data:`NATIVE_CLASS` takes from torch's C++ ``ProcessGroup`` instead of the Python path."""
+
+_KIND_TIMEOUT, _KIND_BACKEND, _KIND_ABORT = 1, 2, 3  # csrc/native.cpp's Kind
+_NATIVE_CLASSES: dict[type, type] = {}
+
+
+def native_class(base: type[TorchnextProcessGroup]) -> type[TorchnextProcessGroup]:
+    """The native-path twin of ``base``: same name, op methods from torch's C++ ``ProcessGroup``."""
+    cls = _NATIVE_CLASSES.get(base)
+    if cls is None:
+        members: dict[str, Any] = {name: dist.ProcessGroup.__dict__[name] for name in NATIVE_OPS}
+        members["recvAnysource"] = dist.ProcessGroup.__dict__["recv_anysource"]
+        members["__module__"] = base.__module__
+        members["__qualname__"] = base.__qualname__
+        members["__doc__"] = (f"{base.__name__} while on the native data path (see "
+                              "torchnext.comms.process_group.native): its ops are torch's C++ ProcessGroup methods.")
+        members["_native_twin_of"] = base
+        cls = type(base.__name__, (base,), members)
+        _NATIVE_CLASSES[base] = cls
+    return cls
+
+
+def python_needed(comm: Communicator) -> str | None:
+    """Why ``comm``'s group must run its ops on the Python path, or None (see the module docstring)."""
+    if comm._check_hooks.snapshot:
+        return "check hooks (consistency mode)"
+    for fn in (*comm._pre_hooks.snapshot, *comm._post_hooks.snapshot):
+        if not mirrored_natively(fn):
+            return f"hook {getattr(fn, '__qualname__', fn)!r}"
+    return None
+
+
+def enabled() -> bool:
+    """``TORCHNEXT_NATIVE_PG=1``."""
+    return bool(env_config().native_pg)
+
+
+def attach(pg: TorchnextProcessGroup) -> _Native | None:
+    """Put ``pg`` on the native data path if the flag asks for it and the extension is available (else None: the
+    Python path, with one warning from :mod:`torchnext.comms.native` naming what is missing)."""
+    if not enabled() or pg._cpu is None or pg._cpu.backend != "gloo":
+        return None
+    if not _native_ext.status().available:
+        return None
+    return _Native(pg, pg._cpu)
+
+
+class _FrSource:
+    """The C++ ring as a :class:`~torchnext.comms.flight_recorder.recorder.RecordSource`."""
+
+    def __init__(self, mod: Any, backend: Any) -> None:
+        self._mod, self._backend = mod, backend
+
+    def slots(self) -> list[list[Any]]:
+        return list(self._mod.fr_slots(self._backend))
+
+    def counters(self) -> list[int]:
+        return list(self._mod.fr_counters(self._backend))
+
+
+class _Native:
+    """The native backend of one group and the switches between its two paths."""
+
+    def __init__(self, pg: TorchnextProcessGroup, comm: Communicator) -> None:
+        mod = _native_ext.module()
+        self._mod = mod
+        self._comm = comm
+        self._pg_ref = weakref.ref(pg)
+        self._base = type(pg)
+        self._native_cls = native_class(type(pg))
+        self._told = False
+        rec = comm.flight_recorder
+        self._rec = rec
+        self._pg_id = rec.pg_id_of(comm) if rec is not None else None
+        capacity = rec.capacity if rec is not None and self._pg_id is not None else 0
+        ref = self._pg_ref
+        base = self._base
+
+        def python_path(name: str, *args: Any) -> Any:
+            group = ref()
+            if group is None:
+                raise RuntimeError(f"{name}: the torchnext process group was destroyed")
+            native = group._native
+            if native is not None:
+                native.to_python_counters()
+            try:
+                return getattr(base, name)(group, *args)
+            finally:
+                if native is not None:
+                    native.to_native_counters()
+
+        self.backend = mod.create(comm.backend_handle.pg, comm.rank, comm.size, comm.timeout, capacity, python_path,
+                                  self.make_error)
+        self._undo: list[Callable[[], None]] = []
+        if rec is not None and self._pg_id is not None:
+            self._undo.append(rec.add_source(self._pg_id, _FrSource(mod, self.backend)))
+        for device in pg._comms:
+            pg._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, self.backend)
+        self._undo.append(comm.register_abort_hook(self._on_abort).remove)
+        self._undo.append(comm.register_shutdown_hook(self._on_shutdown).remove)
+        for hooks in (comm._pre_hooks, comm._post_hooks, comm._check_hooks):
+            self._undo.append(hooks.watch(self.update))
+        self.on_native = False
+        self.update()
+
+    # ------------------------------------------------------------------------------------------------ switching
+    def update(self) -> None:
+        """Put the group on the path its hooks call for (called whenever a hook list changes)."""
+        pg = self._pg_ref()
+        if pg is None:
+            return
+        why = python_needed(self._comm)
+        if why is None and not self.on_native:
+            self.to_native_counters()
+            self._mod.set_python_mode(self.backend, False)
+            object.__setattr__(pg, "__class__", self._native_cls)
+            self.on_native = True
+            _LOG.debug("torchnext group %r: native data path", pg._group_name)
+        elif why is not None and self.on_native:
+            object.__setattr__(pg, "__class__", self._base)
+            self._mod.set_python_mode(self.backend, True)
+            self.on_native = False
+            self.to_python_counters()
+            _LOG.debug("torchnext group %r: Python path (%s)", pg._group_name, why)
+
+    def to_python_counters(self) -> None:
+        """Carry the native op counter, sequence counters and first failure over to the Python side."""
+        comm, mod = self._comm, self._mod
+        comm._op_counter = max(comm._op_counter, int(mod.op_counter(self.backend)))
+        if self._rec is not None and self._pg_id is not None:
+            c = self._rec._groups[self._pg_id].counters
+            for i, v in enumerate(mod.fr_counters(self.backend)):
+                if v > c[i]:
+                    c[i] = v
+        self.sync_failure()
+
+    def to_native_counters(self) -> None:
+        """Carry the Python side's op counter and sequence counters over to the native backend."""
+        comm, mod = self._comm, self._mod
+        mod.set_op_counter(self.backend, max(comm._op_counter, int(mod.op_counter(self.backend))))
+        if self._rec is not None and self._pg_id is not None:
+            py_c = self._rec._groups[self._pg_id].counters
+            mod.fr_set_counters(self.backend, [max(a, b) for a, b in zip(py_c, mod.fr_counters(self.backend),
+                                                                         strict=True)])
+
+    # ------------------------------------------------------------------------------------------------- failures
+    def sync_failure(self) -> None:
+        """Tell the communicator about the native path's first failure, once (a failure nobody waited on: a future
+        completed with invalid outputs, DDP's way)."""
+        if self._told:
+            return
+        first = self._mod.first_failure(self.backend)
+        if first is None:
+            return
+        self._told = True
+        kind, op, op_id, message, peer = first
+        if kind != _KIND_ABORT:
+            self.make_error(kind, op, op_id, message, peer)
+
+    def make_error(self, kind: int, op: str, op_id: int, message: str, peer: int) -> CommError:
+        """The exception a failed native op raises (called by the C++ side under the GIL): the Python path's class
+        for the failure; a timeout or backend failure also errors the communicator and dumps the Flight Recorder."""
+        comm = self._comm
+        ctx = comm._error_context(op, op_id)
+        exc: CommError
+        if kind == _KIND_ABORT:
+            return CommAborted(message, **ctx)
+        if kind == _KIND_TIMEOUT:
+            exc = CommTimeout(message, **ctx)
+        else:
+            cls = classify_backend_error(RuntimeError(message))
+            exc = (PeerFailure(message, peer=peer if peer >= 0 else None, **ctx) if cls is PeerFailure
+                   else cls(message, **ctx))
+        first = comm._error is None and comm._aborted is None
+        exc = comm._fail_from_outside(exc)
+        self._told = True
+        if first and self._rec is not None:
+            if isinstance(exc, CommTimeout):
+                self._rec._auto_dump_once("timeout", f"{op} op_id={op_id} on {comm.name!r}")
+            else:
+                dump_kind = "peer_failure" if isinstance(exc, PeerFailure) else "error"
+                self._rec._auto_dump_once(dump_kind, f"{op} op_id={op_id}: {exc!r}")
+        return exc
+
+    def _on_abort(self, args: AbortHookArgs) -> None:
+        self._mod.abort(self.backend, args.reason or "")
+
+    def _on_shutdown(self, comm: Communicator) -> None:
+        self._mod.release(self.backend)
+        for undo in self._undo:
+            undo()
+        self._undo = []
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._mod.set_timeout(self.backend, timeout)
