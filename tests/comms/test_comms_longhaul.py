@@ -254,6 +254,24 @@ def test_a_raising_post_hook_keeps_its_traceback_as_text_not_frames() -> None:
         b.abort()
 
 
+def test_a_communicator_dropped_without_close_hands_its_backend_to_the_reaper() -> None:
+    """Its last reference may go on one of the backend's own threads (a completion callback holding the last Work):
+    the backend must not be destroyed there (a thread cannot join itself: SIGABRT at exit in test_fr_mismatch's 'op'
+    case under load). Dropped on another thread here, both backends are buried and reaped, not destroyed in place."""
+    comms = _pair("dropped", timeout=60.0)
+    w = comms[1].all_reduce(torch.ones(8), async_op=True)
+    comms[0].all_reduce(torch.ones(8))
+    w.wait()
+    del w
+    before = reaper().reaped
+    t = threading.Thread(target=comms.clear)  # the last references go on a thread that is not the main one
+    t.start()
+    t.join(10)
+    assert not comms
+    reaper().drain(10.0)
+    assert reaper().reaped >= before + 2
+
+
 def test_a_wrapped_backend_error_keeps_no_frames_in_its_chain() -> None:
     """The backend's failure and every exception it was raised in the handling of lose their frames (they are this
     Work's: the FT-HSDP soak's survivor kept a dead communicator through the slice wait's timeout, the ``__context__``

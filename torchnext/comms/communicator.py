@@ -416,6 +416,19 @@ class Communicator(CollectiveOps):
             elif not grave.released:
                 grave.keep.append(obj)
 
+    def __del__(self) -> None:
+        # The last reference went without close()/abort() (an errored communicator left to go out of scope): never
+        # let the backend's destructor run here -- this may be one of the backend's own threads (a completion
+        # callback held the last Work -> this communicator), which cannot join itself (SIGABRT: "terminate called
+        # after throwing an instance of 'std::system_error' -- Resource deadlock avoided"). The reaper's thread
+        # releases it once its ops ended.
+        try:
+            if getattr(self, "_pg", None) is not None and not self._closed:
+                self._closed = True
+                self._bury()
+        except Exception:  # a half-built communicator, or interpreter shutdown: nothing to hand over
+            pass
+
     def _bury(self) -> None:
         """Hand the backend to the reaper with what may still run on it (the caller marked the communicator
         closed). An op being issued meanwhile adds its backend Works when it leaves (``_left_issue``)."""
