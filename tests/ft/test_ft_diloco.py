@@ -335,12 +335,17 @@ def test_failure_during_the_outer_sync_is_redone_with_the_live_groups(where: str
     for r in res[:2]:
         # inside, hang: the survivors' all-reduce was cut short; before_commit: it completed with all three groups'
         # pseudo-gradients -- a full average that must still not be applied, because the step did not commit
-        n_ops = len(set(DTYPES))  # one all-reduce per dtype; the hooks saw the first attempt only
-        assert len(r["statuses"]) == n_ops, r["statuses"]
+        # one all-reduce per dtype; the hooks are on the first attempt's generation. Under load a survivor may try
+        # once more in that generation before the next is announced: those ops fail (the dead member's data is
+        # missing), none completes
+        n_ops = len(set(DTYPES))
+        first, again = r["statuses"][:n_ops], r["statuses"][n_ops:]
+        assert len(first) == n_ops and len(again) in (0, n_ops), r["statuses"]
+        assert "COMPLETED" not in again, r["statuses"]
         if where == "before_commit":
-            assert r["statuses"] == ["COMPLETED"] * n_ops, r["statuses"]
+            assert first == ["COMPLETED"] * n_ops, r["statuses"]
         else:
-            assert "COMPLETED" not in r["statuses"], r["statuses"]
+            assert "COMPLETED" not in first, r["statuses"]
         syncs = r["syncs"][0]
         assert [s[0] for s in syncs] == list(range(steps))
         assert syncs[0][3] == 3 and syncs[0][4] == 1
