@@ -312,3 +312,44 @@ def test_malformed_or_inconsistent_group_joins_are_rejected(kwargs: dict, code: 
     with pytest.raises(Rejected, match=text) as info:
         m.join(None, 0, 0.0, **kwargs)
     assert info.value.code == code
+
+
+def test_live_indexes_match_a_full_scan_under_random_events() -> None:
+    """The indexes that make a tick and a join O(1) amortised (``live.whole``/``groups``, ``live.heard``, the pending
+    joiners) agree with the reference full scans after every event of a random schedule: joins, heartbeats with
+    clocks that sometimes go backwards, failures (whole groups leave), forgiveness, ticks."""
+    import random
+
+    rng = random.Random(26)
+    for trial in range(20):
+        m = Membership(MembershipConfig(min_size=1, initial_size=3, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5,
+                                        grow_timeout_s=100.0))
+        now, next_group = 0.0, 0
+        for _ in range(300):
+            if m.fatal is not None:  # every holder of the state failed: the job is over, nothing more to check
+                break
+            op = rng.random()
+            now += rng.uniform(-0.05, 0.2) if trial % 2 else rng.uniform(0.0, 0.2)
+            if op < 0.2:
+                for r in range(2):
+                    m.join(None, 0, now, group=next_group, group_rank=r, group_size=2)
+                next_group += 1
+            elif op < 0.7 and m.live:
+                mid = rng.choice(sorted(m.live))
+                m.heartbeat(mid, now)
+            elif op < 0.8 and m.live:
+                m.failure(rng.choice(sorted(m.live)), now, "killed", hung=False)
+            elif op < 0.85:
+                m.forgive(now)
+            else:
+                cutoff = now - m.config.heartbeat_timeout_s
+                assert sorted(m.live.silent_since(cutoff)) == sorted(i for i, x in m.live.items()
+                                                                     if x.last_seen < cutoff)
+                m.tick(now)
+                assert all(now - x.last_seen <= m.config.heartbeat_timeout_s for x in m.live.values())
+            m.outbox.clear()
+            assert m.live.whole_members() == m._complete(sorted(m.live))
+            assert m._joiners() == sorted(i for i in m.live if i not in m.members)
+            assert {g: sorted(r.values()) for g, r in m.live.groups.items()} == {
+                g: sorted(i for i, x in m.live.items() if x.group == g) for g in {x.group for x in m.live.values()}}
+
