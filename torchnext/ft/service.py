@@ -19,8 +19,8 @@ encoded once per flush and the same bytes are queued on every connection; each c
 the loop last returned from ``select`` (everything a member sent before then has been read), so a loop slowed by its
 own work never removes a member that kept sending; the loop forgives silence (:meth:`Membership.forgive`) only when
 it was itself descheduled -- off the CPU for more than two heartbeat intervals beyond its requested wait, measured
-with ``time.thread_time`` -- and at most once per heartbeat timeout, so sustained overload cannot switch hang
-detection off.
+with ``time.thread_time`` -- and at most once per two heartbeat timeouts, so sustained overload or starvation
+cannot switch hang detection off (a hang is declared within two timeouts plus one loop iteration at worst).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class MembershipService:
         self.election: Election | None = Election(grace_s=membership.heartbeat_timeout_s) if standby else None
         self.standby_history: list[dict[str, Any]] = []
         self.stalls = 0
-        """How many times the loop was descheduled and forgave missed heartbeats (at most once per timeout)."""
+        """How many times the loop was descheduled and forgave missed heartbeats (at most once per two timeouts)."""
         self._conns: dict[socket.socket, _Conn] = {}
         self._unauthenticated: dict[_Conn, None] = {}
         """Connections still in their handshake, oldest first."""
@@ -164,9 +164,10 @@ class MembershipService:
                 now = time.monotonic()
                 with self.lock:
                     if (self._descheduled(now - start, time.thread_time() - cpu, wait)
-                            and now - forgiven_at > cfg.heartbeat_timeout_s):
+                            and now - forgiven_at > 2 * cfg.heartbeat_timeout_s):
                         # Off the CPU (SIGSTOP, the host's scheduler): the members' silence may be ours. Not again
-                        # within a heartbeat timeout, so a coordinator starved for good still detects hangs.
+                        # within two heartbeat timeouts: a coordinator starved for good has a window of one full
+                        # timeout without forgiveness after each, in which a hung member expires.
                         self.stalls += 1
                         forgiven_at = now
                         self._forgive(now)
