@@ -413,3 +413,21 @@ def test_a_contradictory_compact_generation_is_refused(change: dict[str, object]
            **change}
     with pytest.raises(ProtocolError, match=why):
         check(msg, COORDINATOR_MESSAGES)
+
+
+def test_a_generation_after_hundreds_of_failures_still_fits_the_wire() -> None:
+    """Found by bench_scale at 2,048 ranks: 200 members missing heartbeats in one settle window gave a generation
+    whose reason (every failure, joined) exceeded the wire's 2,000 characters, and every member dropped the
+    coordinator with a ProtocolError. The message's reason is clipped; the history keeps it whole."""
+    from torchnext.ft._wire import COORDINATOR_MESSAGES, LineReader, check, encode
+
+    m = _formed(400, heartbeat_interval_s=10.0, heartbeat_timeout_s=100.0)
+    for mid in range(1, 400, 2):  # the donor (member 0) survives
+        m.failure(mid, 1.0, "missed heartbeats for 0.618s (timeout 0.6s)", hung=True)
+    m.tick(2.0)
+    gens = _gens(m)
+    assert gens and m.members == tuple(range(0, 400, 2))
+    (raw,) = LineReader().feed(encode(gens[0][1]))
+    msg = check(raw, COORDINATOR_MESSAGES)
+    assert len(msg["reason"]) <= 2000 and "more characters" in msg["reason"]
+    assert len(next(h for h in m.history if h["event"] == "generation" and h["gen"] == 2)["reason"]) > 2000

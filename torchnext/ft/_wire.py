@@ -410,9 +410,9 @@ def verify(token: str, role: str, first: str, second: str, proof: str) -> bool:
 _ID = integer()
 _REASON = text(2000)
 
-GENERATION_REF = Schema(required={"gen": integer(1), "term": integer(1), "groups": groups, "quorum": groups,
-                                  "step": _ID}, optional={"joiners": int_list()}, defaults={"joiners": []})
-"""A generation as a member remembers it (in a report)."""
+GENERATION_REF = Schema(required={"gen": integer(1), "term": integer(1), "groups": groups, "step": _ID},
+                        optional={"joiners": int_list(), "quorum": groups}, defaults={"joiners": []})
+"""A generation as a member remembers it (in a report); a ``quorum`` left out (or null) is its ``groups``."""
 
 REPORT = Schema(
     required={"term": _ID, "step": _ID, "synced": boolean, "attempted": _ID},

@@ -612,9 +612,9 @@ class Membership:
         if self.waiting_since is None:
             self.waiting_since = now
         msg = {"t": "wait", "gen": self.gen,
-               "reason": f"{reason}; {self._group_count(candidates)} replica group(s) left, min_size="
+               "reason": _clip(f"{reason}; {self._group_count(candidates)} replica group(s) left, min_size="
                          f"{self.config.min_size}: waiting "
-                         f"up to {self.config.quorum_timeout_s}s for joiners"}
+                         f"up to {self.config.quorum_timeout_s}s for joiners")}
         self.history.append({"event": "wait", "at": now, "reason": msg["reason"]})
         for m in candidates:
             self.outbox.append((m, msg))
@@ -650,7 +650,7 @@ class Membership:
         donors = next(g for g in groups if donor in g)  # the donor group: rank r heals rank r of each joining group
         msg: dict[str, Any] = {
             "t": "gen", "gen": self.gen, "members": list(members), "step": self.step, "donor": donor,
-            "joiners": [m for m in members if not self.live[m].synced], "abort": abort, "reason": reason,
+            "joiners": [m for m in members if not self.live[m].synced], "abort": abort, "reason": _clip(reason),
             "groups": groups, "donors": donors, "term": self.term, "quorum": self.quorum,
         }
         self.history.append({"event": "generation", "gen": self.gen, "members": list(members), "reason": reason,
@@ -694,11 +694,23 @@ class Membership:
         self.fatal = reason
         self.history.append({"event": "fatal", "code": code, "reason": reason, "at": time.monotonic()})
         for m in list(self.live):
-            self.outbox.append((m, {"t": "fatal", "code": code, "reason": reason}))
+            self.outbox.append((m, {"t": "fatal", "code": code, "reason": _clip(reason)}))
             self.to_close.append(m)
         self.live.clear()
         self.waiting_since = None
         self.change_at = None
+
+
+MAX_REASON = 1500
+"""Longest reason a message carries (the wire allows 2,000 characters): a generation after hundreds of simultaneous
+failures joins hundreds of reasons; the full text stays in ``history``."""
+
+
+def _clip(reason: str) -> str:
+    """``reason`` cut to :data:`MAX_REASON` characters, saying how much was left out."""
+    if len(reason) <= MAX_REASON:
+        return reason
+    return reason[: MAX_REASON - 40] + f" ... ({len(reason) - MAX_REASON + 40} more characters)"
 
 
 def _group_name(gid: int) -> str:
