@@ -431,3 +431,20 @@ def test_a_generation_after_hundreds_of_failures_still_fits_the_wire() -> None:
     msg = check(raw, COORDINATOR_MESSAGES)
     assert len(msg["reason"]) <= 2000 and "more characters" in msg["reason"]
     assert len(next(h for h in m.history if h["event"] == "generation" and h["gen"] == 2)["reason"]) > 2000
+
+
+def test_the_depth_check_equals_its_reference_on_random_lines() -> None:
+    """``_depth_ok`` (regex-stripped strings, brackets walked) against the byte-by-byte reference: random lines of
+    brackets, quotes, backslashes and text, including unterminated strings and escaped quotes."""
+    import random
+
+    from torchnext.ft._wire import _depth_ok, _depth_ok_reference
+
+    rng = random.Random(7)
+    alphabet = [b"[", b"]", b"{", b"}", b'"', b"\\\\", b"a", b",", b":", b"1", b"[[[[", b"]]]]"]
+    for _ in range(5000):
+        line = b"".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
+        assert _depth_ok(line) == _depth_ok_reference(line), line
+    deep = b'{"t":"x","s":"' + b"[" * 50 + b'","v":' + b"[" * 9 + b"]" * 9 + b"}"
+    assert not _depth_ok(deep) and not _depth_ok_reference(deep)
+    assert _depth_ok(b'{"s":"\\\\"' + b"[" * 20 + b'"}') == _depth_ok_reference(b'{"s":"\\\\"' + b"[" * 20 + b'"}')

@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 import secrets
 import socket
 from collections.abc import Callable, Mapping
@@ -169,7 +170,31 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed")
 
 
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_BRACKET = re.compile(rb"[\[\]{}]")
+
+
 def _depth_ok(line: bytes) -> bool:
+    """Nesting of ``[``/``{`` outside strings stays within :data:`MAX_DEPTH` (checked before ``json.loads``, whose
+    recursion a line of 100 000 ``[`` would otherwise exhaust). Strings are dropped by a regular expression and only
+    the brackets are walked in Python, so a generation of thousands of ids costs microseconds, not a Python loop over
+    every byte (:func:`_depth_ok_reference`, which it equals on every input)."""
+    if line.count(b"[") + line.count(b"{") <= MAX_DEPTH:
+        return True
+    outside = _STRING.sub(b"", line)
+    quote = outside.find(b'"')  # an unterminated string: the rest of the line is inside it
+    depth = 0
+    for b in _BRACKET.findall(outside if quote < 0 else outside[:quote]):
+        if b in (b"[", b"{"):
+            depth += 1
+            if depth > MAX_DEPTH:
+                return False
+        else:
+            depth -= 1
+    return True
+
+
+def _depth_ok_reference(line: bytes) -> bool:
     """Nesting of ``[``/``{`` outside strings stays within :data:`MAX_DEPTH` (checked before ``json.loads``, whose
     recursion a line of 100 000 ``[`` would otherwise exhaust)."""
     if line.count(b"[") + line.count(b"{") <= MAX_DEPTH:
