@@ -206,3 +206,110 @@ def test_coordinator_process_exits_when_the_job_is_over(ending: str) -> None:
         proc.wait()
     assert rc == (0 if ending == "finished" else 1), out
     assert ("finished at step 0" if ending == "finished" else "failed:") in out
+
+
+def _raw_member(address: str, token: str, member: int) -> socket.socket:
+    """An authenticated member connection driven by hand: it heartbeats only when the test sends ``hb``."""
+    s = socket.create_connection(parse_address(address), timeout=5)
+    r, msgs = LineReader(1 << 24), []
+    while not msgs:
+        msgs = r.feed(s.recv(1 << 16))
+    mine = "m" * 8
+    s.sendall(encode({"t": "hello", "nonce": mine, "proof": mac(token, "member", msgs[0]["nonce"], mine),
+                      "proto": PROTOCOL_VERSION, "step": 0, "member": member}))
+    return s
+
+
+def test_a_hung_member_is_detected_while_the_coordinator_is_overloaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26 (d): every loop iteration of a saturated coordinator takes longer than two heartbeat intervals (here
+    its tick burns 0.25 s of CPU; the interval is 0.1 s). It used to read that as its own stall and count every
+    member as just heard from, every iteration, so a hung member was never removed. Its own work is CPU time, not a
+    stall: the member that stops heartbeating is removed within a few timeouts, the two that keep heartbeating stay,
+    and the loop forgives at most once per two timeouts (here: never needed)."""
+    from torchnext.ft.membership import Membership
+
+    busy = threading.Event()
+    real_tick = Membership.tick
+
+    def slow_tick(self: Membership, now: float) -> None:
+        if busy.is_set():
+            end = time.monotonic() + 0.25
+            while time.monotonic() < end:  # CPU, like a coordinator saturated by its members' messages
+                pass
+        real_tick(self, now)
+
+    monkeypatch.setattr(Membership, "tick", slow_tick)
+    cfg = MembershipConfig(min_size=1, initial_size=3, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6,
+                           grow_timeout_s=30.0)
+    with Coordinator(CoordinatorConfig(membership=cfg)) as coord:
+        clients = [_client(coord.address, coord.token, member=m, timeout=5.0) for m in (1, 2)]
+        hung = _raw_member(coord.address, coord.token, 3)
+        beating = threading.Event()
+        beating.set()
+
+        def heartbeat() -> None:
+            while beating.is_set():
+                try:
+                    hung.sendall(b'{"t":"hb"}\n')
+                except OSError:
+                    return
+                time.sleep(0.05)
+
+        beater = threading.Thread(target=heartbeat, daemon=True)
+        beater.start()
+        try:
+            assert coord.wait_until(lambda c: c.members == (1, 2, 3), 10), coord.members
+            busy.set()
+            time.sleep(1.5)  # overloaded, everyone still heartbeating: nobody is removed
+            assert coord.members == (1, 2, 3) and not [h for h in coord.history() if h["event"] == "failure"]
+            beating.clear()
+            t0 = time.monotonic()
+            assert coord.wait_until(lambda c: c.members == (1, 2), 6), (coord.members, coord.stalls)
+            took = time.monotonic() - t0
+            failures = [h for h in coord.history() if h["event"] == "failure"]
+            assert [(h["member"], h["hung"]) for h in failures] == [(3, True)], failures
+            assert 0.5 < took < 3.0, took
+            assert coord.stalls <= 1 + int(took / (2 * cfg.heartbeat_timeout_s)), coord.stalls
+        finally:
+            beating.clear()
+            busy.clear()
+            hung.close()
+            for c in clients:
+                c.close()
+
+
+def test_more_simultaneous_joins_than_pending_handshakes_queue_instead_of_being_shed() -> None:
+    """Issue 26 (e): 300 members connect at once, more than MAX_UNAUTHENTICATED, and only then answer their
+    challenges. Beyond the limit, connections wait in the listen backlog (none is shed while younger than
+    SHED_AFTER_S): every one is welcomed. Before, the coordinator kept 64 and closed the oldest for each newcomer."""
+    from torchnext.ft.service import MAX_UNAUTHENTICATED
+
+    n = MAX_UNAUTHENTICATED + 44
+    cfg = MembershipConfig(min_size=1, initial_size=n + 1, heartbeat_interval_s=1.0, heartbeat_timeout_s=30.0)
+    with Coordinator(CoordinatorConfig(membership=cfg)) as coord:
+        socks = [socket.create_connection(parse_address(coord.address), timeout=10) for _ in range(n)]
+        try:
+            welcomed = 0
+            for s in socks:
+                reader, msgs = LineReader(1 << 24), []
+                while not msgs:
+                    data = s.recv(1 << 16)
+                    assert data, f"connection {welcomed} was closed before its challenge (shed)"
+                    msgs = reader.feed(data)
+                assert msgs[0]["t"] == "challenge", msgs
+                mine = f"n{welcomed}"
+                s.sendall(encode({"t": "hello", "nonce": mine, "proof": mac(coord.token, "member", msgs[0]["nonce"],
+                                                                             mine), "proto": PROTOCOL_VERSION,
+                                  "step": 0}))
+                msgs = msgs[1:]
+                while not msgs:
+                    data = s.recv(1 << 16)
+                    assert data, f"connection {welcomed} was closed after its hello"
+                    msgs = reader.feed(data)
+                assert msgs[0]["t"] == "welcome", msgs
+                welcomed += 1
+            assert welcomed == n
+            assert coord.wait_until(lambda c: len(c._view(lambda st: st.live, {})) == n, 10)
+        finally:
+            for s in socks:
+                s.close()

@@ -312,3 +312,139 @@ def test_malformed_or_inconsistent_group_joins_are_rejected(kwargs: dict, code: 
     with pytest.raises(Rejected, match=text) as info:
         m.join(None, 0, 0.0, **kwargs)
     assert info.value.code == code
+
+
+def test_live_indexes_match_a_full_scan_under_random_events() -> None:
+    """The indexes that make a tick and a join O(1) amortised (``live.whole``/``groups``, ``live.heard``, the pending
+    joiners) agree with the reference full scans after every event of a random schedule: joins, heartbeats with
+    clocks that sometimes go backwards, failures (whole groups leave), forgiveness, ticks."""
+    import random
+
+    rng = random.Random(26)
+    for trial in range(20):
+        m = Membership(MembershipConfig(min_size=1, initial_size=3, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5,
+                                        grow_timeout_s=100.0))
+        now, next_group = 0.0, 0
+        for _ in range(300):
+            if m.fatal is not None:  # every holder of the state failed: the job is over, nothing more to check
+                break
+            op = rng.random()
+            now += rng.uniform(-0.05, 0.2) if trial % 2 else rng.uniform(0.0, 0.2)
+            if op < 0.2:
+                for r in range(2):
+                    m.join(None, 0, now, group=next_group, group_rank=r, group_size=2)
+                next_group += 1
+            elif op < 0.7 and m.live:
+                mid = rng.choice(sorted(m.live))
+                m.heartbeat(mid, now)
+            elif op < 0.8 and m.live:
+                m.failure(rng.choice(sorted(m.live)), now, "killed", hung=False)
+            elif op < 0.85:
+                m.forgive(now)
+            else:
+                cutoff = now - m.config.heartbeat_timeout_s
+                assert sorted(m.live.silent_since(cutoff)) == sorted(i for i, x in m.live.items()
+                                                                     if x.last_seen < cutoff)
+                m.tick(now)
+                assert all(now - x.last_seen <= m.config.heartbeat_timeout_s for x in m.live.values())
+            m.outbox.clear()
+            assert m.live.whole_members() == m._complete(sorted(m.live))
+            assert m._joiners() == sorted(i for i in m.live if i not in m.members)
+            assert {g: sorted(r.values()) for g, r in m.live.groups.items()} == {
+                g: sorted(i for i, x in m.live.items() if x.group == g) for g in {x.group for x in m.live.values()}}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_generation_on_the_wire_expands_back_to_itself(seed: int) -> None:
+    """The compact wire form (groups once; members, donors, quorum derived; joiners or their complement) checked
+    back into exactly the message the state machine produced, for random generations: formation, grow, shrink."""
+    import random
+
+    from torchnext.ft._wire import COORDINATOR_MESSAGES, MAX_GENERATION_LINE, LineReader, check, encode
+
+    rng = random.Random(seed)
+    size = rng.choice([1, 2, 8])
+    groups = rng.randint(2, 40)
+    m = Membership(MembershipConfig(min_size=1, initial_size=groups, settle_s=0.0, heartbeat_interval_s=10.0,
+                                    heartbeat_timeout_s=100.0))
+    for g in range(groups):
+        for r in range(size):
+            m.join(None, rng.randint(0, 3), 0.0, group=g if size > 1 else None, group_rank=r, group_size=size)
+    seen = []
+
+    def vote_all(now: float) -> None:
+        for mid in m.members:
+            m.vote(mid, m.gen, m.step, now)
+
+    for round_ in range(4):
+        for _, msg in m.outbox:
+            if msg["t"] in ("gen", "decision"):
+                (raw,) = LineReader(MAX_GENERATION_LINE).feed(encode(msg))
+                got = check(raw, COORDINATOR_MESSAGES)
+                want = dict(msg)
+                if "next" in msg:  # a nested record is checked without its "t" (as before the compact form)
+                    want["next"] = {k: v for k, v in msg["next"].items() if k != "t"}
+                assert {k: v for k, v in got.items() if v is not None or k in msg} == want
+                seen.append(msg["t"] + ("+next" if "next" in msg else ""))
+        m.outbox.clear()
+        if round_ == 0:  # a commit: every member holds the state
+            vote_all(0.5)
+        elif round_ == 1:  # shrink: a member fails, its group leaves, the quorum is the old generation's
+            m.failure(rng.choice(sorted(m.live)), 1.0, "killed", hung=False)
+            m.tick(1.0)
+        elif round_ == 2:  # grow at a commit: a new group joins, the decision carries the next generation
+            for r in range(size):
+                m.join(None, 0, 2.0, group=1000 if size > 1 else None, group_rank=r, group_size=size)
+            vote_all(2.0)
+    assert {"gen", "decision", "decision+next"} <= set(seen), seen
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"members": [0, 1, 2, 99]}, "members are not the ids"),
+    ({"joiners": [99]}, "joiners names a member outside"),
+    ({"synced": [99]}, "synced names a member outside"),
+    ({"synced": [0], "joiners": [1]}, "both joiners and synced"),
+    ({"donor": 99}, "is in none of its replica groups"),
+])
+def test_a_contradictory_compact_generation_is_refused(change: dict[str, object], why: str) -> None:
+    from torchnext.ft._wire import COORDINATOR_MESSAGES, ProtocolError, check
+
+    msg = {"t": "gen", "gen": 1, "step": 0, "donor": 0, "abort": False, "groups": [[0, 1], [2, 3]], "term": 1,
+           **change}
+    with pytest.raises(ProtocolError, match=why):
+        check(msg, COORDINATOR_MESSAGES)
+
+
+def test_a_generation_after_hundreds_of_failures_still_fits_the_wire() -> None:
+    """Found by bench_scale at 2,048 ranks: 200 members missing heartbeats in one settle window gave a generation
+    whose reason (every failure, joined) exceeded the wire's 2,000 characters, and every member dropped the
+    coordinator with a ProtocolError. The message's reason is clipped; the history keeps it whole."""
+    from torchnext.ft._wire import COORDINATOR_MESSAGES, LineReader, check, encode
+
+    m = _formed(400, heartbeat_interval_s=10.0, heartbeat_timeout_s=100.0)
+    for mid in range(1, 400, 2):  # the donor (member 0) survives
+        m.failure(mid, 1.0, "missed heartbeats for 0.618s (timeout 0.6s)", hung=True)
+    m.tick(2.0)
+    gens = _gens(m)
+    assert gens and m.members == tuple(range(0, 400, 2))
+    (raw,) = LineReader().feed(encode(gens[0][1]))
+    msg = check(raw, COORDINATOR_MESSAGES)
+    assert len(msg["reason"]) <= 2000 and "more characters" in msg["reason"]
+    assert len(next(h for h in m.history if h["event"] == "generation" and h["gen"] == 2)["reason"]) > 2000
+
+
+def test_the_depth_check_equals_its_reference_on_random_lines() -> None:
+    """``_depth_ok`` (regex-stripped strings, brackets walked) against the byte-by-byte reference: random lines of
+    brackets, quotes, backslashes and text, including unterminated strings and escaped quotes."""
+    import random
+
+    from torchnext.ft._wire import _depth_ok, _depth_ok_reference
+
+    rng = random.Random(7)
+    alphabet = [b"[", b"]", b"{", b"}", b'"', b"\\\\", b"a", b",", b":", b"1", b"[[[[", b"]]]]"]
+    for _ in range(5000):
+        line = b"".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
+        assert _depth_ok(line) == _depth_ok_reference(line), line
+    deep = b'{"t":"x","s":"' + b"[" * 50 + b'","v":' + b"[" * 9 + b"]" * 9 + b"}"
+    assert not _depth_ok(deep) and not _depth_ok_reference(deep)
+    assert _depth_ok(b'{"s":"\\\\"' + b"[" * 20 + b'"}') == _depth_ok_reference(b'{"s":"\\\\"' + b"[" * 20 + b'"}')

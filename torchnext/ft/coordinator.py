@@ -127,7 +127,8 @@ class Coordinator:
 
     @property
     def stalls(self) -> int:
-        """How many times the coordinator's own loop ran late and forgave missed heartbeats."""
+        """How many times the coordinator's own loop was descheduled and forgave missed heartbeats (at most once per
+        two heartbeat timeouts)."""
         return 0 if self._service is None else self._service.stalls
 
     def _view(self, fn: Callable[[Any], Any], default: Any) -> Any:

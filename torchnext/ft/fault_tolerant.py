@@ -430,6 +430,8 @@ class FaultTolerant:
         with self._lock:
             gen, step, vote = self._held, self._step, self._vote
         entered = None if gen is None else {k: gen[k] for k in ("gen", "term", "groups", "quorum", "step", "joiners")}
+        if entered is not None and entered["quorum"] == entered["groups"]:
+            del entered["quorum"]  # the receiver derives it (GENERATION_REF): the hello must fit the coordinator's line
         return {"step": step, "synced": gen is not None, "entered": entered, "vote": None if vote is None else dict(vote)}
 
     def _note_gen(self, msg: dict[str, Any]) -> None:

@@ -37,6 +37,7 @@ from typing import Any
 
 from torchnext.ft._wire import (
     COORDINATOR_MESSAGES,
+    MAX_GENERATION_LINE,
     PROTOCOL_VERSION,
     LineReader,
     ProtocolError,
@@ -199,7 +200,7 @@ class MemberClient:
         sock = socket.create_connection(addr, timeout=max(timeout, 0.05))
         try:
             tune_socket(sock)
-            reader = LineReader()
+            reader = LineReader(MAX_GENERATION_LINE)
             pending: list[dict[str, Any]] = []
             challenge = self._read_one(sock, reader, pending, deadline, where)
             if challenge["t"] != "challenge":
@@ -252,7 +253,7 @@ class MemberClient:
         sock.settimeout(1.0)  # bounds sendall; reads happen after select says readable
         with self._send_lock:
             self._sock = sock
-            self._reader = LineReader()
+            self._reader = LineReader(MAX_GENERATION_LINE)
             self.member_id = int(welcome["member"])
             self.store_host = addr[0]
             self.store_port = int(welcome["store_port"])

@@ -168,6 +168,88 @@ class _Member:
     """Holds the committed state (committed a step in a generation, or was the formation donor)."""
 
 
+class _Live(dict[int, _Member]):
+    """The live members by id, with two indexes kept in step with every insert and removal so that the per-tick and
+    per-join work does not grow with the member count:
+
+    * ``groups[gid][group_rank] = id`` (the live members of each replica group) and ``whole`` (the ids of the groups
+      whose every rank is live);
+    * ``heard``: ids in the order they were last heard from (least recently first), so heartbeat expiry looks only
+      at the members that may have expired. ``ordered`` is False once a time went backwards (a caller's clock, or
+      :meth:`Membership.forgive`): the next expiry scan then sorts once.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.groups: dict[int, dict[int, int]] = {}
+        self.whole: set[int] = set()
+        self.heard: dict[int, None] = {}
+        self.ordered = True
+        self._latest = float("-inf")
+
+    def __setitem__(self, mid: int, m: _Member) -> None:
+        if mid in self:
+            self.pop(mid)
+        super().__setitem__(mid, m)
+        ranks = self.groups.setdefault(m.group, {})
+        ranks[m.group_rank] = mid
+        if len(ranks) >= m.group_size:
+            self.whole.add(m.group)
+        self.touch(mid, m.last_seen)
+
+    def pop(self, mid: int, *default: Any) -> Any:
+        m = super().pop(mid, *default)
+        if isinstance(m, _Member) and m.id == mid:
+            ranks = self.groups.get(m.group)
+            if ranks is not None and ranks.get(m.group_rank) == mid:
+                del ranks[m.group_rank]
+                if not ranks:
+                    del self.groups[m.group]
+            self.whole.discard(m.group)
+            self.heard.pop(mid, None)
+        return m
+
+    def __delitem__(self, mid: int) -> None:
+        self.pop(mid)
+
+    def clear(self) -> None:
+        super().clear()
+        self.groups.clear()
+        self.whole.clear()
+        self.heard.clear()
+
+    def popitem(self) -> tuple[int, _Member]:
+        mid = next(reversed(self))
+        return mid, self.pop(mid)
+
+    def touch(self, mid: int, at: float) -> None:
+        """Member ``mid`` was heard from at ``at``: it moves to the end of ``heard``."""
+        self.heard.pop(mid, None)
+        self.heard[mid] = None
+        if at < self._latest:
+            self.ordered = False
+        else:
+            self._latest = at
+
+    def silent_since(self, cutoff: float) -> list[int]:
+        """The ids last heard from before ``cutoff``: O(answer) while ``ordered``."""
+        if not self.ordered:
+            order = sorted(self.heard, key=lambda i: self[i].last_seen)
+            self.heard = dict.fromkeys(order)
+            self._latest = self[order[-1]].last_seen if order else float("-inf")
+            self.ordered = True
+        out: list[int] = []
+        for mid in self.heard:
+            if self[mid].last_seen >= cutoff:
+                break
+            out.append(mid)
+        return out
+
+    def whole_members(self) -> list[int]:
+        """The members of the whole replica groups, sorted (``Membership._complete(sorted(live))``)."""
+        return sorted(mid for gid in self.whole for mid in self.groups[gid].values())
+
+
 @dataclass
 class Membership:
     """The coordinator's state machine. Call the event methods; then deliver ``outbox`` (``(member id, message)``),
@@ -183,7 +265,7 @@ class Membership:
     gen: int = 0
     members: tuple[int, ...] = ()
     step: int = 0
-    live: dict[int, _Member] = field(default_factory=dict)
+    live: _Live = field(default_factory=_Live)
     removed: dict[int, str] = field(default_factory=dict)
     votes: set[int] = field(default_factory=set)
     dead: set[int] = field(default_factory=set)
@@ -214,6 +296,11 @@ class Membership:
     """One record per join, failure, report, generation and first commit of a generation (``{"event": ..., "at":
     time.monotonic(), ...}``): step ``s`` was committed by the last generation whose first commit is ``<= s``."""
     _next_id: int = 0
+    _pending: dict[int, None] = field(default_factory=dict)
+    """Ids that joined and are not members of the current generation (a superset of the live joiners; dead ones are
+    dropped when :meth:`_joiners` meets them)."""
+    _member_set: frozenset[int] = frozenset()
+    _member_set_of: tuple[int, ...] | None = None
 
     # ------------------------------------------------------------------------------------------------ events
     def join(self, requested: int | None, step: int, now: float, *, group: int | None = None, group_rank: int = 0,
@@ -246,6 +333,7 @@ class Membership:
         self._next_id = max(self._next_id, mid + 1)
         gid = -1 - mid if group is None else group
         self.live[mid] = _Member(mid, now, step, now, group=gid, group_rank=group_rank, group_size=group_size)
+        self._pending[mid] = None
         self.history.append({"event": "join", "member": mid, "group": gid, "at": now})
         self._maybe_form(now)
         return mid
@@ -265,6 +353,7 @@ class Membership:
             gid = -1 - mid if group is None else group
             self.live[mid] = _Member(mid, now, takeover.step, now, group=gid, group_rank=rank, group_size=size,
                                      synced=mid in takeover.synced)
+            self._pending[mid] = None
         self._next_id = max([self._next_id, *[m + 1 for m in takeover.members]])
         self.history.append({"event": "takeover", "term": takeover.term, "at": now, "reason": takeover.reason,
                              "latest": takeover.latest.gen, "step": takeover.step})
@@ -276,11 +365,13 @@ class Membership:
         m = self.live.get(mid)
         if m is not None:
             m.last_seen = now
+            self.live.touch(mid, now)
 
     def forgive(self, now: float) -> None:
         """The coordinator itself stalled (its loop ran late): count every live member as just heard from."""
         for m in self.live.values():
             m.last_seen = max(m.last_seen, now)
+        self.live.ordered = False
 
     def failure(self, mid: int, now: float, why: str, *, hung: bool) -> None:
         """Member ``mid`` failed: its connection closed (``hung=False``) or it missed heartbeats (``hung=True``:
@@ -299,18 +390,19 @@ class Membership:
             self.to_fence.append((mid, {"t": "removed", "gen": self.gen, "reason": why}))
         else:
             self.to_close.append(mid)
-        if mid in self.members:
+        members = self._members()
+        if mid in members:
             self.dead.add(mid)
             self._schedule_change(now, f"member {mid} {why}")
         # shared fate: the rest of its replica group leaves with it (each learns why, then restarts to rejoin)
-        for other in [o for o, om in self.live.items() if om.group == m.group]:
+        for other in sorted(self.live.groups.get(m.group, {}).values()):
             om = self.live.pop(other)
             because = f"your replica group {_group_name(m.group)} lost member {mid} (rank {m.group_rank}: {why})"
             self.removed[other] = because
             self.history.append({"event": "group_failure", "member": other, "group": om.group, "why": because,
                                  "at": now})
             self.to_fence.append((other, {"t": "removed", "gen": self.gen, "reason": because}))
-            if other in self.members:
+            if other in members:
                 self.dead.add(other)
 
     def leave(self, mid: int, now: float) -> None:
@@ -322,7 +414,7 @@ class Membership:
         Outside a generation, or while a vote round is open, it is an ordinary :meth:`leave`."""
         if mid not in self.live:
             return
-        if self.finished_step is None and (self.votes or mid not in self.members or self.change_at is not None):
+        if self.finished_step is None and (self.votes or mid not in self._members() or self.change_at is not None):
             self.leave(mid, now)
             return
         if self.finished_step is None:
@@ -361,7 +453,7 @@ class Membership:
                                      "at": now})
                 self._fail_job(code, f"member {mid} ended the job in generation {gen}: {reason}")
             return
-        if gen == self.gen and mid in self.members and mid in self.live:
+        if gen == self.gen and mid in self._members() and mid in self.live:
             self.history.append({"event": "report", "member": mid, "reason": reason, "at": now})
             self._schedule_change(now, f"member {mid} reported a failed collective: {reason}")
 
@@ -370,7 +462,7 @@ class Membership:
         if self.finished_step is not None and mid in self.live:
             self._tell_finished(mid, "no later step can commit")
             return
-        if gen != self.gen or mid not in self.members or mid not in self.live:
+        if gen != self.gen or mid not in self._members() or mid not in self.live:
             return  # stale: a newer generation message is on its way to this member
         if step != self.step:
             self.outbox.append((mid, {
@@ -378,8 +470,8 @@ class Membership:
                 "reason": f"member {mid} voted for step {step} but the committed step count is {self.step}",
             }))
             return
-        self.votes.add(mid)
-        if self.votes.issuperset(self.members):
+        self.votes.add(mid)  # only members of the generation get here: all voted when the counts match
+        if len(self.votes) == len(self._members()):
             self._commit(now)
 
     def next_deadline(self) -> float | None:
@@ -389,7 +481,10 @@ class Membership:
     def tick(self, now: float) -> None:
         """Timers: heartbeat expiry, settled changes, quorum timeout, forced grow."""
         cfg = self.config
-        for mid, m in list(self.live.items()):
+        for mid in self.live.silent_since(now - cfg.heartbeat_timeout_s):
+            m = self.live.get(mid)
+            if m is None:  # its replica group failed before it in this loop
+                continue
             silent = now - m.last_seen
             if silent > cfg.heartbeat_timeout_s:
                 self.failure(mid, now, f"missed heartbeats for {silent:.3f}s (timeout {cfg.heartbeat_timeout_s}s)",
@@ -401,8 +496,10 @@ class Membership:
         if self.waiting_since is not None and now - self.waiting_since > cfg.quorum_timeout_s:
             self._fail_job("quorum_lost", f"only {len(self.live)} live member(s), fewer than min_size={cfg.min_size}, "
                            f"and no joiner arrived within quorum_timeout_s={cfg.quorum_timeout_s}")
+        if not self.gen or self.change_at is not None or self.waiting_since is not None or not self._pending:
+            return
         joiners = self._complete(self._joiners())
-        if (self.gen and joiners and self.change_at is None and self.waiting_since is None
+        if (joiners
                 and now - max(self.last_commit_at, min(self.live[j].joined_at for j in joiners)) > cfg.grow_timeout_s):
             self._new_generation(sorted({*self.members, *joiners}), f"grow (idle): joined {joiners}", now, abort=True)
 
@@ -420,18 +517,32 @@ class Membership:
             raise Rejected("bad_request", f"replica group id must be an int >= 0, got {group!r}")
         if rank >= size:
             raise Rejected("bad_request", f"group_rank={rank} is out of range for group_size={size}")
-        for other in self.live.values():
+        for other in [next(iter(self.live.values()))] if self.live else []:  # every live member has the same size
             if other.group_size != size:
                 raise Rejected("bad_request", (
                     f"replica group {_group_name(-1 if group is None else group)} has {size} rank(s) but replica "
                     f"group {_group_name(other.group)} has {other.group_size}: every replica group needs the same "
                     "shard count (healing copies state shard by shard)"))
-            if group is not None and other.group == group and other.group_rank == rank:
+        if group is not None:
+            taken = self.live.groups.get(group, {}).get(rank)
+            if taken is not None:
                 raise Rejected("duplicate", f"rank {rank} of replica group {group} is already connected "
-                                            f"(member {other.id})")
+                                            f"(member {taken})")
+
+    def _members(self) -> frozenset[int]:
+        """``set(self.members)``, rebuilt only when ``members`` was replaced."""
+        if self._member_set_of is not self.members:
+            self._member_set = frozenset(self.members)
+            self._member_set_of = self.members
+        return self._member_set
 
     def _joiners(self) -> list[int]:
-        return sorted(m for m in self.live if m not in self.members)
+        """Live members outside the current generation, sorted: O(pending joiners), not O(live)."""
+        members = self._members()
+        keep = [m for m in self._pending if m in self.live and m not in members]
+        if len(keep) != len(self._pending):
+            self._pending = dict.fromkeys(keep)
+        return sorted(keep)
 
     def _complete(self, candidates: list[int] | tuple[int, ...]) -> list[int]:
         """The members of ``candidates`` whose replica group is whole among them (a group takes part whole)."""
@@ -471,20 +582,22 @@ class Membership:
             self.change_at = now + self.config.settle_s
 
     def _maybe_form(self, now: float) -> None:
-        whole = self._complete(sorted(self.live))
+        """After a join: form the first generation, or end a quorum wait. O(1) until enough whole groups are live
+        (their count is kept by ``live``), so a formation of N members costs O(N log N), not O(N^2)."""
+        whole_groups = len(self.live.whole)
         if self.gen == 0:
-            need = self.config.initial_size or self.config.min_size
-            if self._group_count(whole) >= need:
-                self._new_generation(whole, "initial", now, abort=False)
-        elif (self.waiting_since is not None and self._group_count(whole) >= self.config.min_size
-              and self._quorum_short(whole) is None):
-            self._new_generation(whole, "quorum regained: joined " + str(self._joiners()), now, abort=True)
+            if whole_groups >= (self.config.initial_size or self.config.min_size):
+                self._new_generation(self.live.whole_members(), "initial", now, abort=False)
+        elif self.waiting_since is not None and whole_groups >= self.config.min_size:
+            whole = self.live.whole_members()
+            if self._quorum_short(whole) is None:
+                self._new_generation(whole, "quorum regained: joined " + str(self._joiners()), now, abort=True)
 
     def _reconfigure(self, now: float) -> None:
         reason = "; ".join(self.change_reasons)
         self.change_reasons = []
         self.change_at = None
-        candidates = self._complete(sorted(self.live))  # survivors of the generation + whole joining groups
+        candidates = self.live.whole_members()  # survivors of the generation + whole joining groups
         short = self._quorum_short(candidates)
         if short is not None:
             self._fail_job("quorum_lost", f"{reason}; {short}")
@@ -499,9 +612,9 @@ class Membership:
         if self.waiting_since is None:
             self.waiting_since = now
         msg = {"t": "wait", "gen": self.gen,
-               "reason": f"{reason}; {self._group_count(candidates)} replica group(s) left, min_size="
+               "reason": _clip(f"{reason}; {self._group_count(candidates)} replica group(s) left, min_size="
                          f"{self.config.min_size}: waiting "
-                         f"up to {self.config.quorum_timeout_s}s for joiners"}
+                         f"up to {self.config.quorum_timeout_s}s for joiners")}
         self.history.append({"event": "wait", "at": now, "reason": msg["reason"]})
         for m in candidates:
             self.outbox.append((m, msg))
@@ -523,6 +636,8 @@ class Membership:
             return None
         self.gen = max(self.gen + 1, self.min_next_gen)
         self.members = tuple(members)
+        entered = self._members()
+        self._pending = {m: None for m in self._pending if m not in entered and m in self.live}
         self.votes.clear()
         self.dead.clear()
         self.change_at = None
@@ -535,7 +650,7 @@ class Membership:
         donors = next(g for g in groups if donor in g)  # the donor group: rank r heals rank r of each joining group
         msg: dict[str, Any] = {
             "t": "gen", "gen": self.gen, "members": list(members), "step": self.step, "donor": donor,
-            "joiners": [m for m in members if not self.live[m].synced], "abort": abort, "reason": reason,
+            "joiners": [m for m in members if not self.live[m].synced], "abort": abort, "reason": _clip(reason),
             "groups": groups, "donors": donors, "term": self.term, "quorum": self.quorum,
         }
         self.history.append({"event": "generation", "gen": self.gen, "members": list(members), "reason": reason,
@@ -579,11 +694,23 @@ class Membership:
         self.fatal = reason
         self.history.append({"event": "fatal", "code": code, "reason": reason, "at": time.monotonic()})
         for m in list(self.live):
-            self.outbox.append((m, {"t": "fatal", "code": code, "reason": reason}))
+            self.outbox.append((m, {"t": "fatal", "code": code, "reason": _clip(reason)}))
             self.to_close.append(m)
         self.live.clear()
         self.waiting_since = None
         self.change_at = None
+
+
+MAX_REASON = 1500
+"""Longest reason a message carries (the wire allows 2,000 characters): a generation after hundreds of simultaneous
+failures joins hundreds of reasons; the full text stays in ``history``."""
+
+
+def _clip(reason: str) -> str:
+    """``reason`` cut to :data:`MAX_REASON` characters, saying how much was left out."""
+    if len(reason) <= MAX_REASON:
+        return reason
+    return reason[: MAX_REASON - 40] + f" ... ({len(reason) - MAX_REASON + 40} more characters)"
 
 
 def _group_name(gid: int) -> str:

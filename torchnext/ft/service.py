@@ -7,10 +7,20 @@ collecting reports) back to the members.
 
 Hostile input ends one connection, never the service: a malformed line, a message of the wrong shape, a second
 hello, a peer that stops reading (its unsent bytes pass :data:`MAX_UNSENT`), an unauthenticated connection idle for
-``HELLO_TIMEOUT_S`` or beyond :data:`MAX_UNAUTHENTICATED` others -- each closes that connection with a logged
-reason (``torchnext.ft`` logger). An unauthenticated peer gets a ``reject`` naming what was wrong; an authenticated
+``HELLO_TIMEOUT_S``, or one pending for :data:`SHED_AFTER_S` while :data:`MAX_UNAUTHENTICATED` others wait (below
+that age, new connections wait in the listen backlog instead: a launch of many members at once queues, it is not
+shed) -- each closes that connection with a logged reason (``torchnext.ft`` logger). An unauthenticated peer gets a ``reject`` naming what was wrong; an authenticated
 member whose connection is closed is a failed member, as if it had crashed. Sends never block: each connection has
 its own outgoing buffer drained when the socket is writable, so a peer that does not read cannot stall the others.
+
+Cost per message: a message the state machine sends to many members (a generation, a decision, the pings) is
+encoded once per flush and the same bytes are queued on every connection; each connection is written once per flush
+(its messages concatenated: framing is per line, so concatenation is exact). Heartbeat expiry is judged at the time
+the loop last returned from ``select`` (everything a member sent before then has been read), so a loop slowed by its
+own work never removes a member that kept sending; the loop forgives silence (:meth:`Membership.forgive`) only when
+it was itself descheduled -- off the CPU for more than two heartbeat intervals beyond its requested wait, measured
+with ``time.thread_time`` -- and at most once per two heartbeat timeouts, so sustained overload or starvation
+cannot switch hang detection off (a hang is declared within two timeouts plus one loop iteration at worst).
 """
 
 from __future__ import annotations
@@ -46,8 +56,13 @@ _LOG = logging.getLogger("torchnext.ft")
 
 HELLO_TIMEOUT_S = 10.0
 """An unauthenticated connection that sends no valid hello within this long is closed."""
-MAX_UNAUTHENTICATED = 64
-"""Unauthenticated connections kept at once; a new one beyond this closes the oldest."""
+MAX_UNAUTHENTICATED = 256
+"""Unauthenticated connections kept at once. Beyond this a new connection waits in the listen backlog until one
+completes its handshake, or closes the oldest pending one if that has been pending for :data:`SHED_AFTER_S`."""
+SHED_AFTER_S = 1.0
+"""A pending handshake this old may be shed for a new connection (a member answers a challenge within
+milliseconds; an idle peer holding a slot is what this bounds)."""
+_LISTEN_BACKLOG = 4096
 MAX_UNSENT = 1 << 20
 """Bytes queued for a peer that does not read; beyond this its connection is closed."""
 _RECV = 1 << 16
@@ -90,10 +105,12 @@ class MembershipService:
         self.election: Election | None = Election(grace_s=membership.heartbeat_timeout_s) if standby else None
         self.standby_history: list[dict[str, Any]] = []
         self.stalls = 0
-        """How many times the loop ran late and forgave missed heartbeats."""
+        """How many times the loop was descheduled and forgave missed heartbeats (at most once per two timeouts)."""
         self._conns: dict[socket.socket, _Conn] = {}
+        self._unauthenticated: dict[_Conn, None] = {}
+        """Connections still in their handshake, oldest first."""
         self._by_member: dict[int, _Conn] = {}
-        self._listener = socket.create_server((host, port), backlog=256)
+        self._listener = socket.create_server((host, port), backlog=_LISTEN_BACKLOG)
         self._listener.setblocking(False)
         self.port: int = self._listener.getsockname()[1]
         self._sel = selectors.DefaultSelector()
@@ -135,27 +152,37 @@ class MembershipService:
     def _run(self) -> None:
         cfg = self._config
         tick = min(cfg.heartbeat_interval_s / 4, 0.025)
-        last_loop = time.monotonic()
-        next_ping = last_loop
+        next_ping = time.monotonic()
+        forgiven_at = float("-inf")
         try:
             while not self._stop.is_set():
                 with self.lock:
                     due = self.state.next_deadline() if self.state is not None else None
-                wait = tick if due is None else max(0.0, min(tick, due - time.monotonic()))
-                self._poll(wait)
+                start, cpu = time.monotonic(), time.thread_time()
+                wait = tick if due is None else max(0.0, min(tick, due - start))
+                polled = self._poll(wait)
                 now = time.monotonic()
                 with self.lock:
-                    if now - last_loop > cfg.heartbeat_interval_s * 2:
-                        # We ran late (CPU starvation, GC, SIGSTOP): the members' silence may be ours.
+                    if (self._descheduled(now - start, time.thread_time() - cpu, wait)
+                            and now - forgiven_at > 2 * cfg.heartbeat_timeout_s):
+                        # Off the CPU (SIGSTOP, the host's scheduler): the members' silence may be ours. Not again
+                        # within two heartbeat timeouts: a coordinator starved for good has a window of one full
+                        # timeout without forgiveness after each, in which a hung member expires.
                         self.stalls += 1
+                        forgiven_at = now
                         self._forgive(now)
-                    last_loop = now
-                    self._guard("tick", self._tick, now)
+                    # Expiry judged at `polled`: every byte a member sent before it has been read by now.
+                    self._guard("tick", self._tick, polled)
                 if now >= next_ping:
                     next_ping = now + cfg.heartbeat_interval_s
                     self._guard("ping", self._ping, now)
         finally:
             self._shutdown()
+
+    def _descheduled(self, wall: float, cpu: float, wait: float) -> bool:
+        """One loop iteration spent more than two heartbeat intervals off the CPU beyond the ``wait`` it asked
+        ``select`` for: the process was descheduled (its own work, however slow, is CPU time and does not count)."""
+        return wall - cpu - wait > 2 * self._config.heartbeat_interval_s
 
     def _guard(self, what: str, fn: Callable[[float], None], now: float) -> None:
         """Run one step of the loop; a bug in it is logged and the service goes on serving."""
@@ -164,11 +191,14 @@ class MembershipService:
         except Exception:
             _LOG.exception("torchnext coordinator: internal error in %s (the service goes on)", what)
 
-    def _poll(self, wait: float) -> None:
+    def _poll(self, wait: float) -> float:
+        """One ``select`` and the work it found; returns the time ``select`` returned."""
         if self._accept_paused_until and time.monotonic() >= self._accept_paused_until:
             self._accept_paused_until = 0.0
-            self._sel.modify(self._listener, selectors.EVENT_READ, "accept")
-        for key, events in self._sel.select(timeout=wait):
+            self._sel.register(self._listener, selectors.EVENT_READ, "accept")
+        ready = self._sel.select(timeout=wait)
+        polled = time.monotonic()
+        for key, events in ready:
             if key.data == "accept":
                 self._accept()
             elif key.data == "wake":
@@ -179,18 +209,28 @@ class MembershipService:
                     self._write(conn)
                 if events & selectors.EVENT_READ and conn.sock in self._conns:
                     self._readable(conn)
+        return polled
+
+    def _pause_accepting(self, seconds: float) -> None:
+        """Leave new connections in the listen backlog for ``seconds``."""
+        if not self._accept_paused_until:
+            self._sel.unregister(self._listener)
+        self._accept_paused_until = time.monotonic() + seconds
 
     def _accept(self) -> None:
         while True:
+            if len(self._unauthenticated) >= MAX_UNAUTHENTICATED and not self._shed_unauthenticated(
+                    "too many unauthenticated connections", SHED_AFTER_S):
+                self._pause_accepting(0.02)  # the rest wait in the backlog for a handshake to complete
+                return
             try:
                 sock, addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
                 if exc.errno in _FD_EXHAUSTED:  # out of descriptors: shed an unauthenticated peer, or pause
-                    if not self._shed_unauthenticated("descriptors exhausted"):
-                        self._accept_paused_until = time.monotonic() + 0.1
-                        self._sel.modify(self._listener, selectors.EVENT_READ, "paused")
+                    if not self._shed_unauthenticated("descriptors exhausted", 0.0):
+                        self._pause_accepting(0.1)
                     return
                 continue  # ECONNABORTED, EPROTO, ...: that connection is gone, the listener is fine
             now = time.monotonic()
@@ -201,17 +241,16 @@ class MembershipService:
                 sock.close()
                 continue
             conn = _Conn(sock, _peer(addr), now, new_nonce())
-            if sum(1 for c in self._conns.values() if c.member is None) >= MAX_UNAUTHENTICATED:
-                self._shed_unauthenticated("too many unauthenticated connections")
             self._conns[sock] = conn
+            self._unauthenticated[conn] = None
             self._sel.register(sock, selectors.EVENT_READ, conn)
             self._send(conn, {"t": "challenge", "nonce": conn.nonce, "proto": PROTOCOL_VERSION})
 
-    def _shed_unauthenticated(self, why: str) -> bool:
-        pending = [c for c in self._conns.values() if c.member is None and c.fence_msg is None]
-        if not pending:
+    def _shed_unauthenticated(self, why: str, min_age_s: float) -> bool:
+        """Close the oldest pending handshake if it has been pending for ``min_age_s``; True when one was closed."""
+        oldest = next(iter(self._unauthenticated), None)
+        if oldest is None or time.monotonic() - oldest.opened < min_age_s:
             return False
-        oldest = min(pending, key=lambda c: c.opened)
         _LOG.warning("torchnext coordinator: closing unauthenticated connection from %s (%s)", oldest.peer, why)
         self._close(oldest)
         return True
@@ -335,6 +374,7 @@ class MembershipService:
             conn.member = mid
             conn.last_seen = now
             self._by_member[mid] = conn
+            self._unauthenticated.pop(conn, None)
             self._welcome(conn, msg["nonce"], "office", st.term)
             self._flush(now)
 
@@ -357,6 +397,7 @@ class MembershipService:
         conn.reporter = True
         conn.last_seen = now
         self._by_member[mid] = conn
+        self._unauthenticated.pop(conn, None)
         report = Report.from_message(mid, msg["report"])
         self.standby_history.append({"event": "report", "member": mid, "at": now, "term": report.term,
                                      "entered": None if report.entered is None else report.entered.gen,
@@ -434,13 +475,13 @@ class MembershipService:
             conn.last_seen = max(conn.last_seen, now)
 
     def _ping(self, now: float) -> None:
-        ping = {"t": "ping"}
+        ping = _PING
         for conn in list(self._conns.values()):
             if conn.fenced_until is not None:
                 if now > conn.fenced_until:
                     self._close(conn)
             elif conn.member is not None:
-                self._send(conn, ping)
+                self._send_bytes(conn, ping)
             elif now - conn.opened > HELLO_TIMEOUT_S:
                 _LOG.info("torchnext coordinator: closing %s: no hello within %ss", conn.peer, HELLO_TIMEOUT_S)
                 self._close(conn)
@@ -452,10 +493,20 @@ class MembershipService:
         if st is None:
             return
         outbox, st.outbox = st.outbox, []
-        for mid, msg in outbox:
-            conn = self._by_member.get(mid)
-            if conn is not None:
-                self._send(conn, msg)
+        if outbox:
+            encoded: dict[int, bytes] = {}  # id(msg) -> its line: a broadcast is encoded once (outbox keeps msg alive)
+            queued: dict[_Conn, None] = {}
+            for mid, msg in outbox:
+                conn = self._by_member.get(mid)
+                if conn is None or conn.sock not in self._conns:
+                    continue
+                line = encoded.get(id(msg))
+                if line is None:
+                    line = encoded[id(msg)] = encode(msg)
+                conn.out += line
+                queued[conn] = None
+            for conn in queued:  # one write per connection, however many messages it got
+                self._push(conn)
         fences, st.to_fence = st.to_fence, []
         for mid, msg in fences:
             conn = self._by_member.pop(mid, None)
@@ -472,15 +523,22 @@ class MembershipService:
 
     def _send(self, conn: _Conn, msg: dict[str, Any]) -> None:
         """Queue ``msg`` and write what the socket takes now; never blocks."""
+        self._send_bytes(conn, encode(msg))
+
+    def _send_bytes(self, conn: _Conn, line: bytes) -> None:
+        """Queue one encoded message (see :meth:`_send`)."""
         if conn.sock not in self._conns:
             return
-        conn.out += encode(msg)
+        conn.out += line
+        self._push(conn)
+
+    def _push(self, conn: _Conn) -> None:
+        """Write what the socket takes now; close a peer whose unsent bytes pass :data:`MAX_UNSENT`."""
+        self._write(conn)
         if len(conn.out) > MAX_UNSENT:
             _LOG.warning("torchnext coordinator: closing %s: it does not read (%d bytes unsent)", conn.peer,
                          len(conn.out))
             self._lost(conn, time.monotonic(), "does not read its messages")
-            return
-        self._write(conn)
 
     def _write(self, conn: _Conn) -> None:
         if conn.sock not in self._conns:
@@ -516,6 +574,7 @@ class MembershipService:
                 self._flush(now)
 
     def _close(self, conn: _Conn) -> None:
+        self._unauthenticated.pop(conn, None)
         if self._conns.pop(conn.sock, None) is None:
             return
         if conn.member is not None and self._by_member.get(conn.member) is conn:
@@ -541,6 +600,9 @@ class MembershipService:
             self._sel.close()
         except (OSError, RuntimeError):
             pass
+
+
+_PING = encode({"t": "ping"})
 
 
 def _peer(addr: Any) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 
 from torchnext.ft._wire import (
     COORDINATOR_MESSAGES,
+    MAX_GENERATION_LINE,
     PROTOCOL_VERSION,
     LineReader,
     ProtocolError,
@@ -47,7 +48,7 @@ class _Member:
     def __init__(self, group: int, rank: int, slot: int) -> None:
         self.group, self.rank, self.slot = group, rank, slot
         self.sock: socket.socket | None = None
-        self.reader = LineReader()
+        self.reader = LineReader(MAX_GENERATION_LINE)
         self.out = b""
         self.state = "new"
         """new, queued, shaking (connected, waiting for challenge/welcome), joined, rejected, failed, killed,
@@ -284,7 +285,7 @@ class _Worker:
             self.queue.insert(0, m)
             return
         tune_socket(sock)
-        m.sock, m.reader, m.out, m.state = sock, LineReader(), b"", "shaking"
+        m.sock, m.reader, m.out, m.state = sock, LineReader(MAX_GENERATION_LINE), b"", "shaking"
         m.nonce = m.challenge = ""
         self.shaking += 1
         self.sel.register(sock, selectors.EVENT_READ, m)

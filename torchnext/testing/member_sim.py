@@ -27,10 +27,10 @@ The simulator's own CPU competes with the coordinator's on a small machine; ever
 the worst lateness of the simulator's own heartbeats, so that a member removed for silence can be told apart from a
 coordinator that lost it.
 
-Joins are paced: at most ``max_handshakes`` unauthenticated connections per process at once, because the
-coordinator closes the oldest unauthenticated connection beyond
-:data:`~torchnext.ft.service.MAX_UNAUTHENTICATED` (64); a connection closed before its welcome is retried after
-0.1 s, as a real member's first join does.
+Joins are paced: at most ``max_handshakes`` unauthenticated connections per process at once. The coordinator keeps
+:data:`~torchnext.ft.service.MAX_UNAUTHENTICATED` (256) handshakes in progress and lets further connections wait in
+its listen backlog (it sheds the oldest only once it is pending for ``SHED_AFTER_S``); a connection closed before its
+welcome is retried after 0.1 s, as a real member's first join does.
 
 Example::
 
@@ -86,8 +86,8 @@ class SimConfig:
     processes: int = 2
     """Worker processes (at most one per group); each runs one selector loop for its members."""
     max_handshakes: int = 16
-    """Unauthenticated connections per process at once (``processes * max_handshakes`` should stay below the
-    coordinator's ``MAX_UNAUTHENTICATED`` = 64, or it sheds joins)."""
+    """Unauthenticated connections per process at once (beyond the coordinator's ``MAX_UNAUTHENTICATED`` = 256 in
+    all, joins wait in its listen backlog)."""
     start_method: str = "fork"
     """How worker processes start (``multiprocessing``): ``"fork"`` (the default) costs no import -- a worker only
     runs the stdlib and :mod:`torchnext.ft._wire`, never the parent's threads or torch; ``"spawn"`` or
