@@ -522,8 +522,7 @@ def _fresh(exc: BaseException) -> BaseException:
 
         e2 = _fresh(e); type(e2) is type(e) and e2.args == e.args and e2.__dict__ == e.__dict__ and e2 is not e
     """
-    new = BaseException.__new__(type(exc), *exc.args)
-    new.args = exc.args
+    new = BaseException.__new__(type(exc), *exc.args)  # sets args, skips __init__
     new.__dict__.update(exc.__dict__)
     new.__cause__, new.__context__ = exc.__cause__, exc.__context__
     new.__suppress_context__ = exc.__suppress_context__

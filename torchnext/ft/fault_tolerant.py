@@ -244,9 +244,9 @@ class FaultTolerant:
         removed or membership ends, so that an op blocked on a lost sibling raises instead of waiting for its
         timeout (a torchnext group or Communicator: ``CommAborted`` whose ``__cause__`` is the
         :class:`~torchnext.ft.MembershipError` that ``ft`` raises from then on -- an inner step outside
-        ``ft.step()`` may meet it first); and the first one registered keeps the group's ranks in lockstep: every ``ft.step()`` attempt
-        begins in the same generation on all of them (one small all_reduce on it per attempt, see
-        :meth:`_lockstep`). Register it on every rank of the group, before the first step."""
+        ``ft.step()`` may meet it first); and the first one registered keeps the group's ranks in lockstep: every
+        ``ft.step()`` attempt begins in the same generation on all of them (one small all_reduce on it per attempt,
+        see :meth:`_lockstep`). Register it on every rank of the group, before the first step."""
         if not hasattr(group, "abort"):
             raise TypeError(f"register_local_group: {group!r} has no abort()")
         with self._lock:
