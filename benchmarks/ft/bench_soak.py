@@ -67,8 +67,9 @@ def report(result: SoakResult) -> None:
     for name, c in result.checks.items():
         figures = {k: v for k, v in c.items() if k not in ("ok", "base", "end", "problems")}
         if "base" in c and isinstance(c.get("base"), dict) and isinstance(c.get("end"), dict):
-            figures["warm-up"] = {k: c["base"][k] for k in ("threads", "fds", "rss_kib", "faults")}
-            figures["end"] = {k: c["end"][k] for k in ("threads", "fds", "rss_kib", "faults")}
+            keys = ("threads", "fds", "rss_kib", "faults", "graves", "graves_busy")
+            figures["warm-up"] = {k: c["base"][k] for k in keys if k in c["base"]}
+            figures["end"] = {k: c["end"][k] for k in keys if k in c["end"]}
         text = "; ".join(f"{k} {_fmt(v)}" for k, v in figures.items())
         if c.get("problems"):
             text += f"; problems {c['problems'][:3]}"

@@ -100,6 +100,11 @@ class Reaper:
         """Graves not yet released."""
         return len(self._graves)
 
+    def graves(self) -> list[Grave]:
+        """A snapshot of the graves not yet released (diagnostics)."""
+        with self._lock:
+            return list(self._graves)
+
     def bury(self, grave: Grave) -> None:
         """Release ``grave`` once it is idle (its ops done, nothing being issued)."""
         with self._lock:

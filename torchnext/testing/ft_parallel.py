@@ -299,7 +299,8 @@ def _wait_to_start(spec: ParallelSpec) -> bool:
 def _resources() -> dict[str, Any]:
     """This process's thread count, open fds and resident set (KiB), from ``/proc/self``; with what the fds are
     (``fd_kinds``: socket, pipe, anon_inode:[eventpoll], file ...), the threads' names (``thread_names``) and the
-    live Communicators (``live_comms``), so that a growth names its cause."""
+    live Communicators (``live_comms``) and the abandoned backends the reaper still holds (``graves``; ``graves_busy``:
+    those with an op still running), so that a growth names its cause."""
     fds = os.listdir("/proc/self/fd")
     kinds: collections.Counter[str] = collections.Counter()
     for fd in fds:
@@ -318,8 +319,12 @@ def _resources() -> dict[str, Any]:
             continue
     from torchnext.comms import communicator
 
+    from torchnext.comms.reaper import reaper
+
+    graves = reaper().graves()
     out: dict[str, Any] = {"fds": len(fds), "fd_kinds": dict(kinds), "thread_names": dict(names),
-                           "live_comms": len(communicator._LIVE)}
+                           "live_comms": len(communicator._LIVE), "graves": len(graves),
+                           "graves_busy": sum(1 for g in graves if g.busy())}
     if os.environ.get("TORCHNEXT_SOAK_CYCLES"):
         out["cycles"] = _cycle_census()
     with open("/proc/self/status") as fh:
