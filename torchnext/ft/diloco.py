@@ -271,7 +271,7 @@ class _OuterSynchronizer:
         if self._synced_at is None:
             self._synced_at = time.monotonic()
         me = ft.member_id
-        if not self._loaded and any(me in r.joiners and r.healed is not None for r in ft.reconfigurations):
+        if not self._loaded and ft.heals_received:
             raise RuntimeError(f"{type(self).__name__}: member {me} was healed, but its load_state_dict did not call "
                                f"{type(self).__name__.lower()}.load_state_dict(): put {type(self).__name__.lower()}"
                                ".state_dict() into FaultTolerant's state_dict/load_state_dict")

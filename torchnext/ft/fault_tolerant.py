@@ -70,7 +70,12 @@ from torchnext.ft.member import MemberClient
 from torchnext.ft.membership import JobFinished, QuorumLost, RemovedFromGroup
 from torchnext.ft.step import Step, _FailedAttempts
 
-__all__ = ["FaultTolerant"]
+__all__ = ["COMMITS_KEPT", "RECONFIGURATIONS_KEPT", "FaultTolerant"]
+
+COMMITS_KEPT = 10_000
+"""Commits a member keeps in ``commit_times`` (a long job's memory stays flat: ~1.5 MB at the bound)."""
+RECONFIGURATIONS_KEPT = 1_000
+"""Generations a member keeps in ``reconfigurations`` (one per fault it lived through)."""
 
 _OPS = frozenset({
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_single", "reduce_scatter", "reduce_scatter_single",
@@ -129,12 +134,15 @@ class FaultTolerant:
         self._step_error: BaseException | None = None  # a deterministic error ft.process_group recorded in the step
         self._failed_attempts = _FailedAttempts()
         self._refusal = ""  # why the last should_commit() returned False
-        self.reconfigurations: list[Reconfiguration] = []
+        self.reconfigurations: deque[Reconfiguration] = deque(maxlen=RECONFIGURATIONS_KEPT)
+        """The last :data:`RECONFIGURATIONS_KEPT` generations this member entered (oldest first)."""
+        self.heals_received = 0
+        """How many times this member joined a generation and received the committed state from a donor."""
         self.fault_hook: Callable[[str], None] | None = None
         """Testing seam (``torchnext.testing``): called with ``"reconfigure"`` before a generation's Communicator is
         built and ``"healing"`` on the donor before it streams state."""
-        self.commit_times: deque[tuple[int, int, float]] = deque(maxlen=100_000)
-        """``(generation, committed step count, time.monotonic())`` of the last 100,000 commits on this member."""
+        self.commit_times: deque[tuple[int, int, float]] = deque(maxlen=COMMITS_KEPT)
+        """``(generation, committed step count, time.monotonic())`` of the last :data:`COMMITS_KEPT` commits."""
         self.replica_group, self.group_rank, self.group_size = _replica_group(cfg, env.ft_replica_group)
         self._local_groups: list[Any] = []  # aborted when this member's group is removed (see register_local_group)
         self._process_group: Any = None
@@ -607,6 +615,8 @@ class FaultTolerant:
         )
         with self._lock:
             self._held = msg
+        if me in joiners and healed is not None:
+            self.heals_received += 1
         self.reconfigurations.append(info)
         for cb in self._callbacks.snapshot:
             cb(info)

@@ -57,6 +57,7 @@ Membership changes
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,9 @@ __all__ = [
     "Rejected",
     "RemovedFromGroup",
 ]
+
+HISTORY_EVENTS = 10_000
+"""Events a coordinator keeps in ``history`` (a few per fault: joins, failures, generations, first commits)."""
 
 
 END_CODES = frozenset({"step_failed", "retries_exhausted"})
@@ -292,9 +296,10 @@ class Membership:
     outbox: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     to_close: list[int] = field(default_factory=list)
     to_fence: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
-    history: list[dict[str, Any]] = field(default_factory=list)
-    """One record per join, failure, report, generation and first commit of a generation (``{"event": ..., "at":
-    time.monotonic(), ...}``): step ``s`` was committed by the last generation whose first commit is ``<= s``."""
+    history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY_EVENTS))
+    """The last :data:`HISTORY_EVENTS` records of joins, failures, reports, generations and first commits of a
+    generation (``{"event": ..., "at": time.monotonic(), ...}``): step ``s`` was committed by the last generation
+    whose first commit is ``<= s``. Bounded: a coordinator in office for weeks of faults keeps the recent ones."""
     _next_id: int = 0
     _pending: dict[int, None] = field(default_factory=dict)
     """Ids that joined and are not members of the current generation (a superset of the live joiners; dead ones are

@@ -31,6 +31,7 @@ import selectors
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +49,7 @@ from torchnext.ft._wire import (
     verify,
 )
 from torchnext.ft.election import Election, Report
-from torchnext.ft.membership import Membership, MembershipConfig, Rejected
+from torchnext.ft.membership import HISTORY_EVENTS, Membership, MembershipConfig, Rejected
 
 __all__ = ["HELLO_TIMEOUT_S", "MAX_UNAUTHENTICATED", "MAX_UNSENT", "MembershipService"]
 
@@ -103,7 +104,7 @@ class MembershipService:
         self.lock = threading.RLock()
         self.state: Membership | None = None if standby else Membership(membership)
         self.election: Election | None = Election(grace_s=membership.heartbeat_timeout_s) if standby else None
-        self.standby_history: list[dict[str, Any]] = []
+        self.standby_history: deque[dict[str, Any]] = deque(maxlen=HISTORY_EVENTS)
         self.stalls = 0
         """How many times the loop was descheduled and forgave missed heartbeats (at most once per two timeouts)."""
         self._conns: dict[socket.socket, _Conn] = {}

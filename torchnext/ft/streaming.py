@@ -307,7 +307,7 @@ class StreamingDiLoCo:
         ft = self._ft
         ft.join()
         name = type(self).__name__
-        if not self._loaded and any(ft.member_id in r.joiners and r.healed is not None for r in ft.reconfigurations):
+        if not self._loaded and ft.heals_received:
             raise RuntimeError(f"{name}: member {ft.member_id} was healed, but its load_state_dict did not call "
                                f"{name}.load_state_dict(): put its state_dict() into FaultTolerant's state")
         if self._catch_up is not None:

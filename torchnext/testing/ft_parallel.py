@@ -24,6 +24,7 @@ SIGUSR2 = die at the next idle point, SIGRTMIN = die inside the next backward.
 
 from __future__ import annotations
 
+import array
 import collections
 import hashlib
 import json
@@ -183,6 +184,7 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
     report: dict[str, Any] = {"member": spec.member_id, "group": spec.group if hsdp else spec.member_id,
                               "group_rank": spec.group_rank if hsdp else 0, "pid": os.getpid(), "error": None}
     ft = None
+    record = _Commits()
     opt: Any = None
     if hsdp:
         store = _group_store(spec)
@@ -210,6 +212,7 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
             load_state_dict=lambda s: load_sharded_state(s, model, *([opt] if opt is not None else [])),
             join=False,
         )
+        ft.on_reconfigure(record.reconfigurations.append)
         if hsdp:
             from torch.distributed.fsdp import fully_shard
 
@@ -230,7 +233,7 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
             model.ws[0].register_hook(_backward_fault(spec, ft, injector, doomed))  # type: ignore[index]
         ft.join()
         report["joined_at"] = time.time()
-        _train(spec, ft, net, opt, injector, doomed, report)
+        _train(spec, ft, net, opt, injector, doomed, report, record)
     except MembershipError as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
         report["ended_at"] = time.time()
@@ -240,12 +243,12 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
             state = sharded_state(model, *([opt] if opt is not None else []))
             report.update(
                 generation=ft.generation, members=list(ft.members), groups=[list(g) for g in ft.replica_groups],
-                step=ft.step_count, commits=[[g, s, t] for g, s, t in ft.commit_times],
-                generations={r.generation: [list(g) for g in r.groups] for r in ft.reconfigurations},
+                step=ft.step_count, commits=record.commits(), history=record.history(),
+                generations={r.generation: [list(g) for g in r.groups] for r in record.reconfigurations},
                 reconfigurations=[{"gen": r.generation, "step": r.step, "groups": [list(g) for g in r.groups],
                                    "joiners": list(r.joiners),
                                    "timings": r.timings, "healed": None if r.healed is None
-                                   else [r.healed.bytes, r.healed.seconds]} for r in ft.reconfigurations],
+                                   else [r.healed.bytes, r.healed.seconds]} for r in record.reconfigurations],
                 optim_steps=sorted({int(v["step"]) for v in opt.state.values() if "step" in v}) if opt is not None
                 else [],  # Adam's step counters: equal to the committed step count when no update was lost or doubled
                 digest=_digest(state), params=[t.detach().tolist() for t in state["model"].values()],  # lists: a tensor
@@ -393,12 +396,39 @@ def _backward_fault(spec: ParallelSpec, ft: Any, injector: FaultInjector,
     return hook
 
 
+class _Commits:
+    """Every commit this process saw, compactly: a soak's survivor commits ~100,000 steps, and a list of lists per
+    commit (~0.5 KB) would be most of its RSS growth -- the harness's memory, not torchnext's."""
+
+    def __init__(self) -> None:
+        self.steps = array.array("q")  # the step each commit applied (0-based)
+        self.gens = array.array("q")  # ft.commit_times' generation of it
+        self.times = array.array("d")  # and its time.monotonic()
+        self.groups: dict[int, list[list[int]]] = {}  # the replica groups seen at the start of a step, by generation
+        self.reconfigurations: list[Any] = []  # every one (ft.reconfigurations keeps the last 1,000)
+
+    def add(self, step: int, groups: list[list[int]], ft: Any) -> None:
+        gen, count, t = ft.commit_times[-1]
+        if count != step + 1:
+            raise RuntimeError(f"commit record says {count} steps committed, the loop applied step {step}")
+        self.steps.append(step)
+        self.gens.append(gen)
+        self.times.append(t)
+        self.groups.setdefault(gen, groups)
+
+    def history(self) -> list[list[Any]]:
+        """``[step, groups]`` per commit."""
+        return [[s, self.groups[g]] for s, g in zip(self.steps, self.gens, strict=True)]
+
+    def commits(self) -> list[list[Any]]:
+        """``[generation, committed step count, time]`` per commit (as ``ft.commit_times``, unbounded)."""
+        return [[g, s + 1, t] for s, g, t in zip(self.steps, self.gens, self.times, strict=True)]
+
+
 def _train(spec: ParallelSpec, ft: Any, net: Any, opt: Any, injector: FaultInjector, doomed: list[str],
-           report: dict[str, Any]) -> None:
+           report: dict[str, Any], record: _Commits) -> None:
     target = [spec.steps if spec.stop_file is None else 1 << 62]
     backward_fault = _backward_fault(spec, ft, injector, doomed)
-    history: list[list[Any]] = []  # [step, groups] of each commit this process saw
-    report["history"] = history
     logged_gen = -1
     last_commit = [0.0]
     report["max_commit_gap"] = [0.0, -1, 0.0]  # seconds, the step that ended it, time.monotonic() of that commit
@@ -419,7 +449,7 @@ def _train(spec: ParallelSpec, ft: Any, net: Any, opt: Any, injector: FaultInjec
             injector.fire(f or Fault(kind=FaultKind.KILL, member=spec.member_id, step=0))
         with ft.step() as st:
             s = ft.step_count
-            groups = [list(g) for g in ft.replica_groups]
+            groups = [list(g) for g in ft.replica_groups]  # before the step: a grow may change them at its commit
             if spec.parallel == "ddp":
                 net([ddp_gradient(s, ft.member_id, i) for i in range(N_PARAMS)]).backward()
             else:
@@ -428,7 +458,7 @@ def _train(spec: ParallelSpec, ft: Any, net: Any, opt: Any, injector: FaultInjec
                 net(x).square().mean().backward()
             if st.commit():
                 opt.step()
-                history.append([s, groups])
+                record.add(s, groups, ft)
                 now = time.monotonic()
                 if last_commit[0] and now - last_commit[0] > report["max_commit_gap"][0]:
                     report["max_commit_gap"] = [now - last_commit[0], s, now]

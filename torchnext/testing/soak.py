@@ -375,6 +375,22 @@ class _Job:
                     self.free_hosts.append(self.host_of[g])
 
     # --------------------------------------------------------------------------------------------- the end
+    def settle(self, warm: dict[str, Any] | None, since: float, *, least_s: float = 2.0, most_s: float = 15.0) -> None:
+        """Let the survivor run fault-free for ``least_s``, and up to ``most_s`` until one of its records since
+        ``since`` is back at (or below) the warm-up sample's threads and fds: what the last faults left behind for a
+        while -- a backend awaiting the reaper, a superseded generation's build running out its timeout -- is gone
+        by then; a leak is in every record and never is."""
+        while True:
+            self.job.poll(0.05)
+            waited = time.monotonic() - since
+            if waited < least_s:
+                continue
+            if warm is None or waited >= most_s:
+                return
+            if any(r["threads"] <= warm["threads"] and r["fds"] <= warm["fds"]
+                   for r in self.resources.read() if r["t"] > since):
+                return
+
     def finish(self) -> dict[int, dict[str, Any]]:
         self._sample("end")
         gens = self._survivor_gens()
@@ -484,9 +500,12 @@ def run_soak(config: SoakConfig) -> SoakResult:
                 job.job.poll(0.05)
         for job in jobs.values():
             job._wait(lambda: True, "")
-        time.sleep(2.0)  # the last recovery settles before the end counts are taken
         result.faults = sorted(shared.injected, key=lambda f: f.index)
         warm = _warm_index(result.faults, config.warmup_faults)
+        settle_from = time.monotonic()
+        for job in jobs.values():  # the last recovery settles before the end counts are taken
+            name = _warm_sample(job, result.faults, warm)
+            job.settle(job.samples.get(name) if name else None, settle_from)
         for j, job in jobs.items():
             reports = job.finish()
             result.jobs[j] = check_job(job.kind, reports, job.events.read(), survivor=job.survivor,
