@@ -321,7 +321,6 @@ def _resources() -> dict[str, Any]:
         except OSError:
             continue
     from torchnext.comms import communicator
-
     from torchnext.comms.reaper import reaper
 
     graves = reaper().graves()
