@@ -448,3 +448,33 @@ def test_the_depth_check_equals_its_reference_on_random_lines() -> None:
     deep = b'{"t":"x","s":"' + b"[" * 50 + b'","v":' + b"[" * 9 + b"]" * 9 + b"}"
     assert not _depth_ok(deep) and not _depth_ok_reference(deep)
     assert _depth_ok(b'{"s":"\\\\"' + b"[" * 20 + b'"}') == _depth_ok_reference(b'{"s":"\\\\"' + b"[" * 20 + b'"}')
+
+
+def test_a_member_silent_right_after_a_takeover_is_removed() -> None:
+    """A member that promised the new coordinator and then hangs (SIGSTOP) is removed after the heartbeat timeout,
+    as any member: take_office counts it as heard from at the takeover, and expiry sees it from there."""
+    from torchnext.ft.election import GenerationRef, Takeover
+
+    cfg = MembershipConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6)
+    st = Membership(cfg)
+    st.failover = True
+    groups = ((0,), (144,), (182,), (185,))
+    ref = GenerationRef(gen=191, term=3, groups=groups, quorum=groups, step=100)
+    takeover = Takeover(term=4, latest=ref, step=100, gen=192, members=(0, 144, 182, 185),
+                        synced=frozenset({0, 144, 182, 185}), decisions=(), quorum=groups, reason="took office")
+    t = 1000.0
+    st.take_office(takeover, {m: (None, 0, 1) for m in takeover.members}, t)
+    assert (st.gen, st.members) == (192, (0, 144, 182, 185))
+    for _ in range(5):  # 0.5 s: within the timeout
+        t += 0.1
+        for m in (0, 144, 185):
+            st.heartbeat(m, t)
+        st.tick(t)
+    assert st.members == (0, 144, 182, 185)
+    for _ in range(3):
+        t += 0.1
+        for m in (0, 144, 185):
+            st.heartbeat(m, t)
+        st.tick(t)
+    assert (st.gen, st.members) == (193, (0, 144, 185))
+    assert any(h["event"] == "failure" and h["member"] == 182 and h["hung"] for h in st.history)
