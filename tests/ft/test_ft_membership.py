@@ -478,3 +478,25 @@ def test_a_member_silent_right_after_a_takeover_is_removed() -> None:
         st.tick(t)
     assert (st.gen, st.members) == (193, (0, 144, 185))
     assert any(h["event"] == "failure" and h["member"] == 182 and h["hung"] for h in st.history)
+
+
+def test_the_coordinators_history_is_bounded() -> None:
+    """Weeks of faults: the coordinator keeps the last HISTORY_EVENTS events, the newest ones."""
+    from torchnext.ft.membership import HISTORY_EVENTS
+
+    m = Membership(MembershipConfig(min_size=1))
+    anchor = m.join(None, 0, 0.0)  # holds the state throughout
+    t = 0.0
+    for _ in range(HISTORY_EVENTS // 2 + 10):  # a join and a failure per cycle, generations between
+        mid = m.join(None, 0, t)
+        t += 2.0  # past grow_timeout_s: the joiner enters a generation
+        m.heartbeat(anchor, t)
+        m.tick(t)
+        m.leave(mid, t)
+        t += 1.0
+        m.heartbeat(anchor, t)
+        m.tick(t)
+    assert anchor in m.members
+    assert len(m.history) == HISTORY_EVENTS
+    assert m.history[-1]["at"] == max(h["at"] for h in m.history)
+    assert m.history[0]["at"] > 0.0  # the first events were dropped

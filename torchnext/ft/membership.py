@@ -64,6 +64,7 @@ from typing import Any
 from torchnext.ft.election import Takeover
 
 __all__ = [
+    "HISTORY_EVENTS",
     "END_CODES",
     "CoordinatorLost",
     "JobFinished",
