@@ -418,10 +418,21 @@ class _Job:
         for i, c in enumerate(self.retired):
             c.close()
             codes[f"{self.kind}/coordinator #{i} (killed)"] = c.returncode
+            self._keep_log(f"coordinator-{i:04d}-killed.log", c)
         for name, c in self.coords.items():
             c.close()
             codes[f"{self.kind}/coordinator {name}"] = c.returncode
+            self._keep_log(f"coordinator-{name}.log", c)
         return codes
+
+    def _keep_log(self, name: str, c: CoordinatorProcess) -> None:
+        """The coordinator's output (its takeovers, refusals, internal errors) beside the job's logs (kept with
+        ``--workdir``)."""
+        try:
+            with open(os.path.join(self.dir, name), "w") as fh:
+                fh.write(c.output())
+        except OSError as exc:
+            self.shared.errors.append(f"{self.kind}: cannot keep {name}: {exc}")
 
 
 def _job_thread(job: _Job, todo: list[tuple[int, Planned]], shared: _Shared, rng: random.Random) -> None:
