@@ -230,8 +230,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """``torchnext coordinator``: serve until SIGINT/SIGTERM, or (``--exit-when-done``, the default) until the job is
     over and every member left: exit 0 when it finished (``FaultTolerant.finish``), 1 when it failed (quorum or state
-    lost). The token comes from TORCHNEXT_FT_TOKEN or is generated and printed (members need it)."""
+    lost). The token comes from TORCHNEXT_FT_TOKEN or is generated and printed (members need it). SIGUSR2 prints
+    every thread's Python stack to stderr (a stuck coordinator tells where it is stuck)."""
+    import faulthandler
+
     from torchnext._config import env_config
+
+    if hasattr(signal, "SIGUSR2"):
+        faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)
 
     try:
         membership = MembershipConfig(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import array
 import collections
+import faulthandler
 import hashlib
 import json
 import os
@@ -41,8 +42,12 @@ import torch
 
 from torchnext.testing.faults import Fault, FaultInjector, FaultKind, FaultPoint
 
-__all__ = ["ParallelSpec", "ddp_expected_weights", "ddp_gradient", "hsdp_model", "hsdp_reference", "run_parallel"]
+__all__ = ["STACKS_SIGNAL", "ParallelSpec", "ddp_expected_weights", "ddp_gradient", "hsdp_model", "hsdp_reference",
+           "run_parallel"]
 
+STACKS_SIGNAL = signal.SIGRTMIN + 2
+"""The signal on which a member with ``ParallelSpec.stacks_file`` dumps its stacks (SIGUSR1/2 and SIGRTMIN are
+fault triggers)."""
 DIM = 32
 N_PARAMS = 4
 HSDP_IN, HSDP_HIDDEN, HSDP_OUT, HSDP_BATCH = 16, 32, 4, 8
@@ -93,6 +98,9 @@ class ParallelSpec:
     port here; the other ranks read it (instead of ``store_port``). The store lives and dies with its group."""
     netns: str | None = None
     """Run inside this network namespace (a host of a :class:`~torchnext.testing.netns.NetLab`)."""
+    stacks_file: str | None = None
+    """If set: :data:`STACKS_SIGNAL` appends every thread's Python stack to this file (``faulthandler``) -- a harness
+    whose bounded wait ran out asks every live process where it is."""
 
     def __post_init__(self) -> None:
         if self.parallel not in ("ddp", "hsdp"):
@@ -173,6 +181,10 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
     from torchnext.ft.state import load_sharded_state, sharded_state
 
     torch.set_num_threads(1)
+    stacks = None
+    if spec.stacks_file is not None:
+        stacks = open(spec.stacks_file, "a")  # faulthandler writes to it until the process ends
+        faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True, chain=False)
     injector = FaultInjector(spec.faults, spec.member_id)
     doomed = [""]
     if spec.signal_kills:

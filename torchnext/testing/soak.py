@@ -25,6 +25,7 @@ It logs its own ``/proc/self`` thread, fd and RSS counts between steps and its l
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import os
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchnext.testing.coordinators import CoordinatorProcess
-from torchnext.testing.ft_parallel import ParallelSpec, run_parallel
+from torchnext.testing.ft_parallel import STACKS_SIGNAL, ParallelSpec, run_parallel
 from torchnext.testing.ft_workload import FTJob
 from torchnext.testing.soak_checks import check_job, percentile, resources_flat
 
@@ -255,6 +256,7 @@ class _Job:
                 group_store_file=os.path.join(self.dir, f"store-{g}") if self.hsdp else None,
                 resource_log=self.resources.path if m == self.survivor else None,
                 netns=self.lab.netns(host) if self.lab is not None else None,
+                stacks_file=os.path.join(self.dir, f"stacks-{m}.txt"),
             )
             self.job.launch(spec, run_parallel)  # type: ignore[arg-type]
         self.ids_of[g] = ids
@@ -292,8 +294,21 @@ class _Job:
         while not pred():
             self.job.poll(0.01)
             if time.monotonic() > deadline:
+                self._dump_stacks()
                 raise SoakError(f"{self.kind}: no {what} within {self.cfg.wait_s}s (members {self.members()}, last "
                                 f"generations {[(e['gen'], e['members']) for e in self._survivor_gens()[-3:]]})")
+
+    def _dump_stacks(self) -> None:
+        """Ask every live member (``stacks-<id>.txt``) and coordinator (its log) for its threads' stacks."""
+        for p in self.job.procs.values():
+            if p.exitcode is None and p.pid is not None:
+                with contextlib.suppress(OSError):
+                    os.kill(p.pid, STACKS_SIGNAL)
+        for c in [*self.coords.values()]:
+            with contextlib.suppress(OSError, RuntimeError):
+                os.kill(c.pid, signal.SIGUSR2)
+        time.sleep(1.0)
+        self.shared.log(f"{self.kind}: stacks dumped into {self.dir}/stacks-*.txt and the coordinators' logs")
 
     def _sample(self, name: str) -> None:
         """Keep the survivor's resource counts as ``name`` (taken just before a fault or the stop): its latest
