@@ -21,7 +21,7 @@ import pytest
 from torchnext.ft._wire import PROTOCOL_VERSION, LineReader, encode
 from torchnext.testing import _sim_worker
 from torchnext.testing.coordinators import CoordinatorProcess
-from torchnext.testing.member_sim import KillMode, MemberSim, SimConfig
+from torchnext.testing.member_sim import KillMode, MemberSim, SimConfig, SimError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -166,3 +166,12 @@ def test_1024_ranks_form_commit_100_steps_and_lose_a_group() -> None:
             assert run.ok and run.committed == 100, run.reason
             _, hang_s = _kill_and_check(sim, formed.gen, set(formed.members), 127, KillMode.HANG)
             assert hang_s >= timeout - interval
+
+
+def test_a_worker_that_does_not_answer_says_where_it_is() -> None:
+    """A bounded wait that runs out names the worker's stacks (faulthandler on SIGUSR2), not only the silence."""
+    cfg = SimConfig(address="127.0.0.1:9", token=TOKEN, ranks=8, group_size=8, processes=1)
+    with MemberSim(cfg) as sim:
+        sim._conns[0].send(("join", {"deadline": float("inf")}))  # nobody listens at port 9: it retries forever
+        with pytest.raises(SimError, match=r"did not answer 'join' within 1s; its stacks: .*_sim_worker\.py"):
+            sim._gather(1.0, "join")

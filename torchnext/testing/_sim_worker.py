@@ -8,8 +8,10 @@ functions of :mod:`torchnext.ft._wire` run here (no torch), so a forked worker c
 from __future__ import annotations
 
 import errno
+import faulthandler
 import os
 import selectors
+import signal
 import socket
 import time
 from collections import Counter
@@ -483,7 +485,12 @@ class _Worker:
 
 
 def worker_main(conn: Connection, cfg: dict[str, Any], lo: int, hi: int) -> None:
-    """Entry point of a worker process: serve groups ``[lo, hi)`` until told to stop (or the parent is gone)."""
+    """Entry point of a worker process: serve groups ``[lo, hi)`` until told to stop (or the parent is gone).
+    ``cfg["stacks"]``: a file that SIGUSR2 appends every thread's stack to (the parent asks when it waited too
+    long)."""
+    if cfg.get("stacks"):
+        stacks = open(cfg["stacks"], "a")  # faulthandler writes to it until the process ends
+        faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True, chain=False)
     try:
         import resource
 

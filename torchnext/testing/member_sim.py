@@ -44,8 +44,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import multiprocessing as mp
+import os
+import signal
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -193,6 +197,7 @@ class MemberSim:
         self._ranges = [(s, s + p) for s, p in zip(starts, per, strict=True)]
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
+        self._stacks: list[str] = []  # per worker: where it writes its stacks when asked
         self.ids: dict[int, list[int]] = {}
 
     # ------------------------------------------------------------------------------------------------ lifecycle
@@ -201,7 +206,10 @@ class MemberSim:
         try:
             for lo, hi in self._ranges:
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=worker_main, args=(child, _config_dict(self.config), lo, hi),
+                fd, stacks = tempfile.mkstemp(prefix="member-sim-stacks-")
+                os.close(fd)
+                self._stacks.append(stacks)
+                proc = ctx.Process(target=worker_main, args=(child, _config_dict(self.config, stacks), lo, hi),
                                    name=f"member-sim[{lo}:{hi}]", daemon=True)
                 proc.start()
                 child.close()
@@ -228,7 +236,10 @@ class MemberSim:
                 proc.join(timeout=5.0)
         for conn in self._conns:
             conn.close()
-        self._procs, self._conns = [], []
+        for path in self._stacks:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self._procs, self._conns, self._stacks = [], [], []
 
     def __enter__(self) -> MemberSim:
         return self.start() if not self._procs else self
@@ -340,7 +351,9 @@ class MemberSim:
             conn, proc = self._conns[i], self._procs[i]
             try:
                 if not conn.poll(max(0.0, deadline - time.monotonic())):
-                    raise SimError(f"member-sim process {i} did not answer {what!r} within {bound:.0f}s")
+                    where = _stacks_of(proc, self._stacks[i])
+                    raise SimError(f"member-sim process {i} did not answer {what!r} within {bound:.0f}s"
+                                   + (f"; its stacks: {where}" if where else ""))
                 reply = conn.recv()
             except (EOFError, OSError) as exc:
                 raise SimError(f"member-sim process {i} died during {what!r} (exit code {proc.exitcode}): {exc}"
@@ -366,8 +379,23 @@ def _explain(reason: str, replies: list[dict[str, Any]]) -> str:
     return f"{reason} (members: {dict(states)}{'; ' + why if why else ''})"
 
 
-def _config_dict(cfg: SimConfig) -> dict[str, Any]:
+def _config_dict(cfg: SimConfig, stacks: str) -> dict[str, Any]:
     return {"address": cfg.address, "token": cfg.token, "group_size": cfg.group_size,
-            "max_handshakes": cfg.max_handshakes}
+            "max_handshakes": cfg.max_handshakes, "stacks": stacks}
+
+
+def _stacks_of(proc: Any, path: str) -> str:
+    """Ask worker ``proc`` (SIGUSR2, :func:`worker_main`) where its main thread is: its innermost frames, or ''."""
+    try:
+        os.kill(proc.pid, signal.SIGUSR2)
+        time.sleep(0.5)
+        with open(path) as fh:
+            text = fh.read()
+    except (OSError, TypeError):
+        return ""
+    # faulthandler writes the innermost frame first, under "Current thread ... (most recent call first):"
+    _, _, latest = text.rpartition("Current thread")
+    lines = [ln.strip() for ln in latest.splitlines()[1:9] if ln.strip()]
+    return " | ".join(lines)
 
 
