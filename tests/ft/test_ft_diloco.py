@@ -603,3 +603,43 @@ def test_bad_arguments_name_what_is_wrong() -> None:
                 DiLoCo(bare, _Model(), cfg)
         finally:
             bare.close()
+
+
+def _forgetful_member(ctx: RankContext, addr: str, token: str, kind: str) -> str:
+    """Member 1 starts from garbage and is healed in the first generation, but its ``load_state_dict`` forgets the
+    algorithm's state: its ``join`` must say so instead of training from a global copy it never received."""
+    from torchnext.ft import StreamingDiLoCo, StreamingDiLoCoConfig
+
+    model = _Model()
+    if ctx.rank == 1:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(12345.0)
+    holder: list[Any] = []
+    ft = FaultTolerant(
+        FaultTolerantConfig(coordinator=addr, token=token, member_id=ctx.rank, timeout_s=20.0),
+        state_dict=lambda: {"algo": holder[0].state_dict()},
+        load_state_dict=(lambda s: None) if ctx.rank == 1 else (lambda s: holder[0].load_state_dict(s["algo"])),
+        join=False,
+    )
+    if kind == "diloco":
+        holder.append(DiLoCo(ft, model, DiLoCoConfig(sync_every=2)))
+    else:
+        holder.append(StreamingDiLoCo(ft, model, StreamingDiLoCoConfig(sync_every=2, num_fragments=1)))
+    try:
+        holder[0].join()
+    except RuntimeError as exc:
+        ft.close()
+        return str(exc)
+    ft.close()
+    return "joined"
+
+
+@pytest.mark.parametrize("kind", ["diloco", "streaming"])
+def test_a_healed_member_whose_load_state_dict_forgets_the_algorithm_is_told(kind: str) -> None:
+    cfg = MembershipConfig(min_size=1, initial_size=2, **_PATIENT)
+    with Coordinator(CoordinatorConfig(membership=cfg)) as coord:
+        res = run_ranks(_forgetful_member, 2, args=(coord.address, coord.token, kind), timeout=60)
+    assert res[0] == "joined"
+    name = "DiLoCo" if kind == "diloco" else "StreamingDiLoCo"
+    assert f"{name}: member 1 was healed, but its load_state_dict did not call" in res[1], res[1]
