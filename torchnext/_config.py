@@ -79,6 +79,15 @@ class EnvConfig:
     kernel_cache: str = str(Path.home() / ".cache" / "torchnext" / "kernels")
     """``TORCHNEXT_KERNEL_CACHE``: folder of the compiled CPU kernels (one subfolder per source/torch/compiler/CPU)."""
 
+    build_timeout: int = 600
+    """``TORCHNEXT_BUILD_TIMEOUT``: seconds a kernel build may take -- each compiler or linker run, and the wait for
+    another process's build of the same library (its lock) -- before the build is given up with a warning and the
+    fallback path runs (:mod:`torchnext._build`)."""
+
+    kernel_cache_keep_days: int = 30
+    """``TORCHNEXT_KERNEL_CACHE_KEEP_DAYS``: a build in ``TORCHNEXT_KERNEL_CACHE`` not used for this many days is
+    removed when another one is built (0: never remove)."""
+
     cxx: str | None = None
     """``TORCHNEXT_CXX``: the C++ compiler for the CPU kernels (default: ``$CXX``, else ``c++``, as torch's
     ``cpp_extension``)."""
@@ -123,6 +132,8 @@ ENV_VARS = {
     "cpu_kernels": "TORCHNEXT_CPU_KERNELS",
     "kernel_cache": "TORCHNEXT_KERNEL_CACHE",
     "cxx": "TORCHNEXT_CXX",
+    "build_timeout": "TORCHNEXT_BUILD_TIMEOUT",
+    "kernel_cache_keep_days": "TORCHNEXT_KERNEL_CACHE_KEEP_DAYS",
     "pg_cuda_backend": "TORCHNEXT_PG_CUDA_BACKEND",
     "pg_fr_buffer_size": "TORCHNEXT_FR_BUFFER_SIZE",
     "pg_fr_dump_dir": "TORCHNEXT_FR_DUMP_DIR",
@@ -162,6 +173,10 @@ def env_config() -> EnvConfig:
         raise ValueError(f"TORCHNEXT_FR_BUFFER_SIZE={values['fr_buffer_size']!r} must be >= 0")
     if int(values["pg_fr_buffer_size"]) < 0:  # type: ignore[call-overload]
         raise ValueError(f"TORCH_FR_BUFFER_SIZE={values['pg_fr_buffer_size']!r} must be >= 0")
+    if int(values["build_timeout"]) < 1:  # type: ignore[call-overload]
+        raise ValueError(f"TORCHNEXT_BUILD_TIMEOUT={values['build_timeout']!r} must be >= 1 (seconds)")
+    if int(values["kernel_cache_keep_days"]) < 0:  # type: ignore[call-overload]
+        raise ValueError(f"TORCHNEXT_KERNEL_CACHE_KEEP_DAYS={values['kernel_cache_keep_days']!r} must be >= 0")
     if values["suite_groups"] not in ("gloo", "torchnext"):
         raise ValueError(f"TORCHNEXT_SUITE_GROUPS={values['suite_groups']!r}: expected 'gloo' or 'torchnext'")
     if values["pg_cuda_backend"] not in ("nccl", "none"):

@@ -6,15 +6,20 @@ ninja, into ``<TORCHNEXT_KERNEL_CACHE>/torchnext_native-<key>/``; ``key`` hashes
 version, so a new torch builds anew and an unchanged one loads in milliseconds. Concurrent first builds (every rank of
 a job starting at once) serialize on ``fcntl.flock`` of ``.torchnext_native-<key>.lock`` next to the folder: the
 first builds, the others wait and load what it built (``build.json`` marks a finished build).
+
+The compile runs in a child process (``python -c`` of :func:`compile_here`) bounded by ``TORCHNEXT_BUILD_TIMEOUT``,
+as is the wait for another process's lock: a hung compiler means the Python path with a warning, never a blocked
+rank. The start and end of a build are one line each on stderr; builds unused for
+``TORCHNEXT_KERNEL_CACHE_KEEP_DAYS`` are pruned (:mod:`torchnext._build`).
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,14 +27,17 @@ from typing import Any
 
 import torch
 
+from torchnext import _build as common
 from torchnext._config import env_config
 
-__all__ = ["BuildResult", "build", "cache_folder", "missing_tools"]
+__all__ = ["BuildResult", "build", "cache_folder", "compile_here", "missing_tools"]
 
 NAME = "torchnext_native"
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("native.cpp",)
 FLAGS = ("-O2", "-std=c++17", "-fvisibility=hidden")
+TYPICAL_SECONDS = 45.0
+"""A first build's duration on a 2-core machine (what the start line says before any build here was timed)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,32 +79,65 @@ def cache_folder() -> Path:
     return Path(env_config().kernel_cache) / f"{NAME}-{cache_key()}"
 
 
-def build() -> BuildResult:
-    """The extension for this environment: from the cache, or compiled now (under a file lock)."""
-    import torch.distributed as dist
+def _load(folder: Path) -> Any:
     from torch.utils import cpp_extension
+
+    return cpp_extension.load(name=f"{NAME}_{cache_key()}", sources=[str(CSRC / s) for s in SOURCES],
+                              extra_cflags=list(FLAGS), build_directory=str(folder), verbose=False)
+
+
+def compile_here() -> None:
+    """Compile the extension into :func:`cache_folder` (what the bounded child process of :func:`build` runs)."""
+    folder = cache_folder()
+    folder.mkdir(parents=True, exist_ok=True)
+    _load(folder)
+
+
+def build() -> BuildResult:
+    """The extension for this environment: from the cache, or compiled now (under a file lock, in a child process
+    bounded by ``TORCHNEXT_BUILD_TIMEOUT``).
+
+    Raises:
+        torchnext._build.BuildTimeout: the lock or the compile took longer than the timeout.
+        RuntimeError: the compile failed (its output's tail in the message).
+    """
+    import torch.distributed as dist
 
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this torch build")
-
+    cfg = env_config()
     folder = cache_folder()
     folder.mkdir(parents=True, exist_ok=True)
-    marker = folder / "build.json"
-    cfg = env_config()
+    marker = folder / common.BUILD_MARKER
+    env = dict(os.environ)
     if cfg.cxx:
+        env.setdefault("CXX", cfg.cxx)
         os.environ.setdefault("CXX", cfg.cxx)
-    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # held while building *and* loading: ninja is not run twice at once
-        built = not marker.exists()
-        t0 = time.perf_counter()
-        module = cpp_extension.load(
-            name=f"{NAME}_{cache_key()}",
-            sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=list(FLAGS),
-            build_directory=str(folder),
-            verbose=False,
-        )
-        seconds = time.perf_counter() - t0
-        if built:
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    timeout_s = float(cfg.build_timeout)
+    built = False
+    seconds = 0.0
+    # held while building *and* loading: ninja is not run twice at once on one folder
+    with common.build_lock(folder.parent / f".{folder.name}.lock", timeout_s=timeout_s):
+        if not marker.exists():
+            what = "torchnext's native process-group extension"
+            common.announce_start(what, f"first use with torch {torch.__version__}", folder,
+                                  common.typical_seconds(folder.parent, NAME, TYPICAL_SECONDS))
+            t0 = time.perf_counter()
+            try:
+                common.run_commands([[sys.executable, "-c",
+                                      "from torchnext.comms.native._build import compile_here; compile_here()"]],
+                                    timeout_s=timeout_s, env=env)
+            except Exception as exc:
+                common.announce_end(what, time.perf_counter() - t0, folder, error=f"{exc}".splitlines()[0])
+                raise
+            seconds = time.perf_counter() - t0
             marker.write_text(json.dumps({"torch": torch.__version__, "seconds": round(seconds, 2)}, indent=1))
-    return BuildResult(module=module, folder=folder, built=built, seconds=seconds if built else 0.0)
+            common.announce_end(what, seconds, folder)
+            built = True
+        else:
+            common.touch(folder)
+        module = _load(folder)
+    if built:
+        common.prune(folder.parent, keep=folder, days=cfg.kernel_cache_keep_days)
+    return BuildResult(module=module, folder=folder, built=built, seconds=seconds)

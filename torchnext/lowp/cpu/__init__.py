@@ -4,13 +4,15 @@ What they are: the weight-only block-scaled GEMV of the ``cpu`` scaled_mm backen
 (:mod:`torchnext.lowp.mm.backends.cpu`) and the quantize casts of the ``cpu`` quantizer
 (:mod:`torchnext.lowp.quantizers.cpu`), registered as ``torch.ops.torchnext_cpu.*``.
 
-Meaning of :func:`status` (memoized per process; the first call may compile for ~10-30 s)::
+Meaning of :func:`status` (memoized per process; the first call on a machine compiles for about a minute on 2
+cores, saying so on stderr)::
 
     if TORCHNEXT_CPU_KERNELS == 0:            unavailable "disabled by TORCHNEXT_CPU_KERNELS=0"
     elif no C++ compiler:                     unavailable "no C++ compiler ..."
     elif the cached library exists:           load it
     else:                                     compile csrc/*.cpp (see _build.py), cache it, load it
     a failing build or load is reported as   unavailable "<why>"  — never raised
+    a build past TORCHNEXT_BUILD_TIMEOUT      unavailable "build failed: ... TORCHNEXT_BUILD_TIMEOUT ..." (warned)
 
 Everything that uses the kernels asks :func:`status` first and falls back to the pure-torch paths (the ``eager`` /
 ``inductor`` backends, the ``eager`` quantizer) when they are unavailable; ``torchnext doctor`` shows the answer
@@ -75,7 +77,8 @@ def _load() -> KernelStatus:
         wanted = cfg.cxx or "$CXX or c++"
         return KernelStatus(available=False, reason=f"no C++ compiler ({wanted} not found on PATH)")
     try:
-        res = _build.build(Path(cfg.kernel_cache), cxx)
+        res = _build.build(Path(cfg.kernel_cache), cxx, timeout_s=float(cfg.build_timeout),
+                           keep_days=cfg.kernel_cache_keep_days)
     except Exception as exc:  # any build problem means "use the fallback", with the reason kept
         log.warning("torchnext CPU kernels: build failed, using the pure-torch paths: %s", exc)
         return KernelStatus(available=False, reason=f"build failed: {exc}")

@@ -10,12 +10,14 @@ Cache: ``<TORCHNEXT_KERNEL_CACHE>/torchnext_cpu-<key>/torchnext_cpu.so`` where `
 flags, torch's version, the compiler's ``--version`` and, because the code is compiled for this CPU
 (``-march=native`` on x86-64), the CPU's model and flags. A second process (or a second test) loads the cached
 library in milliseconds; concurrent first builds serialize on a file lock and the library appears atomically
-(``os.replace``).
+(``os.replace``). The lock, the compiler runs (one translation unit per core at most), the start/end lines on stderr
+and the pruning of builds unused for ``TORCHNEXT_KERNEL_CACHE_KEEP_DAYS`` are :mod:`torchnext._build`'s; each wait
+and each compiler run is bounded by ``TORCHNEXT_BUILD_TIMEOUT`` (a hung compiler means the pure-torch paths, with a
+warning, never a blocked rank).
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -29,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from torchnext import _build as common
 
 __all__ = ["BuildResult", "build", "compiler_command", "cpu_signature", "sources"]
 
@@ -131,42 +135,49 @@ def cache_key(cxx_version: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _run(cmds: list[list[str]]) -> None:
-    """Run the commands in parallel (one per core at most); raise with the first failure's output."""
-    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
-    failure = None
-    for cmd, p in zip(cmds, procs, strict=True):
-        out, _ = p.communicate()
-        if p.returncode != 0 and failure is None:
-            tail = "\n".join(out.strip().splitlines()[-15:])
-            failure = f"`{' '.join(cmd[:2])} ... {cmd[-1]}` exited with {p.returncode}:\n{tail}"
-    if failure is not None:
-        raise RuntimeError(failure)
+TYPICAL_SECONDS = 60.0
+"""A first build's duration on a 2-core machine (what the start line says before any build here was timed)."""
 
 
-def build(cache_dir: Path, cxx: str) -> BuildResult:
-    """The library for this environment: from the cache, or compiled now (under a file lock)."""
+def build(cache_dir: Path, cxx: str, *, timeout_s: float = 600.0, keep_days: int = 30) -> BuildResult:
+    """The library for this environment: from the cache, or compiled now (under a file lock).
+
+    Raises:
+        torchnext._build.BuildTimeout: the lock or a compiler run took longer than ``timeout_s``.
+        RuntimeError: the compiler failed (its output's tail in the message).
+    """
     version = _version_line(cxx)
     key = cache_key(version)
     folder = cache_dir / f"{LIBRARY_NAME}-{key}"
     lib = folder / f"{LIBRARY_NAME}.so"
     if lib.exists():
+        common.touch(folder)
         return BuildResult(library=lib, compiler=version, built=False, seconds=0.0)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir / f".{LIBRARY_NAME}-{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with common.build_lock(cache_dir / f".{LIBRARY_NAME}-{key}.lock", timeout_s=timeout_s):
         if lib.exists():  # another process built it while we waited
             return BuildResult(library=lib, compiler=version, built=False, seconds=0.0)
+        what = "torchnext's C++ CPU kernels"
+        common.announce_start(what, f"first use with torch {torch.__version__}, this compiler and CPU", folder,
+                              common.typical_seconds(cache_dir, LIBRARY_NAME, TYPICAL_SECONDS))
         t0 = time.perf_counter()
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as tmp:
-            flags = _compile_flags()
-            objs = [Path(tmp) / (Path(s).stem + ".o") for s in SOURCES]
-            _run([[cxx, *flags, "-c", str(CSRC / s), "-o", str(o)] for s, o in zip(SOURCES, objs, strict=True)])
-            tmp_lib = Path(tmp) / lib.name
-            _run([[cxx, *(str(o) for o in objs), *_link_flags(), "-o", str(tmp_lib)]])
-            seconds = time.perf_counter() - t0
-            meta = {"compiler": version, "seconds": round(seconds, 2), "torch": torch.__version__, "key": key}
-            (folder / "build.json").write_text(json.dumps(meta, indent=1))
-            os.replace(tmp_lib, lib)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as tmp:
+                flags = _compile_flags()
+                objs = [Path(tmp) / (Path(s).stem + ".o") for s in SOURCES]
+                common.run_commands([[cxx, *flags, "-c", str(CSRC / s), "-o", str(o)]
+                                     for s, o in zip(SOURCES, objs, strict=True)], timeout_s=timeout_s)
+                tmp_lib = Path(tmp) / lib.name
+                common.run_commands([[cxx, *(str(o) for o in objs), *_link_flags(), "-o", str(tmp_lib)]],
+                                    timeout_s=timeout_s)
+                seconds = time.perf_counter() - t0
+                meta = {"compiler": version, "seconds": round(seconds, 2), "torch": torch.__version__, "key": key}
+                os.replace(tmp_lib, lib)
+                (folder / common.BUILD_MARKER).write_text(json.dumps(meta, indent=1))
+        except Exception as exc:
+            common.announce_end(what, time.perf_counter() - t0, folder, error=f"{exc}".splitlines()[0])
+            raise
+        common.announce_end(what, seconds, folder)
+    common.prune(cache_dir, keep=folder, days=keep_days)
     return BuildResult(library=lib, compiler=version, built=True, seconds=seconds)
