@@ -42,9 +42,43 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))  # this checkout's torchnext
-from torchnext import __version__
-from torchnext.testing.soak import SoakConfig, SoakFault, SoakResult, run_soak
+_CHECKOUT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+_SNAPSHOT_ENV = "TORCHNEXT_SOAK_SNAPSHOT"
+
+
+def _run_from_a_snapshot() -> None:
+    """Re-run this script on a private copy of the checkout's ``torchnext`` (unless already on one): a soak lasts an
+    hour, and every member, spare and coordinator it starts later imports modules then -- an edit of the checkout
+    meanwhile would mix two versions of the code in one job (a spare importing a new ``ft/process_group.py`` over
+    a preloaded old base class fails its first step, and the job with it). ``--no-snapshot`` runs the checkout."""
+    if os.environ.get(_SNAPSHOT_ENV) or "--no-snapshot" in sys.argv:
+        return
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="torchnext-soak-src-")
+    shutil.copytree(os.path.join(_CHECKOUT, "torchnext"), os.path.join(root, "torchnext"),
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    env = {**os.environ, _SNAPSHOT_ENV: root,
+           "PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+    # `python -c` / `-m` children (the forkserver, the coordinators) put their working directory first on sys.path:
+    # run from the snapshot, with the paths given relative to here made absolute
+    argv = list(sys.argv[1:])
+    for i, a in enumerate(argv):
+        if i > 0 and argv[i - 1] in ("--json", "--workdir"):
+            argv[i] = os.path.abspath(a)
+        elif a.startswith(("--json=", "--workdir=")):
+            k, _, v = a.partition("=")
+            argv[i] = f"{k}={os.path.abspath(v)}"
+    os.chdir(root)
+    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *argv], env)
+
+
+if __name__ == "__main__":
+    _run_from_a_snapshot()
+sys.path.insert(0, os.environ.get(_SNAPSHOT_ENV) or _CHECKOUT)  # the snapshot's torchnext (else this checkout's)
+from torchnext import __version__  # noqa: E402  (after the path above)
+from torchnext.testing.soak import SoakConfig, SoakFault, SoakResult, run_soak  # noqa: E402
 
 
 def _fmt(v: Any) -> str:
@@ -101,12 +135,18 @@ def main() -> int:
     ap.add_argument("--no-netns", action="store_true", help="do not use network namespaces (no partitions)")
     ap.add_argument("--workdir", default=None, help="keep the logs here (default: a temporary directory, removed)")
     ap.add_argument("--quiet", action="store_true", help="no line per fault")
+    ap.add_argument("--no-snapshot", action="store_true",
+                    help="run the checkout's code (default: a private copy, so that edits meanwhile cannot mix in)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     print(f"# bench_soak  {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
     print(f"# torchnext {__version__}, torch {torch.__version__}, python {platform.python_version()}, "
           f"{platform.machine()}, {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}")
     print(f"# command: {' '.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])}", flush=True)
+    import torchnext
+
+    print(f"# code: {os.path.dirname(os.path.abspath(torchnext.__file__))}"
+          f"{' (a snapshot of ' + _CHECKOUT + ')' if os.environ.get(_SNAPSHOT_ENV) else ''}", flush=True)
     cfg = SoakConfig(faults=args.faults, minutes=args.minutes, seed=args.seed,
                      kinds=[SoakFault(k) for k in args.kinds.split(",") if k],
                      jobs=[j for j in args.jobs.split(",") if j], ddp_members=args.ddp_members,
@@ -124,4 +164,12 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        rc = main()
+    finally:
+        snap = os.environ.get(_SNAPSHOT_ENV, "")
+        if os.path.basename(snap).startswith("torchnext-soak-src-"):
+            import shutil
+
+            shutil.rmtree(snap, ignore_errors=True)
+    sys.exit(rc)

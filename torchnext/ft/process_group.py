@@ -143,6 +143,7 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         self._group_desc = f"{ft.config.name} (fault tolerant)"
         self._lock = threading.Lock()
         self._warned = False
+        self._issuing = threading.Lock()  # as TorchnextProcessGroup's: several threads issue one op at a time
         self._staging = _Staging()
         self._ft = ft
         me = dist.get_rank() if dist.is_initialized() else 0
@@ -247,7 +248,8 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         if comm is None:
             return self._failed(op, result, self._ft._comm)
         try:
-            works = issue(comm)
+            with self._issuing:
+                works = issue(comm)
         except CommError as exc:  # refused: the generation broke between the check and the issue, or a mismatch
             return self._failed(op, result, comm, exc)
         return _FTWork(self, works, result)
@@ -259,13 +261,14 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         comm = self._live(op, tensors)
         if comm is None:
             return self._failed(op, tensors, self._ft._comm)
-        staged = [self._staging.take(t) for t in tensors]
-        try:
-            works = issue(comm, staged)
-        except CommError as exc:  # refused before anything was issued: the buffers are still private
-            for b in staged:
-                self._staging.put(b)
-            return self._failed(op, tensors, comm, exc)
+        with self._issuing:  # several threads: one op handed over at a time
+            staged = [self._staging.take(t) for t in tensors]
+            try:
+                works = issue(comm, staged)
+            except CommError as exc:  # refused before anything was issued: the buffers are still private
+                for b in staged:
+                    self._staging.put(b)
+                return self._failed(op, tensors, comm, exc)
         return _FTWork(self, works, tensors, unstage=list(zip(staged, tensors, strict=True)))
 
     def _failed(self, op: str, result: list[Any], comm: Communicator | None,

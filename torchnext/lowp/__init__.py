@@ -92,3 +92,7 @@ __all__ = [
     "swizzle",
     "unswizzle",
 ]
+
+from torchnext.lowp.quantizers import preload_auto as _preload_auto
+
+_preload_auto()  # the kernels "auto" may pick are in the registry before any torch.compile traces a quantize

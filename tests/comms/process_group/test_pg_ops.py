@@ -130,3 +130,39 @@ def test_every_op_matches_gloo(world_size: int) -> None:
         assert ours[rank] == gloo[rank], rank
     if world_size == 3:
         assert ours[0]["sub_rank"] == (0, 2, [0, 2]) and ours[2]["sub_rank"] == (1, 2, [0, 2])
+
+
+def two_threads_body(ctx: RankContext) -> dict[str, Any]:
+    """Two threads of each rank all_reduce on the same group at once (values chosen so that any pairing of the two
+    ranks' ops sums the same): torch's own groups accept this; ours must serialize, not raise."""
+    import threading
+
+    dist.init_process_group("torchnext", store=ctx.store, rank=ctx.rank, world_size=ctx.world_size)
+    errors: list[str] = []
+    sums: list[float] = []
+    go = threading.Barrier(2)
+
+    def run() -> None:
+        go.wait(30)
+        try:
+            for _ in range(100):
+                t = torch.full((4,), float(ctx.rank + 1))
+                dist.all_reduce(t)
+                sums.append(float(t[0]))
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    alive = any(th.is_alive() for th in threads)
+    dist.destroy_process_group()
+    return {"errors": errors, "sums": sorted(set(sums)), "n": len(sums), "alive": alive}
+
+
+def test_two_threads_issuing_on_one_group_are_serialized() -> None:
+    for r in run_ranks(two_threads_body, 2, timeout=120):
+        assert r["errors"] == [] and not r["alive"], r
+        assert r["n"] == 200 and r["sums"] == [3.0], r

@@ -127,6 +127,9 @@ class TorchnextProcessGroup(dist.ProcessGroup):
         self._group_desc = description or main.name
         self._lock = threading.Lock()
         self._warned = False
+        self._issuing = threading.Lock()
+        """Serializes the issue of ops from several threads (torch's own groups accept that; a Communicator raises):
+        held only while an op is handed to the Communicator, never while it runs."""
         if type(self) is TorchnextProcessGroup:  # subclasses (fault-tolerant staging) keep the Python path
             self._native = _native.attach(self)
 
@@ -246,14 +249,17 @@ class TorchnextProcessGroup(dist.ProcessGroup):
         """Issue ``issue(comm)`` on the Communicator for ``device_tensor``'s device and wrap what it returns (the
         one place a subclass changes what a failure means: :class:`torchnext.ft.FaultTolerantProcessGroup`)."""
         comm = self._comm_for(device_tensor, op)
-        return GroupWork(self, issue(comm), result)
+        with self._issuing:
+            return GroupWork(self, issue(comm), result)
 
     def _run_inplace(self, op: str, tensors: list[torch.Tensor],
                      issue: Callable[[Communicator, list[torch.Tensor]], Any]) -> GroupWork:
         """An op that writes its result into its own ``tensors`` (all_reduce, reduce, broadcast):
         ``issue(comm, tensors)``. Here on the caller's tensors; :class:`torchnext.ft.FaultTolerantProcessGroup`
         issues it on private staging copies instead."""
-        return GroupWork(self, issue(self._comm_for(tensors[0], op), tensors), tensors)
+        comm = self._comm_for(tensors[0], op)
+        with self._issuing:
+            return GroupWork(self, issue(comm, tensors), tensors)
 
     # ------------------------------------------------------------------------------------------ reductions
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupWork:  # type: ignore[override]

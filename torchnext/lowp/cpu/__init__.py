@@ -31,11 +31,11 @@ import torch
 
 from torchnext._config import env_config
 
-__all__ = ["ISAS", "KernelStatus", "KernelsUnavailable", "isa_index", "ops", "simd", "status"]
+__all__ = ["ISAS", "KernelStatus", "KernelsUnavailable", "isa_index", "ops", "simd", "status", "unavailable", "describe"]
 
 log = logging.getLogger("torchnext.lowp.cpu")
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 """Must equal ``kAbiVersion`` in csrc/register.cpp (the loader refuses another library)."""
 
 ISAS = ("avx512", "avx2", "portable")
@@ -88,6 +88,9 @@ def _load() -> KernelStatus:
         if version != ABI_VERSION:
             raise RuntimeError(f"library ABI {version} != expected {ABI_VERSION}")
         isas = tuple(str(torch.ops.torchnext_cpu.isas()).split(","))
+        from torchnext.lowp.cpu import _fakes
+
+        _fakes.register()  # torch.compile / torch.export trace the ops through these
     except Exception as exc:
         log.warning("torchnext CPU kernels: cannot load %s: %s", res.library, exc)
         return KernelStatus(available=False, reason=f"load failed ({res.library}): {exc}", compiler=res.compiler)
@@ -116,6 +119,22 @@ def status() -> KernelStatus:
         return _STATUS
 
 
+@torch._dynamo.assume_constant_result
+def unavailable() -> str:
+    """Why the kernels cannot be used here (``""``: they can). What code that ``torch.compile`` may trace asks
+    instead of :func:`status`: it runs at trace time, not traced (the first call builds or loads the library --
+    a lock, a compiler and a library load are not graph material), and its answer is a constant of the graph."""
+    st = status()
+    return "" if st.available else st.reason
+
+
+@torch._dynamo.assume_constant_result
+def describe() -> str:
+    """:attr:`KernelStatus.reason` (available or not), as :func:`unavailable` asks it: a constant under compile."""
+    return status().reason
+
+
+@torch._dynamo.assume_constant_result
 def simd() -> bool:
     """Whether a SIMD variant (AVX-512 or AVX2) is compiled in: only then do the ``auto`` choices assume the
     compiled kernels beat the pure-torch paths (the portable variant is correct everywhere, but its speed depends on

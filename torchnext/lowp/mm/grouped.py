@@ -80,7 +80,9 @@ def _validate(
         raise FormatError("grouped_scaled_mm: offsets must be a 1-D int32/int64 tensor of group end rows")
     if offsets.numel() != e:
         raise FormatError(f"grouped_scaled_mm: offsets has {offsets.numel()} entries for {e} experts")
-    if e and (bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[0]) < 0 or int(offsets[-1]) != t):
+    # the values are data: checked in eager; a traced graph (torch.compile/export) cannot branch on them
+    if e and not torch.compiler.is_compiling() and (
+            bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[0]) < 0 or int(offsets[-1]) != t):
         raise FormatError(f"grouped_scaled_mm: offsets must be non-decreasing, start >= 0 and end at T={t}: {offsets.tolist()}")
     if ep.bias is not None and tuple(ep.bias.shape) not in ((n,), (e, n)):
         raise EpilogueError(f"grouped bias must be ({n},) or ({e}, {n}), got {tuple(ep.bias.shape)}")

@@ -60,16 +60,45 @@ def register_quantizer(name: str, module: str, *, replace: bool = False) -> None
     if name in QUANTIZERS and not replace:
         raise ValueError(f"quantizer {name!r} is already registered (pass replace=True to override)")
     QUANTIZERS[name] = module
+    _LOADED.pop(module, None)
+
+
+_LOADED: dict[str, ModuleType | str] = {}
+"""Module path -> the imported module, or why it cannot be imported: a registry lookup is a dict lookup (what
+``torch.compile`` traces through; it cannot trace ``import_module``)."""
+
+
+def _load(path: str) -> ModuleType | str:
+    """Import ``path`` once."""
+    got = _LOADED.get(path)
+    if got is None:
+        try:
+            got = importlib.import_module(path)
+        except ImportError as exc:
+            got = str(exc)
+        _LOADED[path] = got
+    return got
+
+
+def preload_auto() -> None:
+    """Import what ``"auto"`` may pick (:data:`AUTO_ORDER`) now, so that a ``torch.compile`` tracing the first
+    ``quantize`` finds them in the registry (it cannot trace an import). Cheap: no kernel is built."""
+    for name in AUTO_ORDER:
+        path = QUANTIZERS.get(name)
+        if path is not None:
+            _load(path)
 
 
 def _module(name: str) -> ModuleType:
     path = QUANTIZERS.get(name) if isinstance(name, str) else None
     if path is None:
         raise FormatError(f"unknown backend {name!r}; quantizers: {['auto', *sorted(QUANTIZERS)]}")
-    try:
-        return importlib.import_module(path)
-    except ImportError as exc:
-        raise FormatError(f"backend={name!r} needs a package that is missing here: {exc}") from None
+    got = _LOADED.get(path)
+    if got is None:
+        got = _load(path)
+    if isinstance(got, str):
+        raise FormatError(f"backend={name!r} needs a package that is missing here: {got}")
+    return got
 
 
 def _reason(mod: ModuleType, device: torch.device | None, spec: FormatSpec | None, *, auto: bool = False) -> str | None:

@@ -22,7 +22,7 @@ import math
 import torch
 
 from torchnext.lowp import scales as _scales
-from torchnext.lowp.cpu import isa_index, ops, simd, status
+from torchnext.lowp.cpu import isa_index, ops, simd, unavailable
 from torchnext.lowp.formats import FORMATS, FormatSpec
 from torchnext.lowp.options import ResolvedOptions, block_outputs
 from torchnext.lowp.quantizers import eager as _eager
@@ -58,8 +58,7 @@ def unavailable_reason(device: torch.device | None, spec: FormatSpec | None) -> 
         return f"CPU tensors only, not {device.type}"
     if spec is not None and (_BUILTIN.get(spec.name) is not spec or spec.element.name not in _ELEMENT_CODES):
         return f"format {spec.name!r} is not compiled into the kernel (built-in NVFP4/MXFP8/MXFP4 only)"
-    st = status()
-    return None if st.available else st.reason
+    return unavailable() or None
 
 
 def auto_reason(device: torch.device | None, spec: FormatSpec | None) -> str | None:

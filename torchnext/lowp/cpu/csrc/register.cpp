@@ -9,7 +9,7 @@
 namespace tnx {
 
 // Bumped whenever an op's schema or meaning changes: the Python loader refuses a library with another version.
-constexpr int64_t kAbiVersion = 1;
+constexpr int64_t kAbiVersion = 2;
 
 int best_isa() {
 #if defined(TNX_HAVE_AVX512)
@@ -58,27 +58,42 @@ at::Tensor rng_uniform(int64_t seed, int64_t offset, int64_t numel);
 
 }  // namespace tnx
 
+// Schemas here, kernels per dispatch key below: the tensor ops have CPU kernels only, so FakeTensor tracing
+// (torch.compile, torch.export) reaches the fake (meta) implementations registered in Python
+// (torchnext/lowp/cpu/_fakes.py) instead of running a kernel on data that is not allocated. The two scalar
+// queries keep catch-all kernels (no tensor to dispatch on); rng_uniform has no tensor argument either, so its
+// kernel is CompositeExplicitAutograd (any key) and its fake comes from Python as the others'.
 TORCH_LIBRARY(torchnext_cpu, m) {
   m.def("abi_version() -> int", &tnx::abi_version);
   m.def("isas() -> str", &tnx::isas);
-  m.def("gemv_pack(Tensor qdata, Tensor scales, int fmt) -> (Tensor, Tensor, Tensor)", &tnx::gemv_pack);
+  m.def("gemv_pack(Tensor qdata, Tensor scales, int fmt) -> (Tensor, Tensor, Tensor)");
   m.def(
       "gemv(Tensor x, Tensor packed, Tensor nan_cols, Tensor flags, int fmt, int n, int kp, float gscale, bool has_g, "
       "Tensor? scale, int scale_kind, Tensor? bias, int act, Tensor? residual, bool want_amax, bool bf16_out, "
-      "int isa) -> (Tensor, Tensor)",
-      &tnx::gemv);
+      "int isa) -> (Tensor, Tensor)");
   m.def(
       "quantize(Tensor x, int outer, int k, int inner, Tensor(a!) codes, Tensor(b!) scales, int elem, int block, "
       "int recipe, float g_dec, float g_enc, bool has_g, bool swizzle, int swz_cols, Tensor? noise, bool sr_seeded, "
-      "int seed, int offset, int isa) -> ()",
-      &tnx::quantize);
+      "int seed, int offset, int isa) -> ()");
   m.def(
       "quantize_pair(Tensor x, Tensor(a!) row_codes, Tensor(b!) row_scales, Tensor(c!) col_codes, "
       "Tensor(d!) col_scales, int elem, int block, int recipe_r, float gdec_r, float genc_r, bool hasg_r, bool sr_r, "
       "int seed_r, int off_r, int recipe_c, float gdec_c, float genc_c, bool hasg_c, bool sr_c, int seed_c, "
-      "int off_c, Tensor? signs, int isa) -> ()",
-      &tnx::quantize_pair);
-  m.def("absmax(Tensor x, int isa) -> Tensor", &tnx::absmax);
-  m.def("rht_absmax(Tensor x, Tensor signs, int isa) -> Tensor", &tnx::rht_absmax);
-  m.def("rng_uniform(int seed, int offset, int numel) -> Tensor", &tnx::rng_uniform);
+      "int off_c, Tensor? signs, int isa) -> ()");
+  m.def("absmax(Tensor x, int isa) -> Tensor");
+  m.def("rht_absmax(Tensor x, Tensor signs, int isa) -> Tensor");
+  m.def("rng_uniform(int seed, int offset, int numel) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(torchnext_cpu, CPU, m) {
+  m.impl("gemv_pack", &tnx::gemv_pack);
+  m.impl("gemv", &tnx::gemv);
+  m.impl("quantize", &tnx::quantize);
+  m.impl("quantize_pair", &tnx::quantize_pair);
+  m.impl("absmax", &tnx::absmax);
+  m.impl("rht_absmax", &tnx::rht_absmax);
+}
+
+TORCH_LIBRARY_IMPL(torchnext_cpu, CompositeExplicitAutograd, m) {
+  m.impl("rng_uniform", &tnx::rng_uniform);
 }

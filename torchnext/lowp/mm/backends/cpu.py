@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from torchnext.lowp.cpu import ISAS, isa_index, ops, simd, status
+from torchnext.lowp.cpu import ISAS, describe, isa_index, ops, simd, unavailable
 from torchnext.lowp.formats import FORMATS, FormatSpec
 from torchnext.lowp.mm.backends import EPILOGUE_FEATURES, Capability, KernelBackend, Problem, check_capability
 from torchnext.lowp.mm.epilogue import EpilogueOutput, finish_epilogue
@@ -93,8 +93,8 @@ class CpuBackend:
         )
 
     def available(self) -> tuple[bool, str]:
-        st = status()
-        return st.available, st.reason
+        why = unavailable()
+        return (False, why) if why else (True, describe())
 
     def supports(self, problem: Problem) -> str | None:
         why = check_capability(self.capability(), problem)
@@ -109,9 +109,7 @@ class CpuBackend:
             return f"M={problem.m} outside 1..{MAX_M} (the kernel is the small-M GEMV)"
         if problem.epilogue.activation not in KERNEL_ACTIVATIONS:
             return f"activation {problem.epilogue.activation!r} is not compiled into the kernel"
-        if not status().available:
-            return status().reason
-        return None
+        return unavailable() or None
 
     def supersedes(self, problem: Problem) -> frozenset[str]:
         """Backends the autotuner need not time where this one is eligible (see the module docstring): Inductor's
