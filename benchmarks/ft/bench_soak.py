@@ -25,6 +25,11 @@ Checks (printed, in ``--json``; the exit status is 1 when one fails):
 * the survivor's longest gap between two commits <= heartbeat timeout + 1 s;
 * every process exits 0, or -9 where it was SIGKILLed (SIGABRT counted apart).
 
+The run uses a private copy of the checkout's ``torchnext`` (``--no-snapshot``: the checkout itself): processes
+started an hour in import modules then, and an edit meanwhile would mix two versions of the code in one job. When a
+bounded wait runs out, every live member dumps its stacks into ``<workdir>/<job>/stacks-<id>.txt`` and every
+coordinator into its log (kept with ``--workdir``).
+
 Recovery = injection -> the survivor's first commit in a generation without the victim (raise, coordinator: in a
 newer generation); p50/p99/max per job and kind. There is no peer to measure in the same run: the figures are
 absolute (bench_parallel.py and bench_failover.py hold the peer comparisons for single faults).
