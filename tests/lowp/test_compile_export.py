@@ -148,3 +148,16 @@ def test_compile_before_any_eager_call() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "RESULT True" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+
+
+def test_the_trace_time_marker_is_torchs() -> None:
+    """torchnext.lowp.cpu marks its trace-time constants the way torch.compiler.assume_constant_result does."""
+    from torchnext.lowp.cpu import _trace_time_constant
+
+    def f() -> None: ...
+
+    def g() -> None: ...
+
+    torch.compiler.assume_constant_result(f)
+    _trace_time_constant(g)
+    assert vars(f) == vars(g) == {"_dynamo_marked_constant": True}

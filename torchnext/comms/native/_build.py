@@ -15,6 +15,7 @@ rank. The start and end of a build are one line each on stderr; builds unused fo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -80,7 +81,13 @@ def cache_folder() -> Path:
 
 
 def _load(folder: Path) -> Any:
+    """``cpp_extension.load`` into ``folder`` (called under the build lock). A ``lock`` file there is
+    ``cpp_extension``'s own baton left by a process killed mid-build (by the build timeout, or a test's kill): with
+    our lock held nobody else is building, and left alone it would make every later load wait forever."""
     from torch.utils import cpp_extension
+
+    with contextlib.suppress(FileNotFoundError):
+        (folder / "lock").unlink()
 
     return cpp_extension.load(name=f"{NAME}_{cache_key()}", sources=[str(CSRC / s) for s in SOURCES],
                               extra_cflags=list(FLAGS), build_directory=str(folder), verbose=False)
