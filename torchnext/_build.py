@@ -13,8 +13,9 @@ Semantics, as a tiny reference::
     run_commands(cmds, timeout_s=t, jobs=n)     # at most n at once (default: the cores this process may use);
                                                 # one past t seconds is killed -> BuildTimeout; a failure -> the
                                                 # first failing command's output in a RuntimeError
-    announce_start(what, why, folder, name)     # stderr: "torchnext: building <what> (<why>; about <s> s, ...)"
-    announce_end(what, seconds, folder)         # stderr: "torchnext: built <what> in <s> s (cached in <folder>)"
+    with announced(what, why, folder, s):       # stderr: "torchnext: building <what> (<why>; about <s> s, ...)"
+        ...                                     # then "torchnext: built <what> in <t> s (cached in <folder>)",
+                                                # or "... failed after <t> s: <the error's first line>" (re-raised)
     prune(cache_dir, keep=folder, days=d)       # remove <name>-* builds (any name) last used > d days ago
 
 Where ``fcntl`` does not exist (Windows), the lock is a file created with ``O_EXCL`` holding the owner's pid; a
@@ -38,8 +39,7 @@ try:
 except ImportError:  # Windows: the O_EXCL lock file below
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["BuildTimeout", "announce_end", "announce_start", "build_lock", "jobs", "prune", "run_commands",
-           "touch", "typical_seconds"]
+__all__ = ["BuildTimeout", "announced", "build_lock", "jobs", "prune", "run_commands", "touch", "typical_seconds"]
 
 _POLL_S = 0.05
 BUILD_MARKER = "build.json"
@@ -197,18 +197,22 @@ def typical_seconds(cache_dir: Path, name: str, default_s: float) -> float:
     return best[1] if best is not None else default_s
 
 
-def announce_start(what: str, why: str, folder: Path, expected_s: float) -> None:
-    """One line on stderr: a build starts (what, why, roughly how long, where it is cached)."""
+@contextlib.contextmanager
+def announced(what: str, why: str, folder: Path, expected_s: float) -> Iterator[None]:
+    """One line on stderr when the body (a build) starts -- what, why, roughly how long, where it is cached -- and
+    one when it ends: its time, or why it failed (the exception is re-raised)."""
     print(f"torchnext: building {what} ({why}; about {expected_s:.0f} s, once: cached in {folder})",
           file=sys.stderr, flush=True)
-
-
-def announce_end(what: str, seconds: float, folder: Path, *, error: str | None = None) -> None:
-    """One line on stderr: the build ended (how long it took, or why it failed and what runs instead)."""
-    if error is None:
-        print(f"torchnext: built {what} in {seconds:.1f} s (cached in {folder})", file=sys.stderr, flush=True)
-    else:
-        print(f"torchnext: building {what} failed after {seconds:.1f} s: {error}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    try:
+        yield
+    except Exception as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        print(f"torchnext: building {what} failed after {time.perf_counter() - t0:.1f} s: {first}", file=sys.stderr,
+              flush=True)
+        raise
+    print(f"torchnext: built {what} in {time.perf_counter() - t0:.1f} s (cached in {folder})", file=sys.stderr,
+          flush=True)
 
 
 def touch(folder: Path) -> None:

@@ -181,7 +181,6 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
     from torchnext.ft.state import load_sharded_state, sharded_state
 
     torch.set_num_threads(1)
-    stacks = None
     if spec.stacks_file is not None:
         stacks = open(spec.stacks_file, "a")  # faulthandler writes to it until the process ends
         faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True, chain=False)

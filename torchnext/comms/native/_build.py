@@ -116,31 +116,24 @@ def build() -> BuildResult:
     folder = cache_folder()
     folder.mkdir(parents=True, exist_ok=True)
     marker = folder / common.BUILD_MARKER
-    env = dict(os.environ)
     if cfg.cxx:
-        env.setdefault("CXX", cfg.cxx)
-        os.environ.setdefault("CXX", cfg.cxx)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        os.environ.setdefault("CXX", cfg.cxx)  # cpp_extension's compiler, here and in the child
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     timeout_s = float(cfg.build_timeout)
     built = False
     seconds = 0.0
     # held while building *and* loading: ninja is not run twice at once on one folder
     with common.build_lock(folder.parent / f".{folder.name}.lock", timeout_s=timeout_s):
         if not marker.exists():
-            what = "torchnext's native process-group extension"
-            common.announce_start(what, f"first use with torch {torch.__version__}", folder,
-                                  common.typical_seconds(folder.parent, NAME, TYPICAL_SECONDS))
-            t0 = time.perf_counter()
-            try:
+            with common.announced("torchnext's native process-group extension",
+                                  f"first use with torch {torch.__version__}", folder,
+                                  common.typical_seconds(folder.parent, NAME, TYPICAL_SECONDS)):
+                t0 = time.perf_counter()
                 common.run_commands([[sys.executable, "-c",
                                       "from torchnext.comms.native._build import compile_here; compile_here()"]],
                                     timeout_s=timeout_s, env=env)
-            except Exception as exc:
-                common.announce_end(what, time.perf_counter() - t0, folder, error=f"{exc}".splitlines()[0])
-                raise
-            seconds = time.perf_counter() - t0
-            marker.write_text(json.dumps({"torch": torch.__version__, "seconds": round(seconds, 2)}, indent=1))
-            common.announce_end(what, seconds, folder)
+                seconds = time.perf_counter() - t0
+                marker.write_text(json.dumps({"torch": torch.__version__, "seconds": round(seconds, 2)}, indent=1))
             built = True
         else:
             common.touch(folder)

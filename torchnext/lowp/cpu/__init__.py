@@ -31,7 +31,8 @@ import torch
 
 from torchnext._config import env_config
 
-__all__ = ["ISAS", "KernelStatus", "KernelsUnavailable", "isa_index", "ops", "simd", "status", "unavailable", "describe"]
+__all__ = ["ISAS", "KernelStatus", "KernelsUnavailable", "describe", "isa_index", "ops", "simd", "status",
+           "unavailable"]
 
 log = logging.getLogger("torchnext.lowp.cpu")
 

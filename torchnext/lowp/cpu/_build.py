@@ -157,11 +157,10 @@ def build(cache_dir: Path, cxx: str, *, timeout_s: float = 600.0, keep_days: int
     with common.build_lock(cache_dir / f".{LIBRARY_NAME}-{key}.lock", timeout_s=timeout_s):
         if lib.exists():  # another process built it while we waited
             return BuildResult(library=lib, compiler=version, built=False, seconds=0.0)
-        what = "torchnext's C++ CPU kernels"
-        common.announce_start(what, f"first use with torch {torch.__version__}, this compiler and CPU", folder,
-                              common.typical_seconds(cache_dir, LIBRARY_NAME, TYPICAL_SECONDS))
-        t0 = time.perf_counter()
-        try:
+        with common.announced("torchnext's C++ CPU kernels",
+                              f"first use with torch {torch.__version__}, this compiler and CPU", folder,
+                              common.typical_seconds(cache_dir, LIBRARY_NAME, TYPICAL_SECONDS)):
+            t0 = time.perf_counter()
             folder.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as tmp:
                 flags = _compile_flags()
@@ -175,9 +174,5 @@ def build(cache_dir: Path, cxx: str, *, timeout_s: float = 600.0, keep_days: int
                 meta = {"compiler": version, "seconds": round(seconds, 2), "torch": torch.__version__, "key": key}
                 os.replace(tmp_lib, lib)
                 (folder / common.BUILD_MARKER).write_text(json.dumps(meta, indent=1))
-        except Exception as exc:
-            common.announce_end(what, time.perf_counter() - t0, folder, error=f"{exc}".splitlines()[0])
-            raise
-        common.announce_end(what, seconds, folder)
     common.prune(cache_dir, keep=folder, days=keep_days)
     return BuildResult(library=lib, compiler=version, built=True, seconds=seconds)

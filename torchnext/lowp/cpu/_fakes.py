@@ -54,8 +54,9 @@ def register() -> None:
     """Register every fake (once per process; the library must be loaded)."""
     if _DONE:
         return
-    fakes: dict[str, Callable[..., Any]] = {"gemv_pack": _gemv_pack, "gemv": _gemv, "quantize": _nothing, "quantize_pair": _nothing,
-             "absmax": _amax, "rht_absmax": _amax, "rng_uniform": _rng_uniform}
+    fakes: dict[str, Callable[..., Any]] = {
+        "gemv_pack": _gemv_pack, "gemv": _gemv, "quantize": _nothing, "quantize_pair": _nothing, "absmax": _amax,
+        "rht_absmax": _amax, "rng_uniform": _rng_uniform}
     for name, fn in fakes.items():
         torch.library.register_fake(f"torchnext_cpu::{name}", fn)
     _DONE.append(True)

@@ -93,9 +93,7 @@ def _module(name: str) -> ModuleType:
     path = QUANTIZERS.get(name) if isinstance(name, str) else None
     if path is None:
         raise FormatError(f"unknown backend {name!r}; quantizers: {['auto', *sorted(QUANTIZERS)]}")
-    got = _LOADED.get(path)
-    if got is None:
-        got = _load(path)
+    got = _load(path)
     if isinstance(got, str):
         raise FormatError(f"backend={name!r} needs a package that is missing here: {got}")
     return got

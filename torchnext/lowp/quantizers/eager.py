@@ -55,11 +55,9 @@ def run_chunks(n: int, rows: int, work: Callable[[int, int], None], *, parallel:
     the plain loop. ``work`` must only write its own rows.
     """
     starts = list(range(0, n, rows))
-    if not parallel or torch.compiler.is_compiling():  # traced (torch.compile/export): no Python threads in a graph
-        for start in starts:
-            work(start, min(n, start + rows))
-        return
-    default = torch.get_num_threads()  # this thread's setting; workers put it back as the process default
+    # traced (torch.compile/export): no Python threads in a graph
+    threaded = parallel and not torch.compiler.is_compiling()
+    default = torch.get_num_threads() if threaded else 1  # this thread's setting; workers restore it as the default
     workers = min(default, len(starts))
     if workers <= 1:
         for start in starts:
