@@ -31,7 +31,9 @@ bounded wait runs out, every live member dumps its stacks into ``<workdir>/<job>
 coordinator into its log (kept with ``--workdir``).
 
 Recovery = injection -> the survivor's first commit in a generation without the victim (raise, coordinator: in a
-newer generation); p50/p99/max per job and kind. There is no peer to measure in the same run: the figures are
+newer generation; a raise is injected when it fires -- the signal arms it for the victim's next backward, and the
+delay is printed apart); p50/p99/max per job and kind. The survivors' gaps over 1 s are listed with the faults (both
+jobs) and the harness's launches that began in them. There is no peer to measure in the same run: the figures are
 absolute (bench_parallel.py and bench_failover.py hold the peer comparisons for single faults).
 """
 
@@ -41,6 +43,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import sys
 import time
 from typing import Any
@@ -113,6 +116,17 @@ def report(result: SoakResult) -> None:
         if c.get("problems"):
             text += f"; problems {c['problems'][:3]}"
         print(f"| {name} | {'PASS' if c['ok'] else 'FAIL'} | {text} |")
+    gaps = result.long_gaps()
+    if gaps:
+        print(f"\n# the survivors' {len(gaps)} gaps between commits over 1 s, longest first (what began in them, in "
+              "both jobs: seconds before the gap's end)\n| job | gap s | step | faults | harness launches |\n"
+              "|---|---|---|---|---|")
+        for g in gaps[:20]:
+            print(f"| {g['job']} | {g['gap_s']:.2f} | {g['step']} | {'; '.join(g['faults']) or '-'} | "
+                  f"{'; '.join(g['launches']) or '-'} |")
+    for j, rep in result.jobs.items():
+        for note in rep.get("anomalies", []):
+            print(f"# {j}: harness anomaly: {note}")
     codes: dict[str, int] = {}
     for c in result.exit_codes.values():
         codes[str(c)] = codes.get(str(c), 0) + 1
@@ -159,6 +173,13 @@ def main() -> int:
                      heartbeat_timeout_s=args.heartbeat_timeout, step_sleep_s=args.step_sleep, wait_s=args.wait,
                      netns=False if args.no_netns else None, workdir=args.workdir,
                      log=None if args.quiet else (lambda s: print(s, flush=True)))
+    # SIGTERM, and SIGINT also where the shell started this in the background (it is ignored there), stop the
+    # run like Ctrl-C: every process and network namespace is reaped and the figures so far are reported
+    def _interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"interrupted by signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     result = run_soak(cfg)
     report(result)
     print(f"# load average at the end {os.getloadavg()[0]:.2f}")

@@ -196,9 +196,12 @@ def test_user_error_on_one_member_ends_the_step_on_every_member() -> None:
     wait for a timeout or a reconfiguration: it raises StepFailed naming member 1 and the error, at once."""
     with _coordinator() as coord:
 
+        joined = threading.Barrier(N)
+
         def member(i: int) -> tuple[BaseException | None, float]:
             ft = _member(coord, i, timeout_s=30.0)
-            start = time.monotonic()
+            joined.wait(BOUND_S)  # both joined first: else member 0 may still be joining when the job ends (its
+            start = time.monotonic()  # constructor then raises StepFailed, as it should, before this test's step)
             try:
                 with ft.step() as step:
                     if i == 1:

@@ -11,9 +11,12 @@ to test: today every rank is a member of its own, and killing a group kills all 
 
 from __future__ import annotations
 
+import gc
+import os
 import socket
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -173,5 +176,39 @@ def test_a_worker_that_does_not_answer_says_where_it_is() -> None:
     cfg = SimConfig(address="127.0.0.1:9", token=TOKEN, ranks=8, group_size=8, processes=1)
     with MemberSim(cfg) as sim:
         sim._conns[0].send(("join", {"deadline": float("inf")}))  # nobody listens at port 9: it retries forever
-        with pytest.raises(SimError, match=r"did not answer 'join' within 1s; its stacks: .*_sim_worker\.py"):
+        with pytest.raises(SimError, match=r"did not answer 'join' within 1s; its stacks: \[\d+\.\d s of CPU since "
+                                           r"it started\] .*_sim_worker\.py"):
             sim._gather(1.0, "join")
+
+
+class _Finalized:
+    """Garbage (a cycle, which only the collector frees) whose finalizer records the process it ran in."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self.me = self
+
+    def __del__(self) -> None:
+        with open(self.log, "a") as fh:
+            fh.write(f"{os.getpid()}\n")
+
+
+def test_forked_workers_never_run_the_parents_finalizers(tmp_path: Path) -> None:
+    """A forked worker inherits its parent's garbage. Collected there, a finalizer runs in a process without the
+    parent's threads (a backend's destructor that joins them hangs: a CI run's worker sat "Garbage-collecting" past
+    the join's deadline). MemberSim collects before it forks; nothing inherited is collected in a worker."""
+    log = tmp_path / "finalized"
+    gc.disable()
+    try:
+        _Finalized(log)  # garbage from the first moment: the parent cannot have collected it
+    finally:
+        gc.enable()
+    frozen = gc.get_freeze_count()
+    cfg = SimConfig(address="127.0.0.1:9", token=TOKEN, ranks=8, group_size=8, processes=1)
+    with MemberSim(cfg) as sim:
+        assert gc.get_freeze_count() == frozen  # the parent's own collector is as it was
+        sim._conns[0].send(("collect", {}))
+        sim._gather(5.0, "collect")
+        worker = sim._procs[0].pid
+    gc.collect()
+    assert log.read_text().split() == [str(os.getpid())], f"worker pid {worker}"

@@ -10,6 +10,7 @@ import torch
 
 from torchnext.lowp import Format, quantize
 from torchnext.lowp.quantizers import eager as eager_mod
+from torchnext.testing.procfs import fork_without_garbage
 
 OPTS = {"nvfp4": [{}, {"global_scale": True}, {"recipe": "te"}], "mxfp8_e4m3": [{}, {"scale_mode": "rceil"}],
         "mxfp8_e5m2": [{}], "mxfp4": [{}, {"scale_mode": "rceil"}]}
@@ -73,7 +74,8 @@ def test_quantize_in_a_forked_child() -> None:
     ctx = mp.get_context("fork")
     q: mp.Queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(x, q))
-    proc.start()
+    with fork_without_garbage():  # the child must not collect this process's garbage (finalizers that join threads)
+        proc.start()
     try:
         got = q.get(timeout=120)
     finally:

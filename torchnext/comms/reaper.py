@@ -60,11 +60,22 @@ class Grave:
     """Objects the backend may still write into (released with it)."""
     issuing: bool = False
     """An op is being issued on its communicator: more Works may come (the issuing thread clears it)."""
+    cancelled: int | None = None
+    """Connections its canceller cut (Gloo: pair sockets shut down); None: it had no canceller, or it raised -- its
+    ops then end only at their own timeout."""
+    born: float = field(default_factory=time.monotonic)
     done_since: float | None = None
     released: bool = False
 
     def busy(self) -> bool:
         return self.issuing or not all(_completed(w) for w in self.works)
+
+    def describe(self) -> dict[str, Any]:
+        """What keeps it (diagnostics): ``{"name", "age_s", "issuing", "cancelled", "running"}``, ``running``
+        the types of its Works not completed."""
+        works = list(self.works)
+        return {"name": self.name, "age_s": round(time.monotonic() - self.born, 3), "issuing": self.issuing,
+                "cancelled": self.cancelled, "running": [type(w).__name__ for w in works if not _completed(w)]}
 
     def release(self) -> None:
         """Drop every reference this grave holds: the backend's destructor runs here, on the calling thread."""
@@ -174,7 +185,7 @@ def bury(handle: BackendHandle, name: str, works: Sequence[Any] = (), keep: Sequ
     cancel = handle.cancel_fn
     if cancel is not None:
         try:
-            cancel()
+            grave.cancelled = int(cancel())
         except Exception:  # best effort: the ops then end at their own timeout
             pass
     _REAPER.bury(grave)

@@ -243,14 +243,16 @@ def decode(line: bytes) -> dict[str, Any]:
 
 class LineReader:
     """Accumulates received bytes and yields complete messages (see :func:`decode`) of at most ``max_line`` bytes
-    (:data:`MAX_LINE`; a member reading its coordinator uses :data:`MAX_GENERATION_LINE`)."""
+    (:data:`MAX_LINE`; a member reading its coordinator uses :data:`MAX_GENERATION_LINE`). ``decoder`` turns one
+    line into a message (default :func:`decode`; it raises :class:`ProtocolError` on a malformed one)."""
 
-    __slots__ = ("_buf", "_scanned", "max_line")
+    __slots__ = ("_buf", "_scanned", "decoder", "max_line")
 
-    def __init__(self, max_line: int = MAX_LINE) -> None:
+    def __init__(self, max_line: int = MAX_LINE, decoder: Callable[[bytes], dict[str, Any]] | None = None) -> None:
         self._buf = bytearray()
         self._scanned = 0
         self.max_line = max_line
+        self.decoder = decoder or decode
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         """Append ``data``; return the complete messages. :class:`ProtocolError` on the first malformed line (the
@@ -272,7 +274,7 @@ class LineReader:
             del self._buf[: nl + 1]
             if not line.strip():
                 continue
-            out.append(decode(line))
+            out.append(self.decoder(line))
 
 
 # ------------------------------------------------------------------------------------------------------ schemas

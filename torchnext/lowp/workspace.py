@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from torchnext._config import env_config
+from torchnext.lowp.tracing import compiling
 
 __all__ = ["HUGE_MIN_BYTES", "MIN_BYTES", "advise_huge_pages", "cast", "fresh", "release_workspace", "reusable", "scratch", "workspace_bytes"]
 
@@ -61,17 +62,12 @@ def _pool() -> dict[tuple[str, torch.dtype, torch.device], torch.Tensor]:
     return pool
 
 
-def _compiling() -> bool:
-    is_compiling = getattr(torch.compiler, "is_compiling", None)
-    return bool(is_compiling and is_compiling())
-
-
 def scratch(tag: str, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """A 1-D ``dtype`` tensor of ``numel`` elements whose memory is reused by the next request with the same
     ``tag``/dtype/device on this thread (see the module docstring). Contents are undefined."""
     device = torch.device(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or numel * itemsize < MIN_BYTES or _compiling():
+    if device.type != "cpu" or numel * itemsize < MIN_BYTES or compiling():
         return torch.empty(numel, dtype=dtype, device=device)
     pool = _pool()
     key = (tag, dtype, device)
@@ -95,7 +91,7 @@ def cast(x: torch.Tensor, dtype: torch.dtype, tag: str | None = None) -> torch.T
 def reusable(*inputs: object) -> bool:
     """Whether an operand decoded from ``inputs`` may live in scratch memory: not while autograd could save it
     (grad mode on and some input tensor requires grad) and not while ``torch.compile`` traces."""
-    if _compiling():
+    if compiling():
         return False
     if not torch.is_grad_enabled():
         return True
@@ -146,7 +142,7 @@ def fresh(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch
     """``torch.empty(shape, dtype=dtype, device=device)`` — new memory, safe to return — with huge pages advised on
     Linux CPU for tensors of at least :data:`HUGE_MIN_BYTES` (module docstring) unless ``TORCHNEXT_HUGE_PAGES=0``."""
     t = torch.empty(shape, dtype=dtype, device=device)
-    if t.device.type == "cpu" and t.numel() * t.element_size() >= HUGE_MIN_BYTES and not _compiling():
+    if t.device.type == "cpu" and t.numel() * t.element_size() >= HUGE_MIN_BYTES and not compiling():
         if env_config().huge_pages:
             advise_huge_pages(t)
     return t

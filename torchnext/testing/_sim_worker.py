@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import faulthandler
+import gc
 import os
 import selectors
 import signal
@@ -26,6 +27,7 @@ from torchnext.ft._wire import (
     LineReader,
     ProtocolError,
     check,
+    decode,
     encode,
     mac,
     new_nonce,
@@ -40,6 +42,8 @@ _SLOTS = 10
 """Heartbeat slots per interval: member ``i`` of a process heartbeats in slot ``i % _SLOTS``."""
 _RETRY_S = 0.1
 """A handshake that failed (connection closed or refused before the welcome) is retried after this long."""
+_SHARED_LINE = 512
+"""Lines at least this long (generations, decisions) are decoded and checked once per process (``_Worker._line``)."""
 _HANG = "hang"
 """``KillMode.HANG.value`` (the other mode closes the sockets)."""
 
@@ -103,7 +107,7 @@ class _Worker:
         self.shaking = 0
         self.queue: list[_Member] = []
         self.pending: tuple[str, dict[str, Any]] | None = None
-        self.cache: dict[tuple[Any, ...], tuple[dict[str, Any], dict[str, Any]]] = {}
+        self.lines: dict[bytes, dict[str, Any]] = {}
         self.hb = encode({"t": "hb"})
         self.votes: dict[tuple[int, int], bytes] = {}
         self.steps: dict[str, Any] = {}
@@ -165,6 +169,9 @@ class _Worker:
             return
         if cmd == "counters":
             self.conn.send({"messages": self.stats.sent + self.stats.received})
+            return
+        if cmd == "collect":  # a full collection now (what may a worker collect? see worker_main)
+            self.conn.send({"collected": gc.collect()})
             return
         if cmd == "kill":
             self.conn.send(self._kill(int(kw["group"]), str(kw["mode"])))
@@ -287,7 +294,7 @@ class _Worker:
             self.queue.insert(0, m)
             return
         tune_socket(sock)
-        m.sock, m.reader, m.out, m.state = sock, LineReader(MAX_GENERATION_LINE), b"", "shaking"
+        m.sock, m.reader, m.out, m.state = sock, LineReader(MAX_GENERATION_LINE, self._line), b"", "shaking"
         m.nonce = m.challenge = ""
         self.shaking += 1
         self.sel.register(sock, selectors.EVENT_READ, m)
@@ -369,7 +376,7 @@ class _Worker:
                 self._fail(m, why)
             return
         try:
-            msgs = [self._check(raw) for raw in m.reader.feed(data)]
+            msgs = m.reader.feed(data)
         except ProtocolError as exc:  # a real member would count this as losing its coordinator
             self._fail(m, f"protocol error: {exc}")
             return
@@ -379,21 +386,20 @@ class _Worker:
                 return
             self._handle(m, msg, now)
 
-    def _check(self, raw: dict[str, Any]) -> dict[str, Any]:
-        """``check(raw, COORDINATOR_MESSAGES)``, validated once per process for the big messages every member
-        receives alike (a generation, a decision): an equal message reuses the checked copy."""
-        kind = raw.get("t")
-        if kind not in ("gen", "decision"):
-            return check(raw, COORDINATOR_MESSAGES)
-        key = (kind, raw.get("gen"), raw.get("step"), raw.get("committed"))
-        hit = self.cache.get(key)
-        if hit is not None and hit[0] == raw:
-            return hit[1]
-        checked = check(raw, COORDINATOR_MESSAGES)
-        if len(self.cache) > 64:
-            self.cache.clear()
-        self.cache[key] = (raw, checked)
-        return checked
+    def _line(self, line: bytes) -> dict[str, Any]:
+        """``check(decode(line), COORDINATOR_MESSAGES)``, done once per process for a long line that every member
+        receives alike (a generation, a decision): the same bytes reuse the checked message (read-only). Decoding
+        and checking a 1,024-member generation once per simulated member made formation quadratic in the members
+        of a process (the 1,024-rank CI test's stack dump: a worker still inside ``_wire.check`` after 50 s)."""
+        if len(line) < _SHARED_LINE:
+            return check(decode(line), COORDINATOR_MESSAGES)
+        hit = self.lines.get(line)
+        if hit is None:
+            hit = check(decode(line), COORDINATOR_MESSAGES)
+            if len(self.lines) >= 64:
+                self.lines.clear()
+            self.lines[line] = hit
+        return hit
 
     def _handle(self, m: _Member, msg: dict[str, Any], now: float) -> None:
         kind = msg["t"]
@@ -488,6 +494,9 @@ def worker_main(conn: Connection, cfg: dict[str, Any], lo: int, hi: int) -> None
     """Entry point of a worker process: serve groups ``[lo, hi)`` until told to stop (or the parent is gone).
     ``cfg["stacks"]``: a file that SIGUSR2 appends every thread's stack to (the parent asks when it waited too
     long)."""
+    # Whatever this process inherited (a forked worker: the parent's heap, frozen there before the fork -- see
+    # MemberSim.start) is never collected here; the worker's own objects are few.
+    gc.freeze()
     if cfg.get("stacks"):
         stacks = open(cfg["stacks"], "a")  # faulthandler writes to it until the process ends
         faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True, chain=False)

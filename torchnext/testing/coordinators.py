@@ -9,17 +9,24 @@
 
 ``prefix`` runs the process under another command (``["ip", "netns", "exec", "ns1"]``: inside a network
 namespace, see :mod:`torchnext.testing.netns`). The process's output is kept (``output()``) for failure messages.
+
+``fork=True`` forks it from the test processes' forkserver instead (torch preloaded, see
+:mod:`torchnext.testing.multiprocess`) -- ``netns=`` then names the namespace it enters itself: a fresh
+``python -m torchnext coordinator`` spends ~2.6 s of CPU importing torch, which a soak on a 2-core machine takes from
+the members training beside it at every coordinator restart. Same command line, same output, same signals.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import IO, Any
 
 __all__ = ["CoordinatorProcess"]
 
@@ -40,9 +47,14 @@ class CoordinatorProcess:
     def __init__(self, token: str, *, host: str = "127.0.0.1", port: int = 0, standby: bool = False, min_size: int = 1,
                  initial_size: int | None = None, heartbeat_interval_s: float | None = None,
                  heartbeat_timeout_s: float | None = None, quorum_timeout_s: float | None = None,
-                 prefix: Sequence[str] = (), extra: Sequence[str] = (), start_timeout_s: float = 60.0) -> None:
+                 prefix: Sequence[str] = (), extra: Sequence[str] = (), start_timeout_s: float = 60.0,
+                 fork: bool = False, netns: str | None = None) -> None:
         if not token:
             raise ValueError("CoordinatorProcess needs the job token")
+        if netns is not None and not fork:
+            raise ValueError("CoordinatorProcess: netns= is for fork=True (else pass prefix=lab.prefix(host))")
+        if fork and prefix:
+            raise ValueError("CoordinatorProcess: a forked coordinator runs no prefix command (use netns=)")
         args = [sys.executable, "-m", "torchnext", "coordinator", "--host", host, "--port", str(port), "--min-size",
                 str(min_size), "--no-exit-when-done"]
         if initial_size is not None:
@@ -54,10 +66,12 @@ class CoordinatorProcess:
         if standby:
             args.append("--standby")
         self.command = [*prefix, *args, *extra]
+        self.fork = fork
+        self.netns = netns
         self.token = token
         self.standby = standby
         self.start_timeout_s = start_timeout_s
-        self.proc: subprocess.Popen[str] | None = None
+        self.proc: subprocess.Popen[str] | _Forked | None = None
         self.address = ""
         self._lines: list[str] = []
         self._reader: threading.Thread | None = None
@@ -70,14 +84,20 @@ class CoordinatorProcess:
     def launch(self) -> CoordinatorProcess:
         """Start the process without waiting (start several, then ``wait_ready`` each: they import torch in
         parallel)."""
-        env = {**os.environ, "TORCHNEXT_FT_TOKEN": self.token, "PYTHONPATH": _pythonpath()}
-        self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=env, stdin=subprocess.DEVNULL)
+        out: IO[str] | None
+        if self.fork:
+            self.proc = _Forked(self.command[3:], {"TORCHNEXT_FT_TOKEN": self.token}, self.netns)
+            out = self.proc.stdout
+        else:
+            env = {**os.environ, "TORCHNEXT_FT_TOKEN": self.token, "PYTHONPATH": _pythonpath()}
+            self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                         env=env, stdin=subprocess.DEVNULL)
+            out = self.proc.stdout
         self._ready = threading.Event()
 
         def read() -> None:
-            assert self.proc is not None and self.proc.stdout is not None
-            for line in self.proc.stdout:
+            assert out is not None
+            for line in out:
                 self._lines.append(line)
                 if "listening on" in line and not self.address:
                     self.address = line.split("listening on ")[1].split()[0]
@@ -152,3 +172,79 @@ class CoordinatorProcess:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _Forked:
+    """A coordinator forked from the forkserver, with the surface of ``subprocess.Popen`` this module uses."""
+
+    def __init__(self, argv: Sequence[str], env: dict[str, str], netns: str | None) -> None:
+        from torchnext.testing.multiprocess import _mp_context
+
+        mine, theirs = socket.socketpair()
+        ctx = _mp_context("forkserver")
+        self._p = ctx.Process(target=_serve, args=(list(argv), env, netns, theirs), name="coordinator", daemon=True)
+        self._p.start()
+        theirs.close()
+        self._sock = mine
+        self.stdout: IO[str] = mine.makefile("r", encoding="utf-8", errors="replace")
+
+    @property
+    def pid(self) -> int:
+        return int(self._p.pid or 0)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._p.exitcode
+
+    def poll(self) -> int | None:
+        return self._p.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._p.join(timeout)
+        if self._p.exitcode is None:
+            raise subprocess.TimeoutExpired("forked coordinator", timeout or 0.0)
+        self._sock.close()
+        return int(self._p.exitcode)
+
+    def kill(self) -> None:
+        self._p.kill()
+
+    def terminate(self) -> None:
+        self._p.terminate()
+
+
+def _serve(argv: list[str], env: dict[str, str], netns: str | None, out: socket.socket) -> None:
+    """The forked child: enter ``netns``, send stdout and stderr to ``out``, run ``torchnext <argv>`` (``argv[0]``
+    is ``coordinator``), exit with its code (``os._exit``: nothing of the forkserver's state runs at exit)."""
+    code = 1
+    try:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+        out.close()
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # the process's own stdout, line-buffered
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        os.environ.update(env)
+        if netns is not None:
+            from torchnext.testing.netns import enter
+
+            enter(netns)
+        import argparse
+
+        from torchnext.ft import coordinator as command  # what `torchnext coordinator` runs (testing sits below cli)
+
+        if argv[:1] != ["coordinator"]:
+            raise ValueError(f"a forked coordinator runs `torchnext coordinator ...`, got {argv[:1]}")
+        parser = argparse.ArgumentParser(prog="torchnext coordinator")
+        command.add_arguments(parser)
+        code = int(command.run(parser.parse_args(argv[1:])) or 0)
+    except SystemExit as exc:  # argparse
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # report anything, then exit non-zero
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)

@@ -32,6 +32,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ __all__ = ["STACKS_SIGNAL", "ParallelSpec", "ddp_expected_weights", "ddp_gradien
 STACKS_SIGNAL = signal.SIGRTMIN + 2
 """The signal on which a member with ``ParallelSpec.stacks_file`` dumps its stacks (SIGUSR1/2 and SIGRTMIN are
 fault triggers)."""
+LONG_GAP_S = 1.0
+"""A gap between two commits this long is recorded (``long_gaps``): a soak correlates them with its faults."""
 DIM = 32
 N_PARAMS = 4
 HSDP_IN, HSDP_HIDDEN, HSDP_OUT, HSDP_BATCH = 16, 32, 4, 8
@@ -83,9 +86,17 @@ class ParallelSpec:
     signal_raises: bool = False
     """SIGUSR1: inside this process's next backward (the hook of ``signal_kills``' SIGRTMIN), its next fault-tolerant
     collective raises ``PeerFailure`` from inside the op call, on this process only (``FaultKind.RAISE_IN_OP``)."""
+    raise_log: str | None = None
+    """Append ``{"member", "t"}`` (``time.monotonic()``) right before a ``signal_raises`` raise fires: the signal
+    only arms it, and the member's next backward may come much later (a harness times recovery from this)."""
     start_file: str | None = None
     """A warm spare: build the model (HSDP: and the replica group's process group), then wait until this file exists
     before joining. If ``stop_file`` appears first, end without joining (report ``error`` "spare not used")."""
+    idle_until_started: bool = False
+    """A warm spare (``start_file``) builds and waits at ``SCHED_IDLE`` -- on a machine shared with the job it
+    trains beside, its start takes no CPU from the members -- and returns every thread to ``SCHED_OTHER`` when it
+    starts -- the moment its go-file appears, also mid-build; only where that return is allowed (``CAP_SYS_NICE``,
+    or ``RLIMIT_NICE`` >= 20: probed on a thread first), else at normal priority throughout."""
     event_log: str | None = None
     """Append one JSON line per generation this process commits in: ``{"member", "gen", "members", "step",
     "commit"}`` (``step``: the step index of its first commit here; ``commit``: ``time.monotonic()`` of it)."""
@@ -180,6 +191,7 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
     from torchnext.ft import FaultTolerant, FaultTolerantConfig, MembershipError
     from torchnext.ft.state import load_sharded_state, sharded_state
 
+    idle = _IdleUntil.start(spec.start_file) if spec.start_file is not None and spec.idle_until_started else None
     torch.set_num_threads(1)
     if spec.stacks_file is not None:
         stacks = open(spec.stacks_file, "a")  # faulthandler writes to it until the process ends
@@ -208,7 +220,10 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
             with torch.no_grad():
                 for p in model.parameters():
                     p.fill_(12345.0)
-    if spec.start_file is not None and not _wait_to_start(spec):
+    started = spec.start_file is None or _wait_to_start(spec)
+    if idle is not None:
+        report["idle_until_started"] = idle.finish()
+    if not started:
         report["error"] = "spare not used"
         if hsdp and dist.is_initialized():
             dist.destroy_process_group()
@@ -299,6 +314,77 @@ def _group_store(spec: ParallelSpec) -> Any:
     return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
 
 
+class _IdleUntil:
+    """Put this process at ``SCHED_IDLE`` until ``path`` exists (:meth:`start`), if every thread can be returned to
+    ``SCHED_OTHER`` then (probed on a throwaway thread: unprivileged with ``RLIMIT_NICE`` < 20 the way back is
+    refused -- :meth:`start` then returns None and nothing changes).
+
+    A watcher thread, started *before* the caller goes idle (so it is not), returns every thread the moment
+    ``path`` appears -- also while the caller is still building (starved at idle on a busy machine, it would
+    otherwise hold up its own start) -- and repeats until a pass moves none (a thread the caller started during a
+    pass inherited idle)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.moved = 0
+        self._done = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="idle-until-started", daemon=True)
+
+    @classmethod
+    def start(cls, path: str) -> _IdleUntil | None:
+        if not hasattr(os, "SCHED_IDLE") or not _can_return_from_idle():
+            return None
+        self = cls(path)
+        self._watcher.start()
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # threads started from here on inherit it
+        return self
+
+    def finish(self) -> int:
+        """Return every thread now (if the watcher has not yet) and end the watcher; how many threads it moved."""
+        self._done.set()
+        self._watcher.join(10.0)
+        return self.moved
+
+    def _watch(self) -> None:
+        while not self._done.is_set() and not os.path.exists(self.path):
+            self._done.wait(0.005)
+        while True:
+            n = _all_threads_back()
+            self.moved += n
+            if n == 0:
+                return
+
+
+def _can_return_from_idle() -> bool:
+    probe: list[bool] = []
+
+    def both_ways() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            probe.append(True)
+        except OSError:
+            probe.append(False)
+
+    t = threading.Thread(target=both_ways, name="sched-probe")
+    t.start()
+    t.join()
+    return bool(probe and probe[0])
+
+
+def _all_threads_back() -> int:
+    """Every thread of this process at ``SCHED_IDLE`` back to ``SCHED_OTHER``; how many."""
+    moved = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            if os.sched_getscheduler(int(tid)) == os.SCHED_IDLE:
+                os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+                moved += 1
+        except OSError:  # exited since listed
+            continue
+    return moved
+
+
 def _wait_to_start(spec: ParallelSpec) -> bool:
     """A warm spare waits for ``start_file`` (True) or ``stop_file`` (False); it also ends when its parent is gone."""
     assert spec.start_file is not None
@@ -312,9 +398,10 @@ def _wait_to_start(spec: ParallelSpec) -> bool:
 
 def _resources() -> dict[str, Any]:
     """This process's thread count, open fds and resident set (KiB), from ``/proc/self``; with what the fds are
-    (``fd_kinds``: socket, pipe, anon_inode:[eventpoll], file ...), the threads' names (``thread_names``) and the
-    live Communicators (``live_comms``) and the abandoned backends the reaper still holds (``graves``; ``graves_busy``:
-    those with an op still running), so that a growth names its cause."""
+    (``fd_kinds``: socket, pipe, anon_inode:[eventpoll], file ...), the threads' names (``thread_names``; the Python
+    ones: ``py_threads``, without a ``[...]`` suffix) and the live Communicators (``live_comms``) and the abandoned
+    backends the reaper still holds (``graves``; ``graves_busy``: those with an op still running; ``grave_list``: each
+    one's :meth:`~torchnext.comms.reaper.Grave.describe`, when there are any), so that a growth names its cause."""
     fds = os.listdir("/proc/self/fd")
     kinds: collections.Counter[str] = collections.Counter()
     for fd in fds:
@@ -335,9 +422,13 @@ def _resources() -> dict[str, Any]:
     from torchnext.comms.reaper import reaper
 
     graves = reaper().graves()
+    py = collections.Counter(t.name.split("[", 1)[0] for t in threading.enumerate())  # "x[g12]" counts as "x"
     out: dict[str, Any] = {"fds": len(fds), "fd_kinds": dict(kinds), "thread_names": dict(names),
+                           "py_threads": dict(py),
                            "live_comms": len(communicator._LIVE), "graves": len(graves),
                            "graves_busy": sum(1 for g in graves if g.busy())}
+    if graves:  # what keeps each (its age, whether its canceller ran, its Works still running)
+        out["grave_list"] = [g.describe() for g in graves]
     if os.environ.get("TORCHNEXT_SOAK_CYCLES"):
         out["cycles"] = _cycle_census()
     with open("/proc/self/status") as fh:
@@ -400,6 +491,8 @@ def _backward_fault(spec: ParallelSpec, ft: Any, injector: FaultInjector,
         if f is not None:
             time.sleep(0.005)  # the peers are now blocked in this step's first bucket all-reduces
             _log_fault(spec)
+            if f.kind is FaultKind.RAISE_IN_OP and spec.raise_log is not None:
+                _append(spec.raise_log, {"member": spec.member_id, "t": time.monotonic()})
             injector.fire(f, comm=ft.comm)
         return grad
 
@@ -442,6 +535,7 @@ def _train(spec: ParallelSpec, ft: Any, net: Any, opt: Any, injector: FaultInjec
     logged_gen = -1
     last_commit = [0.0]
     report["max_commit_gap"] = [0.0, -1, 0.0]  # seconds, the step that ended it, time.monotonic() of that commit
+    report["long_gaps"] = []  # every gap over LONG_GAP_S, as max_commit_gap (the first 500)
     next_sample = [0.0]
 
     def more() -> bool:
@@ -472,6 +566,8 @@ def _train(spec: ParallelSpec, ft: Any, net: Any, opt: Any, injector: FaultInjec
                 now = time.monotonic()
                 if last_commit[0] and now - last_commit[0] > report["max_commit_gap"][0]:
                     report["max_commit_gap"] = [now - last_commit[0], s, now]
+                if last_commit[0] and now - last_commit[0] > LONG_GAP_S and len(report["long_gaps"]) < 500:
+                    report["long_gaps"].append([now - last_commit[0], s, now])
                 last_commit[0] = now
                 if spec.event_log is not None and ft.generation != logged_gen:
                     logged_gen = ft.generation
@@ -480,7 +576,8 @@ def _train(spec: ParallelSpec, ft: Any, net: Any, opt: Any, injector: FaultInjec
             opt.zero_grad()
         if spec.resource_log is not None and time.monotonic() >= next_sample[0]:
             next_sample[0] = time.monotonic() + spec.resource_every_s
-            _append(spec.resource_log, {"t": time.monotonic(), "step": ft.step_count, **_resources()})
+            _append(spec.resource_log, {"t": time.monotonic(), "step": ft.step_count, "members": len(ft.members),
+                                        **_resources()})
         if spec.step_sleep_s:
             time.sleep(spec.step_sleep_s)
 

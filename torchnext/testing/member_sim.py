@@ -58,6 +58,7 @@ from typing import Any
 
 from torchnext.ft.member import parse_address
 from torchnext.testing._sim_worker import worker_main
+from torchnext.testing.procfs import cpu_seconds, fork_without_garbage
 
 __all__ = ["Commits", "Formation", "Generation", "KillMode", "MemberSim", "SimConfig", "SimError"]
 
@@ -203,18 +204,20 @@ class MemberSim:
     # ------------------------------------------------------------------------------------------------ lifecycle
     def start(self) -> MemberSim:
         ctx: Any = mp.get_context(self.config.start_method)  # BaseContext declares no Process
+        forking = fork_without_garbage() if self.config.start_method == "fork" else contextlib.nullcontext()
         try:
-            for lo, hi in self._ranges:
-                parent, child = ctx.Pipe()
-                fd, stacks = tempfile.mkstemp(prefix="member-sim-stacks-")
-                os.close(fd)
-                self._stacks.append(stacks)
-                proc = ctx.Process(target=worker_main, args=(child, _config_dict(self.config, stacks), lo, hi),
-                                   name=f"member-sim[{lo}:{hi}]", daemon=True)
-                proc.start()
-                child.close()
-                self._procs.append(proc)
-                self._conns.append(parent)
+            with forking:  # (a forked worker must not collect this process's garbage: see there)
+                for lo, hi in self._ranges:
+                    parent, child = ctx.Pipe()
+                    fd, stacks = tempfile.mkstemp(prefix="member-sim-stacks-")
+                    os.close(fd)
+                    self._stacks.append(stacks)
+                    proc = ctx.Process(target=worker_main, args=(child, _config_dict(self.config, stacks), lo, hi),
+                                       name=f"member-sim[{lo}:{hi}]", daemon=True)
+                    proc.start()
+                    child.close()
+                    self._procs.append(proc)
+                    self._conns.append(parent)
             self._gather(self.config.start_timeout_s, "start")
         except BaseException:
             self.close()
@@ -396,6 +399,7 @@ def _stacks_of(proc: Any, path: str) -> str:
     # faulthandler writes the innermost frame first, under "Current thread ... (most recent call first):"
     _, _, latest = text.rpartition("Current thread")
     lines = [ln.strip() for ln in latest.splitlines()[1:9] if ln.strip()]
-    return " | ".join(lines)
+    cpu = cpu_seconds(proc.pid)  # busy (near the wall time) or starved (far below it)
+    return (f"[{cpu:.1f} s of CPU since it started] " if cpu is not None else "") + " | ".join(lines)
 
 

@@ -5,9 +5,9 @@ does not take the store down. Every wait is bounded; every child is killed and r
 test fails. ``fn(ctx, *args)`` runs on each rank with a :class:`RankContext`; its return value (picklable) comes back
 in rank order.
 
-Process start: ``forkserver`` with ``torch``, ``torch._dynamo`` (what ``torch.optim`` imports), FSDP2 and
-``torchnext.comms`` preloaded (a fork of a server that imported them once; importing torch per process costs 2-3 s
-here, dynamo 3-7 s under load), ``spawn`` as an option. ``fn`` must be importable by name
+Process start: ``forkserver`` with ``torch``, ``torch._dynamo`` (what ``torch.optim`` imports), FSDP2,
+``torchnext.comms`` and ``torchnext.ft`` preloaded (a fork of a server that imported them once; importing torch per
+process costs 2-3 s here, dynamo 3-7 s under load), ``spawn`` as an option. ``fn`` must be importable by name
 (a module-level function). A child ends with ``os._exit`` after reporting, so abandoned backends never delay it.
 """
 
@@ -28,7 +28,10 @@ import torch.distributed as dist
 
 __all__ = ["RankContext", "RankExited", "RankFailure", "run_ranks", "run_threads"]
 
-_PRELOAD = ["torch", "torch.distributed", "torchnext.comms", "torch._dynamo", "torch.distributed.fsdp"]
+_PRELOAD = ["torch", "torch.distributed", "torchnext.comms", "torch._dynamo", "torch.distributed.fsdp", "torchnext.ft",
+            "torchnext.testing.ft_parallel"]
+"""What the forkserver imports once (a child forked from it has them): a fault-tolerant member (or a warm spare
+started beside a running job) otherwise spends ~0.4 s of CPU importing ``torchnext.ft`` and its workload first."""
 
 
 class RankFailure(RuntimeError):

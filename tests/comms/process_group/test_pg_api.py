@@ -110,12 +110,16 @@ def work_body(ctx: RankContext) -> dict[str, Any]:
         out["then"] = (work.wait(), t.tolist())
         # a failure under a future: the future completes (outputs NaN), never raises; later calls raise
         stuck = torch.ones(4)
-        work = dist.all_reduce(stuck, async_op=True)  # rank 1 never joins this one
-        assert work is not None
-        fut = work.get_future()
+        stuck_int = torch.ones(4, dtype=torch.int64)
+        work = dist.all_reduce(stuck, async_op=True)  # rank 1 never joins these
+        work_int = dist.all_reduce(stuck_int, async_op=True)
+        assert work is not None and work_int is not None
+        fut, fut_int = work.get_future(), work_int.get_future()
         threading.Timer(0.2, lambda: dist.group.WORLD.abort()).start()  # type: ignore[union-attr]
-        value = fut.wait()
+        value, value_int = fut.wait(), fut_int.wait()
         out["future"] = (torch.isnan(value[0]).all().item(), torch.isnan(stuck).all().item())
+        lowest = torch.iinfo(torch.int64).min
+        out["future_int"] = ((value_int[0] == lowest).all().item(), (stuck_int == lowest).all().item())
         try:
             dist.all_reduce(torch.ones(1))
         except CommAborted as exc:
@@ -134,6 +138,7 @@ def test_work_wait_timeout_and_a_future_that_never_raises() -> None:
     assert "timed out" in out["short_wait"] and "still in flight" in out["short_wait"]
     assert out["then"] == (True, [2.0] * 4)
     assert out["future"] == (True, True)
+    assert out["future_int"] == (True, True), "a failed op's integer outputs were not marked invalid"
     assert out["after"] == "CommAborted"
 
 
@@ -183,3 +188,27 @@ def test_group_needs_matching_communicators() -> None:
         TorchnextProcessGroup({})
     with pytest.raises(TypeError, match="Communicator"):
         TorchnextProcessGroup({"cpu": object()})  # type: ignore[dict-item]
+
+
+def test_invalid_values_per_dtype() -> None:
+    """What marks a failed op's output: NaN for floating point (float8 and complex included), the extreme value of
+    an integer type (signed: its minimum, unsigned: its maximum), nothing for bool."""
+    import math
+
+    from torchnext.comms.process_group.work import invalid_value, mark_invalid
+
+    for dt in (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2,
+               torch.complex64):
+        v = invalid_value(dt)
+        assert isinstance(v, float) and math.isnan(v), dt
+    for dt in (torch.int8, torch.int16, torch.int32, torch.int64):
+        assert invalid_value(dt) == torch.iinfo(dt).min, dt
+    for dt in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
+        assert invalid_value(dt) == torch.iinfo(dt).max, dt
+    assert invalid_value(torch.bool) is None
+    ts = [torch.ones(3), [torch.ones(2, dtype=torch.int32), torch.ones(2, dtype=torch.uint8)],
+          torch.ones(2, dtype=torch.bool), torch.ones(2, dtype=torch.float8_e4m3fn)]
+    mark_invalid(ts)
+    assert torch.isnan(ts[0]).all() and torch.isnan(ts[3].float()).all()
+    assert ts[1][0].tolist() == [torch.iinfo(torch.int32).min] * 2 and ts[1][1].tolist() == [255, 255]
+    assert ts[2].tolist() == [True, True]

@@ -76,15 +76,32 @@ def watched(epfd: int) -> list[tuple[int, int]]:
 
 def create_watched_device(make: Callable[[], Any]) -> tuple[Any, tuple[int, int] | None]:
     """``make()`` (creates one Gloo device) and the ``(fd, inode)`` of the epoll instance it created, or None when
-    that cannot be told (no ``/proc``, or another thread created a watched file in the same moment). The device's
-    epoll is the one that watches files created meanwhile (its pipe and listener): an epoll's own fd number and
-    inode say nothing (every epoll shares one anonymous inode, and a closed one's fd is reused)."""
+    that cannot be told (no ``/proc``, or something else created an epoll of only new files in the same moment).
+
+    The device's epoll is the one that watches files *all* created meanwhile (its pipe and listener). An epoll's own
+    fd number and inode say nothing (every epoll shares one anonymous inode, and a closed one's fd is reused); and
+    "watches *a* new file" is not enough: a live device's epoll gains a pair socket whenever another thread connects
+    a process group on it meanwhile (fault tolerance builds the next generation's groups beside the running ones) --
+    that ambiguity left the new backend without a canceller, so that an abort could not cut its ops short (they ran
+    to their timeout, and the abandoned backend's threads and fds stayed that long)."""
     with _DEVICE_LOCK:
         before = {ino for _, _, ino in _fds()}
         device = make()
-        mine = [(fd, ino) for fd, link, ino in _fds() if link == "anon_inode:[eventpoll]"
-                and any(w not in before for _, w in watched(fd))]
-    return device, (mine[0] if len(mine) == 1 else None)
+        only_new, some_new = [], []
+        for fd, link, ino in _fds():
+            if link != "anon_inode:[eventpoll]":
+                continue
+            files = watched(fd)
+            if any(w not in before for _, w in files):
+                some_new.append((fd, ino))
+                if all(w not in before for _, w in files):
+                    only_new.append((fd, ino))
+    # the one epoll of only new files; else (a device that also watches an old file -- not seen with torch 2.13)
+    # the one epoll that gained any
+    for mine in (only_new, some_new):
+        if len(mine) == 1:
+            return device, mine[0]
+    return device, None
 
 
 def cancel_sockets(epoll: tuple[int, int]) -> int:

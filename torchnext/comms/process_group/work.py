@@ -4,11 +4,12 @@ through torch's ``dist.Work`` interface (``wait``, ``is_completed``, ``get_futur
 The rule for failures (docs/process_group.md): ``wait()`` raises the op's error (``CommTimeout``, ``PeerFailure``,
 ``CommAborted``, ``CommError``) -- that is how ``dist.all_reduce(..., group=pg)`` reports it. The **future never
 completes with an exception**: torch's DDP reducer crashes the process (segfault, torch 2.13) on such a future. A
-failed op completes its future with its outputs *marked invalid* (floating-point outputs filled with NaN), and the
-failure raises at the next call into the group (the communicator is errored). Semantics::
+failed op completes its future with its outputs *marked invalid* (:func:`mark_invalid`: floating-point outputs
+NaN, integer outputs the dtype's extreme value), and the failure raises at the next call into the group (the
+communicator is errored). Semantics::
 
     work.wait()               # True; or raises the op's exception
-    work.get_future().wait()  # == outputs (torch's layout for the op); NaN-filled if the op failed
+    work.get_future().wait()  # == outputs (torch's layout for the op); marked invalid if the op failed
 """
 
 from __future__ import annotations
@@ -25,20 +26,39 @@ from torchnext.comms.work import Work, WorkStatus
 if TYPE_CHECKING:
     from torchnext.comms.process_group.group import TorchnextProcessGroup
 
-__all__ = ["GroupWork", "mark_invalid"]
+__all__ = ["GroupWork", "invalid_value", "mark_invalid"]
 
 _COMPLETED = WorkStatus.COMPLETED
 
 
+def invalid_value(dtype: torch.dtype) -> float | int | None:
+    """The value that marks an output of ``dtype`` invalid::
+
+        NaN                      # floating point and complex (float8 included)
+        torch.iinfo(dtype).min   # signed integers (int8 ... int64)
+        torch.iinfo(dtype).max   # unsigned integers (uint8 ... uint64)
+        None                     # bool: no value marks it; the output is left as the failed op left it
+    """
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    if dtype == torch.bool:
+        return None
+    info = torch.iinfo(dtype)
+    return info.min if info.min < 0 else info.max
+
+
 def mark_invalid(tensors: Sequence[Any]) -> None:
-    """Fill the floating-point (and complex) tensors of ``tensors`` (nested lists allowed) with NaN: the mark of
-    an op that failed while its caller could not be told (a future that must not raise)."""
+    """Fill the tensors of ``tensors`` (nested lists allowed) with :func:`invalid_value` of their dtype: the mark
+    of an op that failed while its caller could not be told (a future that must not raise). The native path
+    (``comms/native/csrc/native.cpp``) marks the same values."""
     for t in tensors:
         if isinstance(t, (list, tuple)):
             mark_invalid(t)
-        elif isinstance(t, torch.Tensor) and (t.dtype.is_floating_point or t.dtype.is_complex):
-            with torch.no_grad():
-                t.fill_(float("nan"))
+        elif isinstance(t, torch.Tensor):
+            v = invalid_value(t.dtype)
+            if v is not None:
+                with torch.no_grad():
+                    t.fill_(v)
 
 
 class GroupWork(dist._Work):

@@ -30,13 +30,14 @@ from typing import Any
 import torch
 
 from torchnext._config import env_config
+from torchnext.lowp.tracing import trace_time_constant
 
 __all__ = ["ISAS", "KernelStatus", "KernelsUnavailable", "describe", "isa_index", "ops", "simd", "status",
            "unavailable"]
 
 log = logging.getLogger("torchnext.lowp.cpu")
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 """Must equal ``kAbiVersion`` in csrc/register.cpp (the loader refuses another library)."""
 
 ISAS = ("avx512", "avx2", "portable")
@@ -61,14 +62,6 @@ class KernelStatus:
     """Instruction-set variants compiled in, best first (e.g. ``("avx512", "avx2", "portable")``)."""
     build_seconds: float | None = None
     """Compile time if this process built the library, None if it was loaded from the cache."""
-
-
-def _trace_time_constant(fn: Any) -> Any:
-    """``torch.compiler.assume_constant_result(fn)`` -- under ``torch.compile`` the call runs at trace time and its
-    result is a constant of the graph -- by the marker it sets, without importing ``torch._dynamo`` here (2 s of
-    import for everyone; ``tests/lowp/test_compile_export.py`` checks the marker is still torch's)."""
-    fn._dynamo_marked_constant = True
-    return fn
 
 
 _STATUS: KernelStatus | None = None
@@ -128,7 +121,7 @@ def status() -> KernelStatus:
         return _STATUS
 
 
-@_trace_time_constant
+@trace_time_constant
 def unavailable() -> str:
     """Why the kernels cannot be used here (``""``: they can). What code that ``torch.compile`` may trace asks
     instead of :func:`status`: it runs at trace time, not traced (the first call builds or loads the library --
@@ -137,13 +130,13 @@ def unavailable() -> str:
     return "" if st.available else st.reason
 
 
-@_trace_time_constant
+@trace_time_constant
 def describe() -> str:
     """:attr:`KernelStatus.reason` (available or not), as :func:`unavailable` asks it: a constant under compile."""
     return status().reason
 
 
-@_trace_time_constant
+@trace_time_constant
 def simd() -> bool:
     """Whether a SIMD variant (AVX-512 or AVX2) is compiled in: only then do the ``auto`` choices assume the
     compiled kernels beat the pure-torch paths (the portable variant is correct everywhere, but its speed depends on

@@ -31,7 +31,7 @@ def _gemv_pack(qdata: torch.Tensor, scales: torch.Tensor, fmt: int) -> tuple[tor
 
 
 def _gemv(x: torch.Tensor, packed: torch.Tensor, nan_cols: torch.Tensor, flags: torch.Tensor, fmt: int, n: int,
-          kp: int, gscale: float, has_g: bool, scale: torch.Tensor | None, scale_kind: int, bias: torch.Tensor | None,
+          kp: int, gscale: torch.Tensor | None, scale: torch.Tensor | None, scale_kind: int, bias: torch.Tensor | None,
           act: int, residual: torch.Tensor | None, want_amax: bool, bf16_out: bool,
           isa: int) -> tuple[torch.Tensor, torch.Tensor]:
     y = x.new_empty((x.shape[0], n), dtype=torch.bfloat16 if bf16_out else torch.float32)

@@ -18,6 +18,16 @@ For a problem key ``(torch version, device, formats, M bucket, N, K, epilogue si
     times = median over `reps` round-robin rounds of each passing candidate
     choice = argmin(times); memory[key] = disk[key] = (choice, policy); log it
 
+**Under ``torch.compile`` / ``torch.export``** nothing is timed, locked or read inside the trace: the choice is made
+at trace time from what is already decided, and becomes a constant of the graph::
+
+    traceable = [b for b in candidates if getattr(b, "traceable", True)]   # not those that compile or launch
+    return remembered(key, policy) if it is in traceable else traceable[0]  # memory or disk; else the static order
+
+(``inductor`` is not traceable -- under an outer compile the outer compiler generates that code; ``triton`` and
+``cutlass`` launch their own kernels.) Where the eager choice is traceable, compiled and eager calls give the same
+bits; under the default policy every tuned choice gives the static choice's bits anyway.
+
 **Results never depend on timing** (``TORCHNEXT_AUTOTUNE=1``, the default): the candidates the timing chooses
 among are those whose outputs (dense output, amax, quantized output) are bitwise equal, on the problem being tuned,
 to the first candidate that passes the check -- the one ``TORCHNEXT_AUTOTUNE=0`` uses. So two runs of a seed,
@@ -52,6 +62,7 @@ from torchnext._config import env_config
 from torchnext.lowp.mm.backends import BACKENDS, Problem, get_backend
 from torchnext.lowp.mm.epilogue import EpilogueOutput
 from torchnext.lowp.tensor import BlockScaledTensor
+from torchnext.lowp.tracing import compiling, trace_time_constant
 
 __all__ = [
     "PREFERENCE",
@@ -141,22 +152,36 @@ def problem_key(problem: Problem) -> str:
 def eligible_backends(problem: Problem) -> list[str]:
     """Candidates for ``problem`` in :data:`PREFERENCE` order (then any other registered ones), without those an
     eligible backend supersedes (its optional ``supersedes(problem)``)."""
-    get_backend("reference")  # loads the built-ins
-    names = [n for n in PREFERENCE if n in BACKENDS] + sorted(n for n in BACKENDS if n not in PREFERENCE)
     out = []
-    for name in names:
+    for name in _registry_order():
         b = BACKENDS[name]
         if not getattr(b, "autotune_candidate", True):
             continue
         ok, _ = b.available()
         if ok and b.supports(problem) is None:
             out.append(name)
+    return _without_superseded(out, problem)
+
+
+def _registry_order() -> list[str]:
+    """Registered backends in :data:`PREFERENCE` order, then any others by name (loads the built-ins)."""
+    get_backend("reference")
+    return [n for n in PREFERENCE if n in BACKENDS] + sorted(n for n in BACKENDS if n not in PREFERENCE)
+
+
+def _without_superseded(names: list[str], problem: Problem) -> list[str]:
+    """``names`` without those one of them supersedes for ``problem`` (a backend's optional ``supersedes``)."""
     superseded: set[str] = set()
-    for name in out:
+    for name in names:
         sup = getattr(BACKENDS[name], "supersedes", None)
         if sup is not None:
             superseded |= set(sup(problem)) - {name}
-    return [n for n in out if n not in superseded]
+    return [n for n in names if n not in superseded]
+
+
+def _policy_of(autotune: str) -> str:
+    """The policy that ``TORCHNEXT_AUTOTUNE=<autotune>`` selects."""
+    return "fastest" if autotune == "fastest" else "bitwise"
 
 
 def _still_eligible(name: str, problem: Problem) -> bool:
@@ -370,11 +395,52 @@ def tune(problem: Problem, candidates: list[str] | None = None, config: TuneConf
 _POLICIES = ("bitwise", "fastest")
 
 
+@trace_time_constant
+def _policy() -> str:
+    return _policy_of(env_config().autotune)
+
+
+@trace_time_constant
+def _traceable_order() -> tuple[str, ...]:
+    """Registered, available autotune candidates that a trace may contain, in :data:`PREFERENCE` order."""
+    return tuple(n for n in _registry_order() if getattr(BACKENDS[n], "autotune_candidate", True)
+                 and getattr(BACKENDS[n], "traceable", True) and BACKENDS[n].available()[0])
+
+
+@trace_time_constant
+def _remembered(key: str, policy: str) -> str:
+    """The backend decided for ``key`` under ``policy`` in this process or on disk (``""``: none)."""
+    with _LOCK:
+        rec = _MEMORY.get(key)
+        if rec is not None and rec.policy == policy:
+            return rec.backend
+    cfg = env_config()
+    if cfg.autotune == "0":
+        return ""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AutotuneCacheWarning)
+        entry = _read_disk(Path(cfg.autotune_cache)).get(key)
+    return entry["backend"] if entry is not None and entry.get("policy", "fastest") == policy else ""
+
+
+def _select_in_trace(problem: Problem) -> str:
+    # traced by dynamo: only metadata checks here (supports() reads formats, shapes, the epilogue); everything
+    # stateful is a trace-time constant above
+    names = _without_superseded([n for n in _traceable_order() if BACKENDS[n].supports(problem) is None], problem)
+    if not names:
+        raise RuntimeError(f"autotune: no traceable backend supports {problem.formats} on {problem.device.type} "
+                           "(inductor, triton and cutlass are not used inside torch.compile/export)")
+    chosen = _remembered(problem_key(problem), _policy())
+    return chosen if chosen in names else names[0]
+
+
 def select(problem: Problem) -> str:
     """The backend name to use for ``problem`` (see the module docstring)."""
+    if compiling():
+        return _select_in_trace(problem)
     cfg = env_config()
     key = problem_key(problem)
-    policy = "fastest" if cfg.autotune == "fastest" else "bitwise"
+    policy = _policy_of(cfg.autotune)
     with _LOCK:
         rec = _MEMORY.get(key)
         if rec is not None and rec.policy == policy and _still_eligible(rec.backend, problem):  # hot path

@@ -26,6 +26,13 @@ kernels (oneDNN's AVX512-BF16 / AMX on CPU, ≈ 4-5x the fp32 GEMM here) whose o
 fp32. Versus the fp32 semantics the error is the bf16 rounding of the activations and of the product (SQNR
 ≈ 50 dB on Gaussian data, far below the 4-bit weights' own error of ≈ 14 dB). The default
 (``torch.float32``) keeps the loop's fp32 semantics exactly.
+
+Under ``torch.compile``/``torch.export`` the grouped GEMMs are two custom ops, ``torchnext_lowp::grouped_mm`` and
+``torchnext_lowp::grouped_mm_reduce``, whose kernels are the eager code above (``torch._grouped_mm`` or its
+fallback) and whose fake implementations give the output shape from the input shapes alone: a graph cannot hold a
+buffer sized by the offsets' values, and running the same kernel keeps compiled results bitwise equal to eager.
+Their backward is the grouped pair (``grad_a = grouped_mm(grad, w^T)``, ``grad_w = grouped_mm_reduce(grad^T, a^T)``).
+The offsets' *values* are checked in eager only.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from torchnext.lowp.mm.decode import dequantize_operand
 from torchnext.lowp.mm.epilogue import Epilogue, EpilogueError, apply_epilogue
 from torchnext.lowp.mm.scaled_mm import ScaledMMResult
 from torchnext.lowp.tensor import BlockScaledTensor
+from torchnext.lowp.tracing import compiling
 from torchnext.lowp.workspace import fresh, reusable
 
 __all__ = ["expert_weight", "grouped_reference", "grouped_scaled_mm"]
@@ -81,7 +89,7 @@ def _validate(
     if offsets.numel() != e:
         raise FormatError(f"grouped_scaled_mm: offsets has {offsets.numel()} entries for {e} experts")
     # the values are data: checked in eager; a traced graph (torch.compile/export) cannot branch on them
-    if e and not torch.compiler.is_compiling() and (
+    if e and not compiling() and (
             bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[0]) < 0 or int(offsets[-1]) != t):
         raise FormatError(f"grouped_scaled_mm: offsets must be non-decreasing, start >= 0 and end at T={t}: {offsets.tolist()}")
     if ep.bias is not None and tuple(ep.bias.shape) not in ((n,), (e, n)):
@@ -109,7 +117,7 @@ def _padded_bmm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torc
     return out[ids, pos]
 
 
-def _grouped_acc(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _grouped_acc_eager(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     gm = getattr(torch, "_grouped_mm", None)
     if gm is not None and a.shape[0] > 0:
         try:
@@ -117,6 +125,65 @@ def _grouped_acc(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> tor
         except (RuntimeError, NotImplementedError):
             pass
     return _padded_bmm(a, w, offsets)
+
+
+def _reduce_acc_eager(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """(E, N, K) ``out[e] = a[:, g_e] @ w[:, g_e].T`` of dense (N, T) and (K, T) operands, in their dtype."""
+    gm = getattr(torch, "_grouped_mm", None)
+    if gm is not None and offsets.numel() and a.shape[1] > 0:
+        try:
+            return gm(a, w.t(), offs=offsets.to(torch.int32))
+        except (RuntimeError, NotImplementedError):
+            pass
+    ends = [int(v) for v in offsets.tolist()]
+    out = a.new_zeros(len(ends), a.shape[0], w.shape[0])  # fallback: one GEMM per group
+    for e, (s0, s1) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
+        if s1 > s0:
+            out[e] = a[:, s0:s1] @ w[:, s0:s1].t()
+    return out
+
+
+@torch.library.custom_op("torchnext_lowp::grouped_mm", mutates_args=())
+def _grouped_mm_op(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``out[g_e] = a[g_e] @ w[e].T``: the eager grouped GEMM as one op of a traced graph (module docstring)."""
+    return _grouped_acc_eager(a, w, offsets)
+
+
+@_grouped_mm_op.register_fake
+def _grouped_mm_fake(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return a.new_empty((a.shape[0], w.shape[1]))
+
+
+@torch.library.custom_op("torchnext_lowp::grouped_mm_reduce", mutates_args=())
+def _grouped_mm_reduce_op(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``out[e] = a[:, g_e] @ w[:, g_e].T`` (E, N, K): the reduction-grouped GEMM as one op (module docstring)."""
+    return _reduce_acc_eager(a, w, offsets)
+
+
+@_grouped_mm_reduce_op.register_fake
+def _grouped_mm_reduce_fake(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return a.new_empty((offsets.shape[0], a.shape[0], w.shape[0]))
+
+
+def _grouped_mm_setup(ctx: object, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)  # type: ignore[attr-defined]
+
+
+def _grouped_mm_backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    a, w, offsets = ctx.saved_tensors  # type: ignore[attr-defined]
+    need_a, need_w, _ = ctx.needs_input_grad  # type: ignore[attr-defined]
+    grad_a = _grouped_mm_op(grad.to(w.dtype), w.transpose(1, 2).contiguous(), offsets) if need_a else None
+    grad_w = _grouped_mm_reduce_op(grad.t().to(a.dtype).contiguous(), a.t().contiguous(), offsets) if need_w else None
+    return (None if grad_a is None else grad_a.to(a.dtype), None if grad_w is None else grad_w.to(w.dtype), None)
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+def _grouped_acc(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    if compiling():
+        return _grouped_mm_op(a, w, offsets)
+    return _grouped_acc_eager(a, w, offsets)
 
 
 def _grouped_acc_bf16(
@@ -207,31 +274,21 @@ def _grouped_reduce(
         raise FormatError(f"grouped_scaled_mm (reduction-grouped): a is ({n}, {t}) and w is ({k}, {tw}): T differs")
     if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64):
         raise FormatError("grouped_scaled_mm: offsets must be a 1-D int32/int64 tensor of group end columns")
-    ends = [int(v) for v in offsets.tolist()]
-    if any(b < a_ for a_, b in zip([0, *ends[:-1]], ends, strict=True)) or (ends and ends[-1] != t):
-        raise FormatError(f"grouped_scaled_mm: offsets must be non-decreasing and end at T={t}: {ends}")
-    starts = [0, *ends[:-1]]
-    for x in (a, w):
-        if isinstance(x, BlockScaledTensor) and any(s % x.block_size for s in starts):
-            raise FormatError(
-                f"grouped_scaled_mm (reduction-grouped): groups must start at multiples of the block size "
-                f"{x.block_size} (a block may not straddle two groups), got starts {starts}"
-            )
+    if not compiling():  # the values are data: checked in eager (a traced graph cannot branch on them)
+        ends = [int(v) for v in offsets.tolist()]
+        if any(b < a_ for a_, b in zip([0, *ends[:-1]], ends, strict=True)) or (ends and ends[-1] != t):
+            raise FormatError(f"grouped_scaled_mm: offsets must be non-decreasing and end at T={t}: {ends}")
+        starts = [0, *ends[:-1]]
+        for x in (a, w):
+            if isinstance(x, BlockScaledTensor) and any(s % x.block_size for s in starts):
+                raise FormatError(
+                    f"grouped_scaled_mm (reduction-grouped): groups must start at multiples of the block size "
+                    f"{x.block_size} (a block may not straddle two groups), got starts {starts}"
+                )
     dtype = compute_dtype
     ad = dense_operand(a, dtype) if isinstance(a, BlockScaledTensor) else a.to(dtype)
     wd = dense_operand(w, dtype) if isinstance(w, BlockScaledTensor) else w.to(dtype)
-    gm = getattr(torch, "_grouped_mm", None)
-    out = None
-    if gm is not None and ends and t > 0:
-        try:
-            out = gm(ad, wd.t(), offs=offsets.to(torch.int32))
-        except (RuntimeError, NotImplementedError):
-            out = None
-    if out is None:  # fallback: one GEMM per group
-        out = ad.new_zeros(len(ends), n, k)
-        for e, (s0, s1) in enumerate(zip(starts, ends, strict=True)):
-            if s1 > s0:
-                out[e] = ad[:, s0:s1] @ wd[:, s0:s1].t()
+    out = _grouped_mm_reduce_op(ad, wd, offsets) if compiling() else _reduce_acc_eager(ad, wd, offsets)
     return out.to(torch.float32)
 
 

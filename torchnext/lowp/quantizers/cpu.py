@@ -82,12 +82,12 @@ def rht_amax(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     return ops().rht_absmax(x.contiguous(), signs.detach().to(device="cpu", dtype=torch.float32), isa_index(ISA))
 
 
-def _global_args(inp: ScaleInputs, recipe: str) -> tuple[float, float, bool]:
+def _global_args(inp: ScaleInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The two-level scale as the kernel takes it: 0-d tensors (None: one-level), never values read from them
+    (``float(t)`` would break a ``torch.compile`` graph); the kernel rounds them to fp32 as ``float()`` did."""
     if inp.global_decode is None:
-        return 1.0, 1.0, False
-    dec = float(inp.global_decode)
-    enc = float(inp.global_encode) if inp.global_encode is not None else 1.0 / dec
-    return dec, enc, True
+        return None, None
+    return inp.global_decode, inp.global_encode
 
 
 def _signed64(v: int) -> int:
@@ -108,7 +108,7 @@ def _run(
     *,
     swizzle_cols: int | None,
 ) -> None:
-    dec, enc, has_g = _global_args(inp, opts.scale_recipe)
+    dec, enc = _global_args(inp)
     counter = noise if isinstance(noise, CounterNoise) else None
     tensor = noise if isinstance(noise, torch.Tensor) else None
     ops().quantize(
@@ -123,7 +123,6 @@ def _run(
         _RECIPE_CODES[opts.scale_recipe],
         dec,
         enc,
-        has_g,
         swizzle_cols is not None,
         swizzle_cols or 0,
         tensor,
@@ -230,8 +229,8 @@ def quantize_pair_blocks(
     col_codes = fresh((k, mp // pb), storage, x.device)
     row_scales = fresh((m * kp // block,), torch.uint8, x.device)
     col_scales = fresh((k * mp // block,), torch.uint8, x.device)
-    rdec, renc, rg = _global_args(row_inputs, row_opts.scale_recipe)
-    cdec, cenc, cg = _global_args(col_inputs, col_opts.scale_recipe)
+    rdec, renc = _global_args(row_inputs)
+    cdec, cenc = _global_args(col_inputs)
     ops().quantize_pair(
         x.contiguous(),
         row_codes.view(torch.uint8),
@@ -243,14 +242,12 @@ def quantize_pair_blocks(
         _RECIPE_CODES[row_opts.scale_recipe],
         rdec,
         renc,
-        rg,
         rn[0],
         rn[1],
         rn[2],
         _RECIPE_CODES[col_opts.scale_recipe],
         cdec,
         cenc,
-        cg,
         cn[0],
         cn[1],
         cn[2],

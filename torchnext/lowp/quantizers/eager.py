@@ -21,6 +21,7 @@ from torchnext.lowp.formats import FormatSpec
 from torchnext.lowp.options import ResolvedOptions, block_outputs
 from torchnext.lowp.rng import CounterNoise, noise_rows
 from torchnext.lowp.scales import SCALE_RECIPES, ScaleInputs
+from torchnext.lowp.tracing import compiling
 
 __all__ = ["CHUNK_ELEMENTS", "dequantize_blocks", "quantize_blocks"]
 
@@ -56,7 +57,7 @@ def run_chunks(n: int, rows: int, work: Callable[[int, int], None], *, parallel:
     """
     starts = list(range(0, n, rows))
     # traced (torch.compile/export): no Python threads in a graph
-    threaded = parallel and not torch.compiler.is_compiling()
+    threaded = parallel and not compiling()
     default = torch.get_num_threads() if threaded else 1  # this thread's setting; workers restore it as the default
     workers = min(default, len(starts))
     if workers <= 1:

@@ -18,7 +18,8 @@
 // CommAborted, ...), so callers see the same classes and messages on both paths.
 //
 // The future of a Work never completes with an error (torch's DDP reducer crashes on one): a failed op's
-// floating-point outputs are filled with NaN and the future completes with the outputs.
+// outputs are marked invalid (floating point: NaN; integers: the type's extreme value; see mark_invalid) and the
+// future completes with the outputs.
 
 #include <torch/extension.h>
 #include <pybind11/chrono.h>
@@ -36,6 +37,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -284,12 +286,39 @@ struct Core {
   }
 };
 
+// The values of torchnext.comms.process_group.work.invalid_value: NaN for floating point and complex, the most
+// negative value of a signed integer type, the largest of an unsigned one; a bool is left as it is.
+template <class T>
+c10::Scalar extreme() {
+  return std::numeric_limits<T>::is_signed ? c10::Scalar(static_cast<int64_t>(std::numeric_limits<T>::min()))
+                                           : c10::Scalar(static_cast<uint64_t>(std::numeric_limits<T>::max()));
+}
+
+bool invalid_value(at::ScalarType st, c10::Scalar* out) {
+  if (at::isFloatingType(st) || at::isComplexType(st)) {
+    *out = c10::Scalar(std::numeric_limits<double>::quiet_NaN());
+    return true;
+  }
+  switch (st) {
+    case at::kChar: *out = extreme<int8_t>(); return true;
+    case at::kShort: *out = extreme<int16_t>(); return true;
+    case at::kInt: *out = extreme<int32_t>(); return true;
+    case at::kLong: *out = extreme<int64_t>(); return true;
+    case at::kByte: *out = extreme<uint8_t>(); return true;
+    case at::kUInt16: *out = extreme<uint16_t>(); return true;
+    case at::kUInt32: *out = extreme<uint32_t>(); return true;
+    case at::kUInt64: *out = extreme<uint64_t>(); return true;
+    default: return false;  // bool (and anything without a marking value)
+  }
+}
+
 void mark_invalid(const std::vector<at::Tensor>& ts) {
   for (const auto& t : ts) {
-    if (t.defined() && (t.is_floating_point() || t.is_complex())) {
+    c10::Scalar v;
+    if (t.defined() && invalid_value(t.scalar_type(), &v)) {
       try {
         at::NoGradGuard g;
-        t.fill_(std::numeric_limits<double>::quiet_NaN());
+        t.fill_(v);
       } catch (...) {
       }
     }

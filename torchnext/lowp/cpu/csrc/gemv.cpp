@@ -322,12 +322,14 @@ void dispatch_format(const GemvArgs& a, int fmt, bool safe, int mr, std::atomic<
   }
 }
 
-int best_isa();  // register.cpp
+int best_isa();                        // register.cpp
+double scalar_of(const at::Tensor& t);  // quantize.cpp
 
 // x: (M, K) fp32 or bf16, M <= 16. Returns (y (M, N) fp32 or bf16, amax 0-d fp32 (0 unless want_amax)).
 std::tuple<at::Tensor, at::Tensor> gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& nan_cols,
-                                        const at::Tensor& flags, int64_t fmt, int64_t n, int64_t kp, double gscale,
-                                        bool has_g, const c10::optional<at::Tensor>& scale, int64_t scale_kind,
+                                        const at::Tensor& flags, int64_t fmt, int64_t n, int64_t kp,
+                                        const c10::optional<at::Tensor>& gscale,
+                                        const c10::optional<at::Tensor>& scale, int64_t scale_kind,
                                         const c10::optional<at::Tensor>& bias, int64_t act,
                                         const c10::optional<at::Tensor>& residual, bool want_amax, bool bf16_out,
                                         int64_t isa) {
@@ -371,8 +373,10 @@ std::tuple<at::Tensor, at::Tensor> gemv(const at::Tensor& x, const at::Tensor& p
   a.tiles = tiles;
   a.xt = xt;
   a.nan_cols = nan_cols.data_ptr<uint8_t>();
-  a.gscale = static_cast<float>(gscale);
-  a.has_g = has_g;
+  // the NVFP4 global decode scale as a 0-d tensor (a traced graph holds tensors, not values read from them)
+  TORCH_CHECK(!gscale.has_value() || gscale->numel() == 1, "torchnext_cpu.gemv: the global scale must hold one value");
+  a.has_g = gscale.has_value();
+  a.gscale = a.has_g ? static_cast<float>(scalar_of(*gscale)) : 1.0f;
   a.ep.m = m;
   a.ep.n = n;
   a.ep.scale_kind = static_cast<int>(scale_kind);

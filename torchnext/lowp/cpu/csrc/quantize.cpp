@@ -460,9 +460,36 @@ void dispatch_q(const QArgs& q, bool sr) {
 
 int best_isa();
 
+// NVFP4's two-level scale, passed as 0-d tensors (a graph traced by torch.compile holds tensors, not values read
+// from them): the values Python's float() would give, rounded to fp32 as before; the encode scale defaults to
+// 1 / decode computed in double.
+struct Global {
+  float dec = 1.0f;
+  float enc = 1.0f;
+  bool has = false;
+};
+
+// One value of a 0-d tensor: read in place when it is a CPU fp32 scalar (no dispatch), else through item().
+double scalar_of(const at::Tensor& t) {
+  if (t.scalar_type() == at::kFloat && t.device().is_cpu()) return static_cast<double>(*t.data_ptr<float>());
+  return t.item<double>();
+}
+
+Global global_of(const c10::optional<at::Tensor>& dec, const c10::optional<at::Tensor>& enc, const char* op) {
+  Global g;
+  if (!dec.has_value()) return g;
+  TORCH_CHECK(dec->numel() == 1, op, ": the global decode scale must hold one value");
+  TORCH_CHECK(!enc.has_value() || enc->numel() == 1, op, ": the global encode scale must hold one value");
+  const double d = scalar_of(*dec);
+  g.dec = static_cast<float>(d);
+  g.enc = static_cast<float>(enc.has_value() ? scalar_of(*enc) : 1.0 / d);
+  g.has = true;
+  return g;
+}
+
 void quantize(const at::Tensor& x, int64_t outer, int64_t k, int64_t inner, const at::Tensor& codes,
-              const at::Tensor& scales, int64_t elem, int64_t block, int64_t recipe, double g_dec, double g_enc,
-              bool has_g, bool swizzle, int64_t swz_cols, const c10::optional<at::Tensor>& noise, bool sr_seeded,
+              const at::Tensor& scales, int64_t elem, int64_t block, int64_t recipe,
+              const c10::optional<at::Tensor>& g_dec, const c10::optional<at::Tensor>& g_enc, bool swizzle, int64_t swz_cols, const c10::optional<at::Tensor>& noise, bool sr_seeded,
               int64_t seed, int64_t offset, int64_t isa) {
   TORCH_CHECK(x.is_contiguous() && x.device().is_cpu(), "torchnext_cpu.quantize: x must be a contiguous CPU tensor");
   TORCH_CHECK(x.numel() == outer * k * inner, "torchnext_cpu.quantize: x has ", x.numel(), " elements, not ", outer, "*", k, "*", inner);
@@ -482,7 +509,8 @@ void quantize(const at::Tensor& x, int64_t outer, int64_t k, int64_t inner, cons
   q.kp = (k + block - 1) / block * block;
   q.nb = q.kp / block;
   q.elem = static_cast<int>(elem);
-  q.ra = {static_cast<int>(recipe), elem_geom(q.elem), static_cast<float>(g_dec), static_cast<float>(g_enc), has_g};
+  const Global g = global_of(g_dec, g_enc, "torchnext_cpu.quantize");
+  q.ra = {static_cast<int>(recipe), elem_geom(q.elem), g.dec, g.enc, g.has};
   const int pb = elem == kE2m1 ? 2 : 1;
   const int64_t rows = outer * inner;
   TORCH_CHECK(codes.is_contiguous() && codes.element_size() == 1 && codes.numel() == rows * q.kp / pb,
@@ -699,9 +727,10 @@ void dispatch_pair(const PairArgs& p, int elem) {
 
 void quantize_pair(const at::Tensor& x, const at::Tensor& row_codes, const at::Tensor& row_scales,
                    const at::Tensor& col_codes, const at::Tensor& col_scales, int64_t elem, int64_t block,
-                   int64_t recipe_r, double gdec_r, double genc_r, bool hasg_r, bool sr_r, int64_t seed_r,
-                   int64_t off_r, int64_t recipe_c, double gdec_c, double genc_c, bool hasg_c, bool sr_c,
-                   int64_t seed_c, int64_t off_c, const c10::optional<at::Tensor>& signs, int64_t isa) {
+                   int64_t recipe_r, const c10::optional<at::Tensor>& gdec_r,
+                   const c10::optional<at::Tensor>& genc_r, bool sr_r, int64_t seed_r, int64_t off_r,
+                   int64_t recipe_c, const c10::optional<at::Tensor>& gdec_c, const c10::optional<at::Tensor>& genc_c,
+                   bool sr_c, int64_t seed_c, int64_t off_c, const c10::optional<at::Tensor>& signs, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "torchnext_cpu.quantize_pair: x must be a contiguous 2-D CPU tensor");
   TORCH_CHECK(block == 16 || block == 32, "torchnext_cpu.quantize_pair: block must be 16 or 32");
   PairArgs p;
@@ -725,10 +754,12 @@ void quantize_pair(const at::Tensor& x, const at::Tensor& row_codes, const at::T
   TORCH_CHECK(row_scales.is_contiguous() && row_scales.numel() == p.m * p.kp / block, "torchnext_cpu.quantize_pair: row scales size");
   TORCH_CHECK(col_scales.is_contiguous() && col_scales.numel() == p.k * p.mp / block, "torchnext_cpu.quantize_pair: column scales size");
   const ElemGeom eg = elem_geom(static_cast<int>(elem));
-  p.row = {{static_cast<int>(recipe_r), eg, static_cast<float>(gdec_r), static_cast<float>(genc_r), hasg_r}, sr_r,
+  const Global gr = global_of(gdec_r, genc_r, "torchnext_cpu.quantize_pair");
+  const Global gc = global_of(gdec_c, genc_c, "torchnext_cpu.quantize_pair");
+  p.row = {{static_cast<int>(recipe_r), eg, gr.dec, gr.enc, gr.has}, sr_r,
            rng_key(static_cast<uint64_t>(seed_r)), static_cast<uint64_t>(off_r), static_cast<uint8_t*>(row_codes.data_ptr()),
            static_cast<uint8_t*>(row_scales.data_ptr())};
-  p.col = {{static_cast<int>(recipe_c), eg, static_cast<float>(gdec_c), static_cast<float>(genc_c), hasg_c}, sr_c,
+  p.col = {{static_cast<int>(recipe_c), eg, gc.dec, gc.enc, gc.has}, sr_c,
            rng_key(static_cast<uint64_t>(seed_c)), static_cast<uint64_t>(off_c), static_cast<uint8_t*>(col_codes.data_ptr()),
            static_cast<uint8_t*>(col_scales.data_ptr())};
   if (p.rht) {

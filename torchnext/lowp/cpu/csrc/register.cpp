@@ -9,7 +9,7 @@
 namespace tnx {
 
 // Bumped whenever an op's schema or meaning changes: the Python loader refuses a library with another version.
-constexpr int64_t kAbiVersion = 2;
+constexpr int64_t kAbiVersion = 3;
 
 int best_isa() {
 #if defined(TNX_HAVE_AVX512)
@@ -38,20 +38,22 @@ int64_t abi_version() { return kAbiVersion; }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gemv_pack(const at::Tensor& qdata, const at::Tensor& scales, int64_t fmt);
 std::tuple<at::Tensor, at::Tensor> gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& nan_cols,
-                                        const at::Tensor& flags, int64_t fmt, int64_t n, int64_t kp, double gscale,
-                                        bool has_g, const c10::optional<at::Tensor>& scale, int64_t scale_kind,
+                                        const at::Tensor& flags, int64_t fmt, int64_t n, int64_t kp,
+                                        const c10::optional<at::Tensor>& gscale,
+                                        const c10::optional<at::Tensor>& scale, int64_t scale_kind,
                                         const c10::optional<at::Tensor>& bias, int64_t act,
                                         const c10::optional<at::Tensor>& residual, bool want_amax, bool bf16_out,
                                         int64_t isa);
 void quantize(const at::Tensor& x, int64_t outer, int64_t k, int64_t inner, const at::Tensor& codes,
-              const at::Tensor& scales, int64_t elem, int64_t block, int64_t recipe, double g_dec, double g_enc,
-              bool has_g, bool swizzle, int64_t swz_cols, const c10::optional<at::Tensor>& noise, bool sr_seeded,
+              const at::Tensor& scales, int64_t elem, int64_t block, int64_t recipe,
+              const c10::optional<at::Tensor>& g_dec, const c10::optional<at::Tensor>& g_enc, bool swizzle, int64_t swz_cols, const c10::optional<at::Tensor>& noise, bool sr_seeded,
               int64_t seed, int64_t offset, int64_t isa);
 void quantize_pair(const at::Tensor& x, const at::Tensor& row_codes, const at::Tensor& row_scales,
                    const at::Tensor& col_codes, const at::Tensor& col_scales, int64_t elem, int64_t block,
-                   int64_t recipe_r, double gdec_r, double genc_r, bool hasg_r, bool sr_r, int64_t seed_r,
-                   int64_t off_r, int64_t recipe_c, double gdec_c, double genc_c, bool hasg_c, bool sr_c,
-                   int64_t seed_c, int64_t off_c, const c10::optional<at::Tensor>& signs, int64_t isa);
+                   int64_t recipe_r, const c10::optional<at::Tensor>& gdec_r,
+                   const c10::optional<at::Tensor>& genc_r, bool sr_r, int64_t seed_r, int64_t off_r,
+                   int64_t recipe_c, const c10::optional<at::Tensor>& gdec_c, const c10::optional<at::Tensor>& genc_c,
+                   bool sr_c, int64_t seed_c, int64_t off_c, const c10::optional<at::Tensor>& signs, int64_t isa);
 at::Tensor absmax(const at::Tensor& x, int64_t isa);
 at::Tensor rht_absmax(const at::Tensor& x, const at::Tensor& signs, int64_t isa);
 at::Tensor rng_uniform(int64_t seed, int64_t offset, int64_t numel);
@@ -68,17 +70,17 @@ TORCH_LIBRARY(torchnext_cpu, m) {
   m.def("isas() -> str", &tnx::isas);
   m.def("gemv_pack(Tensor qdata, Tensor scales, int fmt) -> (Tensor, Tensor, Tensor)");
   m.def(
-      "gemv(Tensor x, Tensor packed, Tensor nan_cols, Tensor flags, int fmt, int n, int kp, float gscale, bool has_g, "
+      "gemv(Tensor x, Tensor packed, Tensor nan_cols, Tensor flags, int fmt, int n, int kp, Tensor? gscale, "
       "Tensor? scale, int scale_kind, Tensor? bias, int act, Tensor? residual, bool want_amax, bool bf16_out, "
       "int isa) -> (Tensor, Tensor)");
   m.def(
       "quantize(Tensor x, int outer, int k, int inner, Tensor(a!) codes, Tensor(b!) scales, int elem, int block, "
-      "int recipe, float g_dec, float g_enc, bool has_g, bool swizzle, int swz_cols, Tensor? noise, bool sr_seeded, "
+      "int recipe, Tensor? g_dec, Tensor? g_enc, bool swizzle, int swz_cols, Tensor? noise, bool sr_seeded, "
       "int seed, int offset, int isa) -> ()");
   m.def(
       "quantize_pair(Tensor x, Tensor(a!) row_codes, Tensor(b!) row_scales, Tensor(c!) col_codes, "
-      "Tensor(d!) col_scales, int elem, int block, int recipe_r, float gdec_r, float genc_r, bool hasg_r, bool sr_r, "
-      "int seed_r, int off_r, int recipe_c, float gdec_c, float genc_c, bool hasg_c, bool sr_c, int seed_c, "
+      "Tensor(d!) col_scales, int elem, int block, int recipe_r, Tensor? gdec_r, Tensor? genc_r, bool sr_r, "
+      "int seed_r, int off_r, int recipe_c, Tensor? gdec_c, Tensor? genc_c, bool sr_c, int seed_c, "
       "int off_c, Tensor? signs, int isa) -> ()");
   m.def("absmax(Tensor x, int isa) -> Tensor");
   m.def("rht_absmax(Tensor x, Tensor signs, int isa) -> Tensor");

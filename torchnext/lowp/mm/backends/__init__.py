@@ -2,7 +2,8 @@
 
 Each backend is an object with ``name``, ``capability()``, ``available() -> (bool, reason)``,
 ``supports(problem) -> None | reason`` and ``run(problem) -> EpilogueOutput``; optionally
-``supersedes(problem) -> frozenset of names``: backends the autotuner need not time where this one is eligible. The built-in ones are registered
+``supersedes(problem) -> frozenset of names``: backends the autotuner need not time where this one is eligible, and
+``traceable = False``: never chosen by ``backend="auto"`` inside ``torch.compile``/``torch.export``. The built-in ones are registered
 lazily (first registry query), so ``import torchnext.lowp`` imports no compiler:
 
 ==============  ===========================================================================================

@@ -28,6 +28,7 @@ from torchnext.lowp.formats import FORMATS, FormatSpec
 from torchnext.lowp.mm.backends import EPILOGUE_FEATURES, Capability, KernelBackend, Problem, check_capability
 from torchnext.lowp.mm.epilogue import EpilogueOutput, finish_epilogue
 from torchnext.lowp.tensor import BlockScaledTensor
+from torchnext.lowp.tracing import compiling
 
 __all__ = ["BACKEND", "KERNEL_ACTIVATIONS", "MAX_M", "CpuBackend", "packed_weight"]
 
@@ -57,7 +58,7 @@ class _Packed:
         self.packed, self.nan_cols, self.flags = ops().gemv_pack(codes, scales, self.fmt)
         self.n = w.shape[0]
         self.kp = w.k_padded
-        self.gscale = None if w.global_scale is None else float(w.global_scale)
+        self.gscale = w.global_scale  # 0-d; the kernel reads it (a traced graph holds the tensor, not its value)
         self.version = version
 
 
@@ -67,7 +68,12 @@ _PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 def packed_weight(w: BlockScaledTensor) -> _Packed:
     """The kernel layout of an (N, K) weight blocked along K (see csrc/gemv.cpp), built once and cached, weakly keyed
     by ``w.qdata`` (a Linear module's buffer keeps it alive) and rebuilt if the codes, scales or global scale are
-    modified in place. Costs one pass over the weight; the packed copy has the weight's size plus < 1 %."""
+    modified in place. Costs one pass over the weight; the packed copy has the weight's size plus < 1 %.
+
+    Inside ``torch.compile``/``torch.export`` the packing is an op of the graph (a cache of real tensors is not
+    graph material): each call of the compiled function packs once more."""
+    if compiling():
+        return _Packed(w, ())
     version = (w.qdata._version, w.scales._version, -1 if w.global_scale is None else w.global_scale._version)
     hit = _PACKED.get(w.qdata)
     if hit is not None and hit.version == version and hit.n == w.shape[0]:
@@ -144,8 +150,7 @@ class CpuBackend:
             p.fmt,
             p.n,
             p.kp,
-            1.0 if p.gscale is None else p.gscale,
-            p.gscale is not None,
+            p.gscale,
             scale,
             _SCALE_KINDS[kind],
             bias,

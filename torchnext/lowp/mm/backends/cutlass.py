@@ -21,6 +21,8 @@ __all__ = ["BACKEND", "CutlassBackend"]
 class CutlassBackend:
     name = KernelBackend.CUTLASS.value
     autotune_candidate = True
+    traceable = False
+    """Not chosen inside torch.compile/export: it calls cutlass.operators."""
 
     def capability(self) -> Capability:
         return Capability(devices=frozenset({"cuda"}), formats=frozenset(), epilogue=frozenset(), notes="not bound")

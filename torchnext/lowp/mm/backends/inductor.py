@@ -214,6 +214,9 @@ def _has_cxx() -> bool:
 class InductorBackend:
     name = KernelBackend.INDUCTOR.value
     autotune_candidate = True
+    traceable = False
+    """Not chosen inside torch.compile/export: it runs torch.compile itself (under an outer compile, the outer
+    compiler generates this code)."""
 
     def capability(self) -> Capability:
         return Capability(

@@ -107,6 +107,8 @@ def _build_kernel() -> Any:  # pragma: no cover - needs triton + CUDA
 class TritonBackend:
     name = KernelBackend.TRITON.value
     autotune_candidate = True
+    traceable = False
+    """Not chosen inside torch.compile/export: it launches its own Triton kernel."""
 
     def capability(self) -> Capability:
         return Capability(
