@@ -44,6 +44,7 @@ import json
 import os
 import platform
 import signal
+import statistics
 import sys
 import time
 from typing import Any
@@ -119,11 +120,15 @@ def report(result: SoakResult) -> None:
     gaps = result.long_gaps()
     if gaps:
         print(f"\n# the survivors' {len(gaps)} gaps between commits over 1 s, longest first (what began in them, in "
-              "both jobs: seconds before the gap's end)\n| job | gap s | step | faults | harness launches |\n"
-              "|---|---|---|---|---|")
+              "both jobs: seconds before the gap's end; the survivor's reconfigurations in them: seconds waited "
+              "since the gap began / build / heal / to the commit)\n"
+              "| job | gap s | step | faults | harness launches | reconfigurations |\n|---|---|---|---|---|---|")
         for g in gaps[:20]:
+            reconf = "; ".join(f"g{r['gen']} {r['reason'] or ''} {r['wait']:.2f}/{r['build']:.2f}/{r['heal']:.2f}/"
+                               f"{r['to_commit']:.2f}" for r in g.get("reconfigurations", []))
             print(f"| {g['job']} | {g['gap_s']:.2f} | {g['step']} | {'; '.join(g['faults']) or '-'} | "
-                  f"{'; '.join(g['launches']) or '-'} |")
+                  f"{'; '.join(g['launches']) or '-'} | {reconf or '-'} |")
+        _print_gap_summary(gaps)
     for j, rep in result.jobs.items():
         for note in rep.get("anomalies", []):
             print(f"# {j}: harness anomaly: {note}")
@@ -134,6 +139,21 @@ def report(result: SoakResult) -> None:
     for e in result.errors:
         print(f"# ERROR: {e}")
     print(f"# soak {'PASSED' if result.ok else 'FAILED'}")
+
+
+def _print_gap_summary(gaps: list[dict[str, Any]]) -> None:
+    """Where the long gaps' time went, per job: the median of each phase over the gaps that hold a reconfiguration."""
+    for job in sorted({g["job"] for g in gaps}):
+        mine = [g for g in gaps if g["job"] == job]
+        last = [g["reconfigurations"][-1] for g in mine if g.get("reconfigurations")]
+        if not last:
+            continue
+        med = {k: statistics.median(r[k] for r in last) for k in ("wait", "build", "heal", "to_commit")}
+        reasons: dict[str, int] = {}
+        for r in last:
+            reasons[str(r["reason"]).split(":")[0]] = reasons.get(str(r["reason"]).split(":")[0], 0) + 1
+        print(f"# {job}: {len(last)} of {len(mine)} long gaps end in a reconfiguration; its median phases (s): "
+              f"{', '.join(f'{k} {v:.2f}' for k, v in med.items())}; reasons {reasons}")
 
 
 def main() -> int:

@@ -107,14 +107,37 @@ _LOOP = textwrap.dedent("""
     if mode == "peer":
         gc.disable()  # nothing is left to the cycle collector: a cycle holding a backend would show as growth
 
+    def diagnostics(g):  # what holds the fds when a generation fails (e.g. EMFILE under the ulimit)
+        kinds = {}
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                k = os.readlink(f"/proc/self/fd/{fd}").split(":")[0]
+            except OSError:
+                continue
+            kinds[k] = kinds.get(k, 0) + 1
+        r = reaper()
+        return {"gen": g, "fds": kinds, "threads": names(), "pending": r.pending, "reaped": r.reaped,
+                "uncancelled": r.uncancelled, "graves": [gr.describe() for gr in r.graves()[:5]],
+                "slow_releases": list(r.slow_releases)}
+
+    def run(g):
+        try:
+            generation(g)
+        except BaseException:
+            print("DIAGNOSTICS " + json.dumps(diagnostics(g)), file=sys.stderr, flush=True)
+            raise
+        if g % 10 == 0 and len(os.listdir("/proc/self/fd")) > 180:  # near the 256 limit (a flat run: ~17, ~110 while graves settle)
+            print("DIAGNOSTICS " + json.dumps(diagnostics(g)), file=sys.stderr, flush=True)
+
     for g in range(50):
-        generation(g)
+        run(g)
     warm = counts()
     warm_names = names()
     for g in range(50, gens):
-        generation(g)
+        run(g)
     end = counts(warm)
     print(json.dumps({"warm": warm, "end": end, "reaped": reaper().reaped, "pending": reaper().pending,
+                      "uncancelled": reaper().uncancelled, "slow_releases": list(reaper().slow_releases),
                       "threads": {"warm": warm_names, "end": names()}}))
 """)
 
@@ -128,7 +151,8 @@ def _loop(ranks: int, gens: int, mode: str, nofile: int | None = None) -> dict[s
 
     proc = subprocess.run([sys.executable, "-c", _LOOP, str(ranks), str(gens), mode], capture_output=True,
                           text=True, timeout=240, preexec_fn=limit)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    diag = [line for line in proc.stderr.splitlines() if line.startswith("DIAGNOSTICS ")]
+    assert proc.returncode == 0, "\n".join([*diag[:3], proc.stderr[-3000:]])
     out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
 
@@ -372,6 +396,28 @@ def test_retained_objects_are_released_with_the_backend() -> None:
     assert ref() is None
     c.retain(torch.ones(1))  # after the release: nothing to keep
     assert c._grave is not None and c._grave.keep == []
+
+
+def test_idle_graves_are_released_side_by_side() -> None:
+    """A backend's destructor mostly waits (~8 ms for Gloo): releases run in parallel, or a fast abort/rebuild loop
+    outruns the reaper (the ulimit test's EMFILE in CI). Four releases meet at a barrier: one at a time, the first
+    would wait there alone until the barrier's timeout."""
+    from torchnext.comms.backends import BackendHandle
+    from torchnext.comms.reaper import Grave, Reaper
+
+    barrier = threading.Barrier(4, timeout=10.0)
+    met: list[int] = []
+
+    class Slow(Grave):
+        def release(self) -> None:
+            met.append(barrier.wait())
+            super().release()
+
+    r = Reaper()
+    for i in range(4):
+        r.bury(Slow(BackendHandle(pg=object(), device=torch.device("cpu")), f"slow{i}"))
+    assert r.drain(15.0) == []
+    assert sorted(met) == [0, 1, 2, 3] and r.reaped == 4 and not r.slow_releases
 
 
 def test_a_closed_communicator_releases_its_store() -> None:

@@ -22,7 +22,7 @@ import pytest
 
 from torchnext.testing.ft_parallel import ddp_expected_weights
 from torchnext.testing.procfs import is_stopped as _stopped
-from torchnext.testing.soak import Injected, SoakConfig, SoakFault, SoakResult, plan, run_soak
+from torchnext.testing.soak import Injected, SoakConfig, SoakFault, SoakResult, gap_phases, plan, run_soak
 from torchnext.testing.soak_checks import check_job, resources_flat
 
 
@@ -149,6 +149,20 @@ def test_long_gaps_name_what_happened_in_them() -> None:
     assert gaps[0]["launches"] == ["0.50s hsdp spare group 4"]  # 10.5 is after the gap ended; 3.0 long before
     assert gaps[1]["faults"] == ["1.00s hsdp kill member 3 (group 1)"] and gaps[1]["launches"] == []
     assert res.to_json()["long_gaps"] == gaps
+
+
+def test_a_long_gap_splits_the_survivors_reconfigurations_into_phases() -> None:
+    """The reconfigurations that began in a gap, each as wait / build / heal / to_commit; those outside are left."""
+    reconfs = [{"gen": 4, "reason": "grow: joined [7]", "joiners": [7],
+                "timings": {"start": 10.3, "built": 10.9, "healed": 11.0}},
+               {"gen": 3, "reason": "removed", "joiners": [], "timings": {"start": 9.0, "interrupt": 8.9, "built": 9.2,
+                                                                          "healed": 9.2}}]
+    res = SoakResult(config={}, jobs={"hsdp": {"long_gaps": [[1.5, 7, 11.5]], "survivor_reconfigurations": reconfs}})
+    (gap,) = res.long_gaps()
+    (ph,) = gap["reconfigurations"]  # generation 3 began before the gap (at 9.0 < 10.0)
+    assert ph == {"gen": 4, "reason": "grow: joined [7]", "joiners": [7], "wait": 0.3, "interrupted": None,
+                  "build": 0.6, "heal": 0.1, "to_commit": 0.5}
+    assert gap_phases(reconfs, 8.0, 9.5)[0]["interrupted"] == 0.1
 
 
 @pytest.mark.slow

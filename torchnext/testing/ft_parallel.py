@@ -272,7 +272,7 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
                 step=ft.step_count, commits=record.commits(), history=record.history(),
                 generations={r.generation: [list(g) for g in r.groups] for r in record.reconfigurations},
                 reconfigurations=[{"gen": r.generation, "step": r.step, "groups": [list(g) for g in r.groups],
-                                   "joiners": list(r.joiners),
+                                   "joiners": list(r.joiners), "reason": r.reason,
                                    "timings": r.timings, "healed": None if r.healed is None
                                    else [r.healed.bytes, r.healed.seconds]} for r in record.reconfigurations],
                 optim_steps=sorted({int(v["step"]) for v in opt.state.values() if "step" in v}) if opt is not None

@@ -48,7 +48,7 @@ from torchnext.testing.ft_workload import FTJob
 from torchnext.testing.procfs import is_stopped
 from torchnext.testing.soak_checks import check_job, percentile, resources_flat
 
-__all__ = ["SoakConfig", "SoakFault", "SoakResult", "plan", "run_soak"]
+__all__ = ["SoakConfig", "SoakFault", "SoakResult", "gap_phases", "plan", "run_soak"]
 
 
 class SoakFault(str, enum.Enum):
@@ -146,16 +146,18 @@ class SoakResult:
         """Every long gap between two of a survivor's commits (``ft_parallel.LONG_GAP_S``), longest first, with what
         happened in it, in both jobs (they share the machine): the faults injected and the harness's own launches
         (spare groups, standby coordinators) between ``margin_s`` before the gap began and its end, as seconds
-        before its end."""
+        before its end; and the survivor's reconfigurations that began in it (:func:`gap_phases`)."""
         out = []
         for j, rep in self.jobs.items():
+            reconfs = rep.get("survivor_reconfigurations", [])
             for gap, step, end in rep.get("long_gaps", []):
                 lo = end - gap - margin_s
                 faults = [f"{end - f.at:.2f}s {f.job} {f.kind.value} {f.victim}" for f in self.faults
                           if lo <= f.at <= end]
                 launches = [f"{end - t:.2f}s {other} {what}" for other, r in self.jobs.items()
                             for t, what in r.get("launches", []) if lo <= t <= end]
-                out.append({"job": j, "gap_s": gap, "step": step, "faults": faults, "launches": launches})
+                out.append({"job": j, "gap_s": gap, "step": step, "faults": faults, "launches": launches,
+                            "reconfigurations": gap_phases(reconfs, end - gap, end)})
         return sorted(out, key=lambda g: -g["gap_s"])
 
     def to_json(self) -> dict[str, Any]:
@@ -165,6 +167,32 @@ class SoakResult:
                 "exit_codes": self.exit_codes,
                 "faults": [{"i": f.index, "job": f.job, "kind": f.kind.value, "victim": f.victim, "at": f.at,
                             "recovery_s": f.recovery_s, "delay_s": f.delay_s} for f in self.faults]}
+
+
+def gap_phases(reconfigurations: Sequence[dict[str, Any]], begin: float, end: float) -> list[dict[str, Any]]:
+    """The survivor's reconfigurations that began in the gap ``[begin, end]`` (``time.monotonic()`` of two commits),
+    each split into its phases (seconds)::
+
+        {"gen", "reason", "joiners",
+         "wait": start - begin,            # from the gap's first commit until this reconfiguration began
+         "interrupted": start - interrupt, # an op interrupted for it (None: it began between steps)
+         "build": built - start,           # aborting the old communicators, connecting the new one
+         "heal": healed - built,           # sending/receiving the state (0 for a member that takes no part)
+         "to_commit": end - healed}        # (the last one's) the rest: callbacks, the step, the commit
+    """
+    out = []
+    for r in reconfigurations:
+        t = r.get("timings") or {}
+        start = t.get("start")
+        if start is None or not begin <= start <= end:
+            continue
+        built, healed = t.get("built", start), t.get("healed", t.get("built", start))
+        out.append({"gen": r.get("gen"), "reason": r.get("reason"), "joiners": r.get("joiners"),
+                    "wait": round(start - begin, 3),
+                    "interrupted": None if "interrupt" not in t else round(start - t["interrupt"], 3),
+                    "build": round(built - start, 3), "heal": round(healed - built, 3),
+                    "to_commit": round(end - healed, 3)})
+    return out
 
 
 class SoakError(RuntimeError):

@@ -142,7 +142,10 @@ def check_job(kind: str, reports: dict[int, dict[str, Any]], events: Sequence[di
     surv = reports.get(survivor)
     return {"oracle": _oracle(kind, ran, final, events, survivor), "counterparts": _counterparts(final, group_size),
             "max_commit_gap": surv.get("max_commit_gap") if surv else None,
-            "long_gaps": surv.get("long_gaps", []) if surv else [], "reports": len(reports),
+            "long_gaps": surv.get("long_gaps", []) if surv else [],
+            "survivor_reconfigurations": [{k: r.get(k) for k in ("gen", "step", "joiners", "reason", "timings", "healed")}
+                                          for r in surv.get("reconfigurations", [])] if surv else [],
+            "reports": len(reports),
             "ended": ended, "sigkilled": len(expected_kill)}
 
 
