@@ -137,6 +137,9 @@ class Communicator(CollectiveOps):
                 raise ValueError(f"global_ranks must be {world_size} distinct non-negative ints, got {global_ranks!r}")
         prefixed = dist.PrefixStore(f"torchnext/{name}", store)
         self._setup(prefixed, rank, world_size, ranks, backend=backend, timeout=timeout, name=name, device=device)
+        py_store = _python_store(store)
+        if py_store is not None:
+            self.retain(py_store)
         if flight_recorder is not False:
             option("flight_recorder").attach(self, flight_recorder)  # True: TORCHNEXT_FR_BUFFER_SIZE entries
         if check_collectives is not False:  # after the recorder: a refused op is recorded, then refused
@@ -798,6 +801,9 @@ class Communicator(CollectiveOps):
         child._setup(store, list(ranks).index(self._rank), len(ranks), tuple(self._ranks[r] for r in ranks),
                      backend=self._backend_name, timeout=self._timeout if timeout is None else timeout, name=name,
                      device=self._device)
+        py_store = _python_store(store)  # under a prefix of ours: the Python store ours lives on
+        if py_store is not None:
+            child.retain(py_store)
         if self._split_hooks.snapshot:
             hook_error = self._split_hooks.run(child, stop_on_error=True)
             if hook_error is not None:
@@ -830,3 +836,12 @@ def _as_timedelta(t: float | timedelta) -> timedelta:
     raise TypeError(f"timeout must be a timedelta or seconds (float), got {t!r}")
 
 
+def _python_store(store: dist.Store) -> dist.Store | None:
+    """The store under ``store``'s prefixes when it is implemented in Python (a ``dist.Store`` subclass, e.g.
+    :class:`~torchnext.comms.cancellable_store.CancellableStore`), else None. torch calls such a store from C++
+    through a trampoline that needs the Python object alive: a communicator keeps it until its backend is released
+    (a temporary one would be gone at the backend's next store call, which then fails with "Not implemented")."""
+    s: Any = store
+    while isinstance(s, dist.PrefixStore):
+        s = s.underlying_store
+    return s if isinstance(s, dist.Store) and not type(s).__module__.startswith("torch.") else None

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchnext.comms.cancellable_store import CancellableStore
 from torchnext.comms.communicator import Communicator
 from torchnext.comms.errors import CommError
 from torchnext.comms.hooks import HookList, PostHookArgs, RemovableHandle
@@ -637,8 +638,14 @@ class FaultTolerant:
             try:
                 # A store connection of its own: a TCPStore client serialises its requests, and an abandoned build
                 # may sit in a blocking get on its connection until the timeout.
-                store = dist.TCPStore(self._client.store_host, self._client.store_port, None, False,
-                                      timeout=timedelta(seconds=cfg.timeout_s))
+                # Cancellable: a build superseded while it waits for a member that died ends at once, instead of
+                # holding its thread, connection and half-built backend for the whole timeout.
+                store = CancellableStore(dist.TCPStore(self._client.store_host, self._client.store_port, None,
+                                                       False, timeout=timedelta(seconds=cfg.timeout_s)))
+                with self._lock:
+                    box["store"] = store
+                    if box.get("abandoned"):  # abandoned while this connected: nothing to wait for
+                        store.cancel(f"generation {gen} was abandoned before its build connected")
                 name = f"{cfg.name}.g{gen}" + (f".r{self.group_rank}" if self.group_size > 1 else "")
                 c = Communicator(store, rank, size, backend=cfg.backend, name=name,
                                  timeout=timedelta(seconds=cfg.timeout_s), device=cfg.device,
@@ -665,6 +672,7 @@ class FaultTolerant:
                     comm = box.get("comm")
                     if stale:
                         box["abandoned"] = True
+                        _cancel_build(box, f"superseded before use (generation {gen})")
                         if comm is not None:
                             quiet_abort(comm, f"superseded before use (generation {gen})")
                         return None
@@ -674,7 +682,9 @@ class FaultTolerant:
                     break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                box["abandoned"] = True
+                with self._lock:
+                    box["abandoned"] = True
+                    _cancel_build(box, f"generation {gen}: the reconfiguration deadline passed")
                 return None
             news.clear()
             if not done.is_set() and self._newest_gen <= gen:
@@ -705,6 +715,13 @@ class FaultTolerant:
             self._load_fn(state)
             return stats
         return None
+
+
+def _cancel_build(box: dict[str, Any], why: str) -> None:
+    """Call off an abandoned build's store waits (it then raises in its thread and releases what it made)."""
+    store = box.get("store")
+    if store is not None:
+        store.cancel(why)
 
 
 def _preload_gil_heavy_imports() -> None:

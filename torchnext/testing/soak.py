@@ -520,10 +520,11 @@ class _Job:
         """Let the survivor run fault-free for ``least_s``, and up to ``most_s`` until one of its records since
         ``since`` is back at (or below) the warm-up sample's threads and fds: what the last faults left behind for a
         while -- a backend awaiting the reaper, a superseded generation's build running out its timeout -- is gone
-        by then; a leak is in every record and never is. ``most_s`` defaults to the members' op timeout + 5 s: a
-        build superseded while it waited for a peer that had died holds its thread, its store connection and its
-        half-built backend (~2 threads, 5 fds) until that timeout (the CI failure of 2026-12-03: the end sample
-        was taken 15 s after the last fault, inside such a build's 30 s)."""
+        by then; a leak is in every record and never is. ``most_s`` defaults to the members' op timeout + 5 s, the
+        longest anything bounded may hold on: an op Gloo's socket cut does not end (docs/comms.md, "a known Gloo
+        gap"). (A build superseded while it waited for a peer that had died held its thread, store connection and
+        half-built backend for that timeout -- the CI failure of 2026-12-03, its end sample taken 15 s after the last
+        fault; its store waits are cancelled now, :mod:`torchnext.comms.cancellable_store`.)"""
         if most_s is None:
             most_s = ParallelSpec.timeout_s + 5.0
         while True:
