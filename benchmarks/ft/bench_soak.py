@@ -40,9 +40,11 @@ absolute (bench_parallel.py and bench_failover.py hold the peer comparisons for 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
+import re
 import signal
 import statistics
 import sys
@@ -149,11 +151,10 @@ def _print_gap_summary(gaps: list[dict[str, Any]]) -> None:
         if not last:
             continue
         med = {k: statistics.median(r[k] for r in last) for k in ("wait", "build", "heal", "to_commit")}
-        reasons: dict[str, int] = {}
-        for r in last:
-            reasons[str(r["reason"]).split(":")[0]] = reasons.get(str(r["reason"]).split(":")[0], 0) + 1
+        # grouped by their text with the numbers left out ("member # missed heartbeats for #s (timeout #s)")
+        reasons = collections.Counter(re.sub(r"\d+(\.\d+)?", "#", str(r["reason"])).split(":")[0] for r in last)
         print(f"# {job}: {len(last)} of {len(mine)} long gaps end in a reconfiguration; its median phases (s): "
-              f"{', '.join(f'{k} {v:.2f}' for k, v in med.items())}; reasons {reasons}")
+              f"{', '.join(f'{k} {v:.2f}' for k, v in med.items())}; reasons {dict(reasons)}")
 
 
 def main() -> int:

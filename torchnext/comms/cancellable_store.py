@@ -4,12 +4,11 @@ Building a Gloo backend blocks in the store until every member has published its
 Fault tolerance abandons a build when a newer generation supersedes it -- typically because a member it waits for
 died -- and until now the abandoned build sat out its whole timeout (60 s by default), holding a thread, a store
 connection and a half-built device (~2 threads, 5 fds). Wrapped in a :class:`CancellableStore`, the build's
-blocking calls wait in short slices and give up at the next slice once :meth:`~CancellableStore.cancel` was
-called::
+blocking calls poll the store and give up as soon as :meth:`~CancellableStore.cancel` is called::
 
     store = CancellableStore(dist.TCPStore(host, port, None, False))
     # build thread:  Communicator(store, rank, size, ...)   -- blocks in store.wait / store.get
-    # another thread: store.cancel("superseded")             -- the build raises StoreCancelled within SLICE_S
+    # another thread: store.cancel("superseded")             -- the build raises StoreCancelled (ms later)
 
 Semantics (``inner`` is the wrapped store; ``t`` the call's timeout, default ``inner.timeout``)::
 

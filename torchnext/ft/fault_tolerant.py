@@ -636,10 +636,9 @@ class FaultTolerant:
 
         def build() -> None:
             try:
-                # A store connection of its own: a TCPStore client serialises its requests, and an abandoned build
-                # may sit in a blocking get on its connection until the timeout.
-                # Cancellable: a build superseded while it waits for a member that died ends at once, instead of
-                # holding its thread, connection and half-built backend for the whole timeout.
+                # A store connection of its own (a TCPStore client serialises its requests), cancellable: a build
+                # superseded while it waits for a member that died ends at once, instead of holding its thread,
+                # connection and half-built backend for the whole timeout.
                 store = CancellableStore(dist.TCPStore(self._client.store_host, self._client.store_port, None,
                                                        False, timeout=timedelta(seconds=cfg.timeout_s)))
                 with self._lock:
