@@ -237,6 +237,40 @@ def test_a_spare_builds_at_sched_idle_and_every_thread_returns_when_its_go_file_
     assert seen["moved"] == 2  # the spare's thread and its backend thread
 
 
+def test_a_spare_whose_go_file_is_there_before_it_starts_does_not_stay_idle(tmp_path) -> None:
+    """A spare group launched and used at once finds its go-file already there: the watcher must not return the
+    threads before the caller went idle (it found none, ended, and the caller went idle after it -- starved on a
+    busy machine it never joined: "no spare group to commit within 20 s")."""
+    import os
+
+    from torchnext.testing import ft_parallel
+
+    go = tmp_path / "go"
+    go.touch()
+    seen: dict[str, object] = {}
+
+    def spare() -> None:
+        for _ in range(20):  # the race is a matter of thread timing: try it often
+            idle = ft_parallel._IdleUntil.start(str(go))
+            if idle is None:
+                seen["refused"] = True
+                return
+            deadline = time.monotonic() + 5
+            while os.sched_getscheduler(0) == os.SCHED_IDLE and time.monotonic() < deadline:
+                time.sleep(0.001)  # no finish(): the watcher alone must bring this thread back
+            seen.setdefault("policies", []).append(os.sched_getscheduler(0))  # type: ignore[union-attr]
+            idle.finish()
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+
+    t = threading.Thread(target=spare)
+    t.start()
+    t.join(120)
+    if seen.get("refused"):  # unprivileged with RLIMIT_NICE < 20: nothing was changed
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+        return
+    assert seen["policies"] == [os.SCHED_OTHER] * 20
+
+
 def test_a_spare_that_could_not_come_back_is_not_made_idle(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     import os
 

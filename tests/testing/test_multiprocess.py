@@ -66,3 +66,43 @@ def test_thread_ranks() -> None:
     assert [r[:2] for r in run_threads(_echo, 2, args=(1,))] == [(0, 3), (1, 3)]
     with pytest.raises(RankFailure, match="rank one is broken"):
         run_threads(_fail_on_one, 2)
+
+
+def _exit_with(code: int) -> None:
+    os._exit(code)
+
+
+def test_a_childs_exit_code_is_read_once_when_many_threads_ask_at_once() -> None:
+    """Two threads that both find a forkserver child's status pipe readable both read it: one gets the code, the
+    other EOF, which multiprocessing records as 255 (seen as 5 of 200 children with plain ``Process``; the soak's
+    job threads made a member that exited 0 look like 255). :class:`Child` reads it under one lock."""
+    import multiprocessing.connection
+    import threading
+
+    from torchnext.testing.multiprocess import Child, _mp_context
+
+    ctx = _mp_context("forkserver")
+    seen: list[int | None] = []
+    for _ in range(12):
+        kids = [Child(ctx, target=_exit_with, args=(i % 3,), daemon=True) for i in range(20)]
+        for k in kids:
+            k.start()
+        for k in kids:  # every status pipe readable before the threads look: the race's widest window
+            multiprocessing.connection.wait([k.sentinel], 30)
+        gate = threading.Barrier(8)
+
+        def ask(kids: list[Child] = kids, gate: threading.Barrier = gate) -> None:
+            gate.wait(10)
+            for k in kids:
+                _ = k.exitcode
+                k.is_alive()
+
+        threads = [threading.Thread(target=ask, daemon=True) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        for k in kids:
+            k.join(10)
+        seen += [k.exitcode for k in kids]
+    assert seen == [i % 3 for _ in range(12) for i in range(20)]

@@ -178,11 +178,11 @@ class _Forked:
     """A coordinator forked from the forkserver, with the surface of ``subprocess.Popen`` this module uses."""
 
     def __init__(self, argv: Sequence[str], env: dict[str, str], netns: str | None) -> None:
-        from torchnext.testing.multiprocess import _mp_context
+        from torchnext.testing.multiprocess import Child, _mp_context
 
         mine, theirs = socket.socketpair()
         ctx = _mp_context("forkserver")
-        self._p = ctx.Process(target=_serve, args=(list(argv), env, netns, theirs), name="coordinator", daemon=True)
+        self._p = Child(ctx, target=_serve, args=(list(argv), env, netns, theirs), name="coordinator", daemon=True)
         self._p.start()
         theirs.close()
         self._sock = mine

@@ -328,6 +328,7 @@ class _IdleUntil:
         self.path = path
         self.moved = 0
         self._done = threading.Event()
+        self._idle = threading.Event()  # set once the caller went idle: only then can a pass find every thread
         self._watcher = threading.Thread(target=self._watch, name="idle-until-started", daemon=True)
 
     @classmethod
@@ -336,7 +337,10 @@ class _IdleUntil:
             return None
         self = cls(path)
         self._watcher.start()
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # threads started from here on inherit it
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # threads started from here on inherit it
+        finally:
+            self._idle.set()
         return self
 
     def finish(self) -> int:
@@ -348,6 +352,11 @@ class _IdleUntil:
     def _watch(self) -> None:
         while not self._done.is_set() and not os.path.exists(self.path):
             self._done.wait(0.005)
+        # A go-file that is there from the start (a spare group launched and used at once) must not be acted on
+        # before the caller went idle: a pass that found no idle thread ended the watcher, the caller went idle
+        # after it and stayed there -- starved on the busy machine, it never joined (a CI soak's "no spare group
+        # to commit within 20 s", 2026-12-04).
+        self._idle.wait()
         while True:
             n = _all_threads_back()
             self.moved += n

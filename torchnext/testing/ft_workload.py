@@ -378,7 +378,7 @@ class FTJob:
     def __init__(self) -> None:
         from torchnext.testing.multiprocess import _mp_context
 
-        self._ctx = _mp_context("forkserver")
+        self._ctx = _mp_context("forkserver")  # processes started as Child: thread-safe status (two soak jobs)
         self._results = self._ctx.Queue()
         self.procs: dict[int, Any] = {}
         self.reports: dict[int, dict[str, Any]] = {}
@@ -386,8 +386,10 @@ class FTJob:
 
     def launch(self, spec: WorkerSpec, fn: Callable[[WorkerSpec], Any] = run_worker) -> Any:
         """Start a member running ``fn(spec)`` (a module-level function; default :func:`run_worker`)."""
-        p = self._ctx.Process(target=_child, args=(spec, self._results, fn), name=f"member{spec.member_id}",
-                              daemon=True)
+        from torchnext.testing.multiprocess import Child
+
+        p = Child(self._ctx, target=_child, args=(spec, self._results, fn), name=f"member{spec.member_id}",
+                  daemon=True)
         p.start()
         self.procs[spec.member_id] = p
         return p

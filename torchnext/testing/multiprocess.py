@@ -14,6 +14,7 @@ process costs 2-3 s here, dynamo 3-7 s under load), ``spawn`` as an option. ``fn
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import queue
 import threading
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["RankContext", "RankExited", "RankFailure", "run_ranks", "run_threads"]
+__all__ = ["Child", "RankContext", "RankExited", "RankFailure", "run_ranks", "run_threads"]
 
 _PRELOAD = ["torch", "torch.distributed", "torchnext.comms", "torch._dynamo", "torch.distributed.fsdp", "torchnext.ft",
             "torchnext.testing.ft_parallel"]
@@ -92,6 +93,63 @@ def _child(fn: Callable[..., Any], ctx: RankContext, args: Sequence[Any], result
 
 _context_lock = threading.Lock()
 
+_status_lock = threading.RLock()
+"""Held around every look at a child's status and every start. multiprocessing's ``Popen.poll`` is not thread-safe:
+a forkserver child's exit code is 8 bytes in a pipe, and two threads that both see the pipe readable both read -- one
+gets the code, the other EOF, which it records as exit code 255. ``Process.start()`` polls *every* live child
+(``multiprocessing.process._cleanup``), so one thread starting a process races another asking for its own child's
+exit code (the soak's two job threads: an exit 255 for a member that exited 0, 2026-12-04; 5 of 200 children with
+eight threads asking at once). Reentrant: ``start`` polls under it."""
+
+
+class Child:
+    """A ``multiprocessing`` process whose start, status and reaping are safe to use from several threads (see
+    ``_status_lock``): the same surface as ``Process`` for what the harnesses use. ``join`` waits outside the lock
+    (on the process's sentinel) and reads the status under it."""
+
+    def __init__(self, ctx: Any, **kwargs: Any) -> None:
+        self._p = ctx.Process(**kwargs)
+
+    @property
+    def pid(self) -> int | None:
+        return self._p.pid
+
+    @property
+    def name(self) -> str:
+        return str(self._p.name)
+
+    @property
+    def sentinel(self) -> int:
+        return int(self._p.sentinel)
+
+    def start(self) -> None:
+        with _status_lock:
+            self._p.start()
+
+    @property
+    def exitcode(self) -> int | None:
+        with _status_lock:
+            return self._p.exitcode
+
+    def is_alive(self) -> bool:
+        with _status_lock:
+            return bool(self._p.is_alive())
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._p.pid is None:
+            raise ValueError(f"{self.name}: join() of a process that was never started")
+        multiprocessing.connection.wait([self._p.sentinel], timeout)
+        with _status_lock:
+            self._p.join(0)
+
+    def kill(self) -> None:
+        with _status_lock:
+            self._p.kill()
+
+    def terminate(self) -> None:
+        with _status_lock:
+            self._p.terminate()
+
 
 def _mp_context(start_method: str) -> Any:
     ctx = mp.get_context(start_method)
@@ -128,7 +186,7 @@ def run_ranks(
         for rank in range(world_size):
             rc = RankContext(rank=rank, world_size=world_size, store_host="127.0.0.1", store_port=store.port,
                              store_timeout_s=store_timeout)
-            p = ctx.Process(target=_child, args=(fn, rc, tuple(args), results), name=f"rank{rank}", daemon=True)
+            p = Child(ctx, target=_child, args=(fn, rc, tuple(args), results), name=f"rank{rank}", daemon=True)
             p.start()
             procs.append(p)
         deadline = time.monotonic() + timeout

@@ -698,8 +698,9 @@ def run_soak(config: SoakConfig) -> SoakResult:
 
 def _member_story(jobs: dict[str, _Job], key: str) -> str:
     """What the harness knows of member ``key`` ("<job>/member <id>") that exited unexpectedly: its report's end, or
-    that it sent none. (An exit code of 255 with a report is multiprocessing's "status unreadable" -- the forkserver's
-    pipe gave EOF -- not the member's own exit.)"""
+    that it sent none. (An exit code of 255 with a report was multiprocessing's "status unreadable": two threads read
+    one child's status pipe, the second got EOF; every status is now read under one lock,
+    :class:`torchnext.testing.multiprocess.Child`.)"""
     kind, _, m = key.partition("/member ")
     job = jobs.get(kind)
     if job is None or not m.isdigit():
