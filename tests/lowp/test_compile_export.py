@@ -194,8 +194,11 @@ def test_grouped_backward_under_compile_matches_eager() -> None:
     want = (a.grad.clone(), w.grad.clone())  # type: ignore[union-attr]
     a.grad = w.grad = None
     torch.compile(loss, fullgraph=True, backend="aot_eager")(a, w).backward()
-    torch.testing.assert_close(a.grad, want[0], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(w.grad, want[1], rtol=1e-6, atol=1e-6)
+    # fp32 GEMMs of the same products over other layouts (ATen's backward of _grouped_mm in eager, ours on
+    # contiguous transposes) round differently: 1.4e-5 relative (4e-4 on gradients of ~30) on an AVX-512 machine,
+    # 2026-12-04. A wrong backward (a swapped operand, a group's rows missed) is off by O(1), far past this.
+    torch.testing.assert_close(a.grad, want[0], rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(w.grad, want[1], rtol=1e-4, atol=1e-3)
 
 
 def test_autotune_choice_under_compile_is_made_at_trace_time(monkeypatch: pytest.MonkeyPatch) -> None:
