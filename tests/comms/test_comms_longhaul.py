@@ -138,6 +138,7 @@ _LOOP = textwrap.dedent("""
     end = counts(warm)
     print(json.dumps({"warm": warm, "end": end, "reaped": reaper().reaped, "pending": reaper().pending,
                       "uncancelled": reaper().uncancelled, "slow_releases": list(reaper().slow_releases),
+                      "graves": [gr.describe() for gr in reaper().graves()[:5]],
                       "threads": {"warm": warm_names, "end": names()}}))
 """)
 
@@ -165,7 +166,7 @@ def _gained(out: dict[str, Any]) -> str:
     gained = {k: sorted((Counter(names.get("end", {}).get(k, [])) - Counter(names.get("warm", {}).get(k, []))).elements())
               for k in ("os", "py")}
     return json.dumps({"warm": out["warm"], "end": out["end"], "threads gained": gained,
-                       **{k: out.get(k) for k in ("pending", "uncancelled", "slow_releases")}})
+                       **{k: out.get(k) for k in ("pending", "uncancelled", "slow_releases", "graves")}})
 
 
 @pytest.mark.parametrize("ranks,mode", [(1, "plain"), (2, "plain"), (2, "abandon"), (2, "peer")])

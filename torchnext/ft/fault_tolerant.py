@@ -71,12 +71,15 @@ from torchnext.ft.member import MemberClient
 from torchnext.ft.membership import JobFinished, QuorumLost, RemovedFromGroup
 from torchnext.ft.step import Step, _FailedAttempts
 
-__all__ = ["COMMITS_KEPT", "RECONFIGURATIONS_KEPT", "FaultTolerant"]
+__all__ = ["COMMITS_KEPT", "RECONFIGURATIONS_KEPT", "TRAIL_KEPT", "FaultTolerant"]
 
 COMMITS_KEPT = 10_000
 """Commits a member keeps in ``commit_times`` (a long job's memory stays flat: ~1.5 MB at the bound)."""
 RECONFIGURATIONS_KEPT = 1_000
 """Generations a member keeps in ``reconfigurations`` (one per fault it lived through)."""
+TRAIL_KEPT = 64
+"""Membership events a member keeps in ``trail`` (interrupts, announcements, entries, reports), for diagnostics: the
+last of them are in the message of a ``QuorumLost`` raised while waiting for a generation."""
 
 _OPS = frozenset({
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_single", "reduce_scatter", "reduce_scatter_single",
@@ -142,6 +145,9 @@ class FaultTolerant:
         self.fault_hook: Callable[[str], None] | None = None
         """Testing seam (``torchnext.testing``): called with ``"reconfigure"`` before a generation's Communicator is
         built and ``"healing"`` on the donor before it streams state."""
+        self.trail: deque[str] = deque(maxlen=TRAIL_KEPT)
+        """The last :data:`TRAIL_KEPT` membership events seen by this member, oldest first, each
+        ``"<seconds since monotonic zero> <event>"`` (diagnostics; any thread appends)."""
         self.commit_times: deque[tuple[int, int, float]] = deque(maxlen=COMMITS_KEPT)
         """``(generation, committed step count, time.monotonic())`` of the last :data:`COMMITS_KEPT` commits."""
         self.replica_group, self.group_rank, self.group_size = _replica_group(cfg, env.ft_replica_group)
@@ -407,6 +413,8 @@ class FaultTolerant:
         """Heartbeat thread: a new generation (abort), quorum wait, removal, fatal or lost coordinator; or the
         job's end (``finished``), which aborts only a step begun after the finished step."""
         now = time.monotonic()
+        self._trace(f"interrupt {msg['t']}" + (f" gen {msg['gen']}" if "gen" in msg else "")
+                    + (f" ({str(msg.get('reason'))[:120]})" if msg.get("reason") else ""))
         if msg["t"] == "finished":
             with self._lock:
                 self._finished_step = int(msg["step"])
@@ -443,7 +451,18 @@ class FaultTolerant:
             del entered["quorum"]  # the receiver derives it (GENERATION_REF): the hello must fit the coordinator's line
         return {"step": step, "synced": gen is not None, "entered": entered, "vote": None if vote is None else dict(vote)}
 
+    def _trace(self, what: str) -> None:
+        self.trail.append(f"{time.monotonic():.3f} {what}")
+
+    def _recent(self, n: int = 16) -> str:
+        """The last ``n`` trail entries and this member's generation counters, for an error message."""
+        return (f" [generation {self.generation}, attempted {self._attempted}, newest announced {self._newest_gen}, "
+                f"pending {None if self._pending is None else self._pending['gen']}, coordinator "
+                f"{self._client.address} ({self._client.role}, term {self._client.term}, failovers "
+                f"{self._client.failovers}); last events: {' | '.join(list(self.trail)[-n:])}]")
+
     def _note_gen(self, msg: dict[str, Any]) -> None:
+        self._trace(f"announced gen {msg['gen']}")
         with self._lock:
             self._newest_gen = max(self._newest_gen, int(msg["gen"]))
         if self._pending is None or msg["gen"] > self._pending["gen"]:
@@ -465,6 +484,7 @@ class FaultTolerant:
         gen = self.generation
         if gen and self._reported[0] != gen and self._newest_gen <= gen:
             self._reported = (gen, self._client.failovers, reason[:300])
+            self._trace(f"report gen {gen} broken ({reason[:120]})")
             self._client.send({"t": "fail", "gen": gen, "reason": reason[:300]})
 
     def _report_again_after_failover(self) -> None:
@@ -476,6 +496,7 @@ class FaultTolerant:
         reported_gen, failovers, reason = self._reported
         if gen and reported_gen == gen and self._newest_gen <= gen and self._client.failovers != failovers:
             self._reported = (gen, self._client.failovers, reason)
+            self._trace(f"report gen {gen} broken again after failover {self._client.failovers}")
             self._client.send({"t": "fail", "gen": gen, "reason": f"(again, after a failover) {reason}"[:300]})
 
     def _settle(self, *, need_new: bool, timeout: float | None = None) -> None:
@@ -492,9 +513,12 @@ class FaultTolerant:
             msg = self._pending
             if msg is not None and msg["gen"] > max(self.generation, self._attempted):
                 self._attempted = int(msg["gen"])  # a generation is entered at most once (its store prefix is single-use)
+                self._trace(f"enter gen {msg['gen']}")
                 if self._enter(msg, epoch, deadline):
+                    self._trace(f"entered gen {msg['gen']}")
                     need_new = False
                 else:
+                    self._trace(f"gen {msg['gen']} not entered")
                     need_new = True
                 continue
             if not need_new:
@@ -503,7 +527,7 @@ class FaultTolerant:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise QuorumLost(f"member {self.member_id}: no new generation within {limit}s after generation "
-                                 f"{self.generation} broke (is the coordinator's quorum reachable?)")
+                                 f"{self.generation} broke (is the coordinator's quorum reachable?)" + self._recent())
             self._client.news.wait(min(remaining, 0.5))
 
     def _lockstep(self) -> None:
@@ -549,7 +573,8 @@ class FaultTolerant:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise QuorumLost(f"member {self.member_id}: generation {gen}, which a rank of replica group "
-                                 f"{self.replica_group} entered, was not announced here within {limit}s")
+                                 f"{self.replica_group} entered, was not announced here within {limit}s"
+                                 + self._recent())
             self._client.news.wait(min(remaining, 0.05))
 
     def _await_verdict(self, exc: BaseException) -> None:
@@ -670,6 +695,8 @@ class FaultTolerant:
                 if stale or done.is_set():
                     comm = box.get("comm")
                     if stale:
+                        self._trace(f"build of gen {gen} abandoned (newest announced {self._newest_gen}, wait epoch "
+                                    f"{self._wait_epoch} vs {epoch}, fatal {self._client.fatal is not None})")
                         box["abandoned"] = True
                         _cancel_build(box, f"superseded before use (generation {gen})")
                         if comm is not None:
@@ -681,6 +708,7 @@ class FaultTolerant:
                     break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                self._trace(f"build of gen {gen}: the reconfiguration deadline passed")
                 with self._lock:
                     box["abandoned"] = True
                     _cancel_build(box, f"generation {gen}: the reconfiguration deadline passed")
