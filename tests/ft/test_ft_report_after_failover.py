@@ -6,9 +6,10 @@ report does not carry them, so both waited 60 s for a generation that never came
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
-from torchnext.ft.fault_tolerant import FaultTolerant
+from torchnext.ft.fault_tolerant import TRAIL_KEPT, FaultTolerant
 
 
 class _Client:
@@ -27,6 +28,7 @@ def _member(gen: int) -> tuple[FaultTolerant, _Client]:
     ft._gen = {"gen": gen, "members": [0, 1]}
     ft._newest_gen = gen
     ft._reported = (-1, 0, "")
+    ft.trail = deque(maxlen=TRAIL_KEPT)
     return ft, client
 
 

@@ -98,6 +98,15 @@ def _fmt(addr: tuple[str, int]) -> str:
     return f"[{addr[0]}]:{addr[1]}" if ":" in addr[0] else f"{addr[0]}:{addr[1]}"
 
 
+class _Early(list[dict[str, Any]]):
+    """The messages that arrived with a handshake's welcome, and the reader that read them (it may hold the start
+    of a message not yet complete)."""
+
+    def __init__(self, reader: LineReader) -> None:
+        super().__init__()
+        self.reader = reader
+
+
 class MemberClient:
     """Connects, authenticates (job token, both ways), joins; then heartbeats from a daemon thread until
     ``close()``, failing over as the module docstring says.
@@ -146,7 +155,7 @@ class MemberClient:
         self._closed = threading.Event()
         self.member_id: int = -1 if member_id is None else member_id
         sock, welcome, early, addr = self._first_join(member_id, step)
-        self._install(sock, welcome, addr)
+        self._install(sock, welcome, addr, early.reader)
         self.heartbeat_interval_s = float(welcome["heartbeat_interval_s"])
         self.heartbeat_timeout_s = float(welcome["heartbeat_timeout_s"])
         self.quorum_timeout_s: float | None = welcome.get("quorum_timeout_s")
@@ -159,7 +168,7 @@ class MemberClient:
 
     # -------------------------------------------------------------------------------------------- connecting
     def _first_join(self, member_id: int | None, step: int
-                    ) -> tuple[socket.socket, dict[str, Any], list[dict[str, Any]], tuple[str, int]]:
+                    ) -> tuple[socket.socket, dict[str, Any], _Early, tuple[str, int]]:
         """Join through the first listed coordinator in office (passes over the list until connect_timeout_s)."""
         deadline = time.monotonic() + self._connect_timeout_s
         problems: dict[str, str] = {}
@@ -192,16 +201,18 @@ class MemberClient:
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
     def _handshake(self, addr: tuple[str, int], member_id: int | None, step: int, report: dict[str, Any] | None,
-                   timeout: float) -> tuple[socket.socket, dict[str, Any], list[dict[str, Any]]]:
+                   timeout: float) -> tuple[socket.socket, dict[str, Any], _Early]:
         """Connect, answer the challenge, read the welcome (verified) -- or raise ``Rejected``/``OSError``/
-        ``ProtocolError``/``CoordinatorLost``. Returns the socket, the welcome and messages that followed it."""
+        ``ProtocolError``/``CoordinatorLost``. Returns the socket, the welcome and what followed it: complete
+        messages, and the reader holding the start of a message whose rest has not arrived (the session goes on
+        reading with it -- a fresh reader would see that message's tail as a line of garbage)."""
         deadline = time.monotonic() + timeout
         where = _fmt(addr)
         sock = socket.create_connection(addr, timeout=max(timeout, 0.05))
         try:
             tune_socket(sock)
             reader = LineReader(MAX_GENERATION_LINE)
-            pending: list[dict[str, Any]] = []
+            pending = _Early(reader)
             challenge = self._read_one(sock, reader, pending, deadline, where)
             if challenge["t"] != "challenge":
                 raise ProtocolError(f"the coordinator at {where} sent {challenge['t']!r} before its challenge")
@@ -233,7 +244,7 @@ class MemberClient:
             raise
 
     @staticmethod
-    def _read_one(sock: socket.socket, reader: LineReader, pending: list[dict[str, Any]], deadline: float,
+    def _read_one(sock: socket.socket, reader: LineReader, pending: _Early, deadline: float,
                   where: str) -> dict[str, Any]:
         while not pending:
             remaining = deadline - time.monotonic()
@@ -249,11 +260,12 @@ class MemberClient:
             pending.extend(check(m, COORDINATOR_MESSAGES) for m in reader.feed(data))
         return pending.pop(0)
 
-    def _install(self, sock: socket.socket, welcome: dict[str, Any], addr: tuple[str, int]) -> None:
+    def _install(self, sock: socket.socket, welcome: dict[str, Any], addr: tuple[str, int],
+                 reader: LineReader) -> None:
         sock.settimeout(1.0)  # bounds sendall; reads happen after select says readable
         with self._send_lock:
             self._sock = sock
-            self._reader = LineReader(MAX_GENERATION_LINE)
+            self._reader = reader  # the handshake's: it may hold the start of the next message
             self.member_id = int(welcome["member"])
             self.store_host = addr[0]
             self.store_port = int(welcome["store_port"])
@@ -401,7 +413,7 @@ class MemberClient:
                 except (OSError, ProtocolError, CoordinatorLost) as exc:
                     tried.append(f"{_fmt(addr)}: {exc}")
                     continue
-                self._install(sock, welcome, addr)
+                self._install(sock, welcome, addr, early.reader)
                 if self.role == "office":
                     self._failing_since = None
                     self.failovers += 1
