@@ -37,12 +37,17 @@ _LOOP = textwrap.dedent("""
     store = dist.TCPStore("127.0.0.1", 0, ranks, True, wait_for_workers=False)
     clients = [store] + [dist.TCPStore("127.0.0.1", store.port, ranks, False) for _ in range(ranks - 1)]
 
+    OP_TIMEOUT = 30.0
+
     def counts(target=None):
-        # the fewest threads/fds over ~1 s (until at or below ``target``, at most 15 s): a thread still exiting (a
-        # backend's loop thread after its abort) or a store connection the server thread has not closed yet (late
-        # under load) is not a leak, and a leaked one is there in every sample. (5 s was once too short in CI: one
-        # thread more at the end, not reproduced in 6 runs beside two burners; the names now say which.)
-        reaper().drain(10.0)
+        # Every grave released first, waiting up to the ops' own timeout: an op whose data Gloo had queued when its
+        # socket was cut runs to that timeout (the Gloo gap in docs/comms.md; seen here at ~1 run in 8 under two
+        # burners: the abort of rank 0 landing while its all_reduce was issued, one backend = 3 threads and 6 fds
+        # held 30 s), and its backend is released then -- bounded, not leaked (``pending`` must be 0 at the end).
+        # Then the fewest threads/fds over ~1 s (until at or below ``target``, at most 15 s): a thread still exiting
+        # (a backend's loop thread after its release) or a store connection the server thread has not closed yet
+        # (late under load) is not a leak, and a leaked one is there in every sample.
+        reaper().drain(OP_TIMEOUT + 5.0)
         t = f = 1 << 30
         end = time.monotonic() + 15.0
         for i in range(150):
@@ -70,7 +75,7 @@ _LOOP = textwrap.dedent("""
         stores = clients if mode != "peer" else [
             dist.TCPStore("127.0.0.1", store.port, None, False) for _ in range(ranks)]
         def build(r):
-            comms[r] = Communicator(stores[r], r, ranks, name=f"g{g}", timeout=30)
+            comms[r] = Communicator(stores[r], r, ranks, name=f"g{g}", timeout=OP_TIMEOUT)
         ts = [threading.Thread(target=build, args=(r,)) for r in range(ranks)]
         [t.start() for t in ts]; [t.join(60) for t in ts]
         def work(r):

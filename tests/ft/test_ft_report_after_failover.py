@@ -56,3 +56,14 @@ def test_no_repeat_without_a_report_or_once_a_newer_generation_is_known() -> Non
     client.failovers = 3
     ft._report_again_after_failover()
     assert len(client.sent) == 1
+
+
+def test_a_generation_is_reported_as_itself_when_its_build_failed() -> None:
+    ft, client = _member(gen=1)
+    ft._report("all_reduce failed: peer 1 died")  # generation 1 broke; generation 2 is announced ...
+    ft._newest_gen = 2
+    ft._report("building generation 2 failed", gen=2)  # ... and its build failed here: say so about 2
+    ft._report("building generation 2 failed again", gen=2)  # once per generation
+    ft._report("late news about 1")  # 2 is known: a report of 1 is pointless
+    assert [(m["gen"], m["reason"]) for m in client.sent] == [
+        (1, "all_reduce failed: peer 1 died"), (2, "building generation 2 failed")]

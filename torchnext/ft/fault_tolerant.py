@@ -67,7 +67,7 @@ from torchnext.comms.work import WorkStatus
 from torchnext.ft.config import FaultTolerantConfig, Reconfiguration
 from torchnext.ft.errors import quiet_abort
 from torchnext.ft.healing import HealStats, recv_state, send_state
-from torchnext.ft.member import MemberClient
+from torchnext.ft.member import ARRIVED_AFTER, MemberClient
 from torchnext.ft.membership import JobFinished, QuorumLost, RemovedFromGroup
 from torchnext.ft.step import Step, _FailedAttempts
 
@@ -125,7 +125,6 @@ class FaultTolerant:
         self._held: dict[str, Any] | None = None  # the newest generation fully entered (healed): reported on failover
         self._pending: dict[str, Any] | None = None
         self._newest_gen = 0
-        self._wait_epoch = 0
         self._interrupt_at: dict[int, float] = {}
         # the last failure report: (generation, the client's failover count when it was sent, reason)
         self._reported: tuple[int, int, str] = (-1, 0, "")
@@ -330,7 +329,7 @@ class FaultTolerant:
                         self._vote = None
                     self.commit_times.append((gen, self._step, time.monotonic()))
                     if ev.get("next") is not None:
-                        self._note_gen(ev["next"])
+                        self._note_gen({**ev["next"], ARRIVED_AFTER: ev[ARRIVED_AFTER]})
                     return True
                 if kind == "gen":
                     self._note_gen(ev)
@@ -428,8 +427,7 @@ class FaultTolerant:
                 self._newest_gen = max(self._newest_gen, int(msg["gen"]))
                 self._interrupt_at[int(msg["gen"])] = now
                 reason = f"generation {msg['gen']} announced ({msg.get('reason')})"
-            else:
-                self._wait_epoch += 1
+            else:  # the client counted it (MemberClient.interruptions): a build announced before it is stale
                 reason = str(msg.get("reason") or msg["t"])
             targets = [*self._children, *([self._comm] if self._comm is not None else [])]
             out = msg["t"] in ("removed", "fatal") or msg.get("final")
@@ -479,9 +477,12 @@ class FaultTolerant:
             elif kind == "fatal":
                 self._raise_fatal()
 
-    def _report(self, reason: str) -> None:
-        """Tell the coordinator this generation is broken (once per generation; not if a newer one is known)."""
-        gen = self.generation
+    def _report(self, reason: str, *, gen: int | None = None) -> None:
+        """Tell the coordinator generation ``gen`` is broken -- by default the one this member is in; a generation
+        whose build failed is reported as itself (this member is still in an older one, whose report the
+        coordinator would ignore: the others then waited for that build until their deadline). Once per
+        generation; not if a newer one is known."""
+        gen = self.generation if gen is None else gen
         if gen and self._reported[0] != gen and self._newest_gen <= gen:
             self._reported = (gen, self._client.failovers, reason[:300])
             self._trace(f"report gen {gen} broken ({reason[:120]})")
@@ -506,15 +507,16 @@ class FaultTolerant:
         deadline = time.monotonic() + limit
         while True:
             self._raise_fatal()
-            with self._lock:
-                epoch = self._wait_epoch
             self._client.news.clear()
             self._drain()
             msg = self._pending
             if msg is not None and msg["gen"] > max(self.generation, self._attempted):
                 self._attempted = int(msg["gen"])  # a generation is entered at most once (its store prefix is single-use)
                 self._trace(f"enter gen {msg['gen']}")
-                if self._enter(msg, epoch, deadline):
+                # the build is called off by an interruption after this announcement arrived, not by one before
+                # it (a standby's first generation comes after the lost coordinator's; judged from the moment this
+                # thread looked, a failover that ran meanwhile made every member wait for a generation after it)
+                if self._enter(msg, int(msg[ARRIVED_AFTER]), deadline):
                     self._trace(f"entered gen {msg['gen']}")
                     need_new = False
                 else:
@@ -691,12 +693,14 @@ class FaultTolerant:
         threading.Thread(target=build, name=f"torchnext-ft-build[g{gen}]", daemon=True).start()
         while True:
             with self._lock:
-                stale = self._newest_gen > gen or self._wait_epoch != epoch or self._client.fatal is not None
+                stale = (self._newest_gen > gen or self._client.interruptions != epoch
+                         or self._client.fatal is not None)
                 if stale or done.is_set():
                     comm = box.get("comm")
                     if stale:
-                        self._trace(f"build of gen {gen} abandoned (newest announced {self._newest_gen}, wait epoch "
-                                    f"{self._wait_epoch} vs {epoch}, fatal {self._client.fatal is not None})")
+                        self._trace(f"build of gen {gen} abandoned (newest announced {self._newest_gen}, "
+                                    f"interruptions {self._client.interruptions} vs {epoch} at its announcement, "
+                                    f"fatal {self._client.fatal is not None})")
                         box["abandoned"] = True
                         _cancel_build(box, f"superseded before use (generation {gen})")
                         if comm is not None:
@@ -712,11 +716,12 @@ class FaultTolerant:
                 with self._lock:
                     box["abandoned"] = True
                     _cancel_build(box, f"generation {gen}: the reconfiguration deadline passed")
+                self._report(f"building generation {gen} ran out of the reconfiguration deadline", gen=gen)
                 return None
             news.clear()
             if not done.is_set() and self._newest_gen <= gen:
                 news.wait(min(remaining, 0.5))
-        self._report(f"building generation {gen} failed: {box.get('error')}")
+        self._report(f"building generation {gen} failed: {box.get('error')}", gen=gen)
         return None
 
     def _heal(self, comm: Communicator, members: list[int], donor: int, joiners: list[int], step: int) -> HealStats | None:

@@ -61,6 +61,8 @@ from torchnext.ft.membership import (
 __all__ = ["MemberClient", "parse_address", "parse_addresses"]
 
 _INTERRUPTING = frozenset({"wait", "removed", "fatal"})
+ARRIVED_AFTER = "_arrived_after"
+"""The key of a queued message that holds :attr:`MemberClient.interruptions` at its arrival (not on the wire)."""
 _TRY_NEXT = frozenset({"standby", "not_resumable", "stale_coordinator", "auth", "duplicate", "bad_request"})
 """Refusals after which a failing-over member tries the next address (this coordinator cannot take it)."""
 
@@ -135,6 +137,11 @@ class MemberClient:
         self.addresses = parse_addresses(address)
         self._token = token
         self._on_interrupt = on_interrupt
+        self.interruptions = 0
+        """Interruptions delivered to ``on_interrupt`` so far -- every one but a new generation's and the job's end
+        (``wait``, ``removed``, ``fatal``, a lost coordinator). Every queued message carries the count at its
+        arrival as ``ARRIVED_AFTER``: an interruption after a generation's announcement ends that generation's
+        build, one before it does not (a standby's first generation follows the lost coordinator's interruption)."""
         self._coordinator_timeout_s = coordinator_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._failover_timeout_s = failover_timeout_s
@@ -162,6 +169,7 @@ class MemberClient:
         self.grow_timeout_s: float | None = welcome.get("grow_timeout_s")
         for msg in early:  # e.g. the first generation, sent right after the welcome
             self._observe(msg)
+            msg[ARRIVED_AFTER] = 0
             self.events.put(msg)
         self._thread = threading.Thread(target=self._run, name=f"torchnext-heartbeat[{self.member_id}]", daemon=True)
         self._thread.start()
@@ -389,7 +397,7 @@ class MemberClient:
                 pass
         if self._failing_since is None:
             self._failing_since = time.monotonic()
-            self._on_interrupt({"t": "lost", "reason": why})
+            self._interrupt({"t": "lost", "reason": why})
         deadline = self._failing_since + self._failover_timeout_s
         tried: list[str] = []
         while not self._closed.is_set():
@@ -468,16 +476,24 @@ class MemberClient:
             self.role = "office"
             self.failovers += 1
         if kind in _INTERRUPTING or kind == "finished" or (kind == "gen" and msg.get("abort")):
-            self._on_interrupt(msg)
+            self._interrupt(msg)
+        self._queue(msg)
+        return True
+
+    def _interrupt(self, msg: dict[str, Any]) -> None:
+        if msg["t"] not in ("gen", "finished"):
+            self.interruptions += 1
+        self._on_interrupt(msg)
+
+    def _queue(self, msg: dict[str, Any]) -> None:
+        msg[ARRIVED_AFTER] = self.interruptions
         self.events.put(msg)
         self.news.set()
-        return True
 
     def _lose(self, exc: MembershipError, msg: dict[str, Any] | None = None) -> None:
         self.fatal = exc
-        self._on_interrupt(msg or {"t": "lost", "reason": str(exc), "final": True})
-        self.events.put({"t": "fatal", "reason": str(exc)})
-        self.news.set()
+        self._interrupt(msg or {"t": "lost", "reason": str(exc), "final": True})
+        self._queue({"t": "fatal", "reason": str(exc)})
 
 
 _FATAL_CODES: dict[str, type[MembershipError]] = {
