@@ -41,6 +41,7 @@ from torchnext.comms.communicator import Communicator
 from torchnext.comms.errors import CommError
 from torchnext.comms.process_group import GroupWork, TorchnextProcessGroup
 from torchnext.comms.process_group.group import BACKEND_NAME
+from torchnext.comms.process_group.profiling import annotate
 from torchnext.comms.process_group.work import mark_invalid
 from torchnext.ft.errors import FailureKind, classify_failure, quiet_abort
 
@@ -248,7 +249,7 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         if comm is None:
             return self._failed(op, result, self._ft._comm)
         try:
-            with self._issuing:
+            with self._issuing, annotate(op):
                 works = issue(comm)
         except CommError as exc:  # refused: the generation broke between the check and the issue, or a mismatch
             return self._failed(op, result, comm, exc)
@@ -261,7 +262,7 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         comm = self._live(op, tensors)
         if comm is None:
             return self._failed(op, tensors, self._ft._comm)
-        with self._issuing:  # several threads: one op handed over at a time
+        with self._issuing, annotate(op):  # several threads: one op handed over at a time
             staged = [self._staging.take(t) for t in tensors]
             try:
                 works = issue(comm, staged)

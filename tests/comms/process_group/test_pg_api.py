@@ -212,3 +212,36 @@ def test_invalid_values_per_dtype() -> None:
     assert torch.isnan(ts[0]).all() and torch.isnan(ts[3].float()).all()
     assert ts[1][0].tolist() == [torch.iinfo(torch.int32).min] * 2 and ts[1][1].tolist() == [255, 255]
     assert ts[2].tolist() == [True, True]
+
+
+# ------------------------------------------------------------------------------------------ profiler records
+def profiled_body(ctx: RankContext) -> dict[str, Any]:
+    from torchnext.comms.process_group.profiling import annotate
+
+    comm = Communicator(ctx.store, ctx.rank, ctx.world_size, name="prof")
+    pg = comm.as_process_group()
+    t = torch.ones(4)
+    dist.all_reduce(t, group=pg)  # warm
+    quiet = annotate("all_reduce")  # no profiler: the shared no-op
+    with torch.profiler.profile() as prof:
+        dist.all_reduce(t, group=pg)
+        dist.broadcast(t, 0, group=pg)
+        dist.all_reduce(t, group=pg, async_op=True).wait()
+    events = [(e.name, e.thread, e.time_range.start, e.time_range.end) for e in prof.events()]
+    ours = [e for e in events if e[0] == "torchnext:all_reduce"]
+    inner = [e for e in events if e[0] == "gloo:all_reduce"]
+    # ours on the issuing thread (as the dispatcher's c10d:: record of torch's groups), Gloo's on its worker thread
+    # running the op, each begun after an issue of ours
+    nested = len({o[1] for o in ours}) == 1 and all(any(o[2] <= i[2] for o in ours) for i in inner)
+    comm.shutdown()
+    return {"names": sorted({e[0] for e in events}), "ours": len(ours), "inner": len(inner), "nested": nested,
+            "quiet_is_shared": quiet is annotate("broadcast")}
+
+
+def test_python_path_ops_are_named_in_profiler_traces() -> None:
+    """torch's own groups show ``c10d::allreduce_`` (the dispatcher) and ``gloo:all_reduce``; an op of a torchnext
+    group on the Python path shows ``torchnext:all_reduce`` on the issuing thread, and the inner backend's record."""
+    for r in run_ranks(profiled_body, 2, timeout=120):
+        assert {"torchnext:all_reduce", "torchnext:broadcast"} <= set(r["names"]), r["names"]
+        assert r["ours"] == 2 and r["inner"] >= 1 and r["nested"], r
+        assert r["quiet_is_shared"]

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torchnext.comms.communicator import Communicator
 from torchnext.comms.errors import CommError, PeerFailure
 from torchnext.comms.process_group import native as _native
+from torchnext.comms.process_group.profiling import annotate
 from torchnext.comms.process_group.work import GroupWork
 from torchnext.comms.reduce_op import ReduceOp
 from torchnext.comms.work import Work
@@ -249,7 +250,7 @@ class TorchnextProcessGroup(dist.ProcessGroup):
         """Issue ``issue(comm)`` on the Communicator for ``device_tensor``'s device and wrap what it returns (the
         one place a subclass changes what a failure means: :class:`torchnext.ft.FaultTolerantProcessGroup`)."""
         comm = self._comm_for(device_tensor, op)
-        with self._issuing:
+        with self._issuing, annotate(op):
             return GroupWork(self, issue(comm), result)
 
     def _run_inplace(self, op: str, tensors: list[torch.Tensor],
@@ -258,7 +259,7 @@ class TorchnextProcessGroup(dist.ProcessGroup):
         ``issue(comm, tensors)``. Here on the caller's tensors; :class:`torchnext.ft.FaultTolerantProcessGroup`
         issues it on private staging copies instead."""
         comm = self._comm_for(tensors[0], op)
-        with self._issuing:
+        with self._issuing, annotate(op):
             return GroupWork(self, issue(comm, tensors), tensors)
 
     # ------------------------------------------------------------------------------------------ reductions
