@@ -350,6 +350,32 @@ def test_a_raising_post_hook_keeps_its_traceback_as_text_not_frames() -> None:
         b.abort()
 
 
+def test_a_work_completed_through_the_watcher_is_not_kept_alive() -> None:
+    """An op left unwaited past ``UNWAITED_GRACE`` is completed through its backend's callback; the watcher thread
+    held the last Work it watched (its loop variable) until its next wake-up -- and with it the op's outputs and
+    its communicator (the raising-post-hook test above failed that way under load, once the watcher got there
+    first)."""
+    from torchnext.comms.work import UNWAITED_GRACE
+
+    a, b = _pair("watched", timeout=60.0)
+    gc.disable()
+    try:
+        w = b.all_reduce(torch.ones(8), async_op=True)
+        time.sleep(UNWAITED_GRACE.total_seconds() * 10)  # nobody waits: the watcher attaches the callback
+        a.all_reduce(torch.ones(8))
+        w.wait()
+        work_ref = weakref.ref(w)
+        del w
+        deadline = time.monotonic() + 5.0
+        while work_ref() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert work_ref() is None
+    finally:
+        gc.enable()
+        a.abort()
+        b.abort()
+
+
 def test_a_communicator_dropped_without_close_hands_its_backend_to_the_reaper() -> None:
     """Its last reference may go on one of the backend's own threads (a completion callback holding the last Work):
     the backend must not be destroyed there (a thread cannot join itself: SIGABRT at exit in test_fr_mismatch's 'op'

@@ -592,12 +592,19 @@ class UnwaitedWatcher:
                     if not in_flight:
                         self.idle = True  # under the lock: an op entered after this sees it and wakes us
                         break
-                for work in due:
-                    if work.status is _IP or work.status is _NS:
-                        work._watch()
+                _watch_all(due)  # a function: no loop variable keeps the last Work alive while this thread sleeps
                 del due
             if self._closed:
                 return
+
+
+def _watch_all(works: list[Work]) -> None:
+    """Attach the completion callback of the ``works`` still in flight. (Run inline, the watcher's loop variable
+    held the last one -- its outputs, its communicator -- until the next wake-up: a Work kept past its completion,
+    seen with the garbage collector off.)"""
+    for work in works:
+        if work.status is _IP or work.status is _NS:
+            work._watch()
 
 
 class CompletionWaiter:
