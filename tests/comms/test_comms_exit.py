@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 _RUNNER = textwrap.dedent("""
     import json, os, sys, threading, time
     import torch, torch.distributed as dist
@@ -70,6 +72,7 @@ EXITS = 200 if os.environ.get("TORCHNEXT_LONG", "") not in ("", "0") else 40
 """The issue's 200 exits with ``TORCHNEXT_LONG=1`` (~4 min under the burners on 2 cores); 40 in the default run."""
 
 
+@pytest.mark.timeout(300 if EXITS <= 40 else 900)  # 200 exits: over 300 s beside two more burners (load 10)
 def test_exits_holding_abandoned_ops_under_load() -> None:
     burners = [subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<600: pass"])
                for _ in range(2)]

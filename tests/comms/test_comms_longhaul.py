@@ -465,6 +465,61 @@ def test_idle_graves_are_released_side_by_side() -> None:
     assert sorted(met) == [0, 1, 2, 3] and r.reaped == 4 and not r.slow_releases
 
 
+class _TimedOp:
+    """A backend Work that ends at ``ends`` (``perf_counter``): an op a cut did not end, running to its timeout."""
+
+    def __init__(self, ends: float) -> None:
+        self.ends = ends
+
+    def is_completed(self) -> bool:
+        return time.perf_counter() >= self.ends
+
+
+def _exit_reaper(monkeypatch: pytest.MonkeyPatch, **consts: float) -> Any:
+    from torchnext.comms import reaper as reaper_module
+
+    r = reaper_module.Reaper()
+    monkeypatch.setattr(reaper_module, "_REAPER", r)
+    monkeypatch.setattr(reaper_module, "_GIVEN_UP", set())
+    for k, v in consts.items():
+        monkeypatch.setattr(reaper_module, k, v)
+    return r
+
+
+def test_exit_waits_for_an_op_that_ends_by_its_deadline_soon(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """An op Gloo's cut did not end (its data still queued) ends at its own timeout: the exit waits for that rather
+    than finalize while it may end (reproduced before: a 6 s op abandoned at exit aborted the process, SIGABRT, 1 s
+    after the 5 s drain gave up)."""
+    from torchnext.comms.backends import BackendHandle
+    from torchnext.comms.reaper import Grave, drain
+
+    r = _exit_reaper(monkeypatch, EXIT_DRAIN=0.2, EXIT_MARGIN=0.1)
+    ends = time.perf_counter() + 1.0
+    r.bury(Grave(BackendHandle(pg=object(), device=torch.device("cpu")), "gap", [_TimedOp(ends)], until=ends))
+    t0 = time.monotonic()
+    drain()
+    assert r.pending == 0 and time.monotonic() - t0 >= 0.9
+    assert "still running" not in capsys.readouterr().err
+
+
+def test_exit_gives_up_once_on_an_op_whose_deadline_is_far(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from torchnext.comms.backends import BackendHandle
+    from torchnext.comms.reaper import Grave, drain
+
+    r = _exit_reaper(monkeypatch, EXIT_DRAIN=0.2, EXIT_WAIT_MAX=1.0)
+    ends = time.perf_counter() + 30.0  # past EXIT_WAIT_MAX: no finalization lasts until then
+    r.bury(Grave(BackendHandle(pg=object(), device=torch.device("cpu")), "far", [_TimedOp(ends)], until=ends))
+    t0 = time.monotonic()
+    drain()
+    assert time.monotonic() - t0 < 0.9 and r.pending == 1
+    assert capsys.readouterr().err.count("1 abandoned backend(s) still running ops at exit (far)") == 1
+    t1 = time.monotonic()
+    drain()  # the second exit handler: neither waits nor says it again
+    assert time.monotonic() - t1 < 0.1 and "still running" not in capsys.readouterr().err
+
+
 def test_a_closed_communicator_releases_its_store() -> None:
     import weakref
 

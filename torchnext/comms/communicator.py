@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import time
 import weakref
 import zlib
 from collections.abc import Callable, Sequence
@@ -209,6 +210,7 @@ class Communicator(CollectiveOps):
         self._closed = False
         self._grave: Grave | None = None  # the abandoned backend, once aborted (or shut down errored)
         self._orphans: list[Any] = []  # backend Works of failed ops that may still run (buried with the backend)
+        self._orphans_until = 0.0  # perf_counter: by then each of them has ended at its own timeout (the backend's)
         self._retained: list[Any] = []  # objects the backend may still write into (see retain())
         self._op_counter = 0
         self._split_seq = 0
@@ -439,18 +441,23 @@ class Communicator(CollectiveOps):
             works, self._orphans = self._orphans, []
             keep, self._retained = self._retained, []
             issuing = self._issue_lock.locked()
-            self._grave = bury(self._backend, self._name, works, keep, issuing=issuing)
+            self._grave = bury(self._backend, self._name, works, keep, issuing=issuing, until=self._orphans_until)
             self._pg = None
             self._store = None  # the backend holds its own reference while it lives (it connected through it)
 
-    def _left_issue(self, launched: Sequence[Any]) -> None:
-        """The issuing thread leaves an op on an aborted communicator: its backend Works go to the grave."""
+    def _left_issue(self, launched: Sequence[Any], until: float) -> None:
+        """The issuing thread leaves an op on an aborted communicator: its backend Works go to the grave (``until``:
+        the op's deadline, ``perf_counter`` time)."""
         with self._lock:
             grave = self._grave
             if grave is None:  # abort() has not buried the backend yet: it takes them
                 self._orphans.extend(launched)
+                if launched and until > self._orphans_until:
+                    self._orphans_until = until
             else:
                 grave.works.extend(launched)
+                if launched and until > grave.until:
+                    grave.until = until
                 grave.issuing = False
 
     def shutdown(self) -> None:
@@ -685,7 +692,7 @@ class Communicator(CollectiveOps):
             self._sync_work = None
             self._issue_lock.release()
             if self._aborted is not None:  # aborted while issuing (or before): what was launched goes to the grave
-                self._left_issue(backend_works)
+                self._left_issue(backend_works, time.perf_counter() + timeout_s)
             backend_works = ()  # a raised exception keeps this frame in its traceback: no backend Work in it
 
     def _wait_in_thread(self, backend_work: Any, work: Work, td: timedelta | None) -> None:

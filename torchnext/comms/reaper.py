@@ -18,8 +18,12 @@ being issued on the aborted communicator: its backend Works are added when the i
 
 At interpreter exit (:func:`drain`, an ``atexit`` handler) the graves are reaped in the exiting thread, waiting at
 most :data:`EXIT_DRAIN` for their ops to end: a backend thread that finishes an op while the interpreter finalizes
-would take the GIL (or touch destroyed C++ statics) and abort the process (SIGABRT, "terminate called after throwing
-an instance of 'gloo::IoException'"). Graves whose ops outlive that are left alone and reported on stderr.
+would call into Python (the op's completion callback) and abort the process (SIGABRT, "terminate called after
+throwing an instance of 'gloo::IoException'"). A cut does not end every Gloo op (an all_reduce whose data was still
+queued waits out its own timeout: docs/comms.md), so a grave whose ops all end by their deadline within
+:data:`EXIT_WAIT_MAX` is waited for until then (plus :data:`EXIT_MARGIN`): the exit is late, never a crash
+(reproduced: an op of a 6 s timeout abandoned at exit aborted the process 1 s after a 5 s drain gave up). Graves
+whose ops outlive that are left alone and reported on stderr: their deadlines lie past any finalization.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from typing import Any
 
 from torchnext.comms.backends import BackendHandle
 
-__all__ = ["EXIT_DRAIN", "REAP_PERIOD", "RELEASE_PARALLEL", "SETTLE", "SLOW_RELEASE", "Grave", "Reaper", "drain", "reaper"]
+__all__ = ["EXIT_DRAIN", "EXIT_MARGIN", "EXIT_WAIT_MAX", "REAP_PERIOD", "RELEASE_PARALLEL", "SETTLE", "SLOW_RELEASE",
+           "Grave", "Reaper", "drain", "reaper"]
 
 REAP_PERIOD = 0.02
 """Seconds between two looks at the graves."""
@@ -49,8 +54,14 @@ RELEASE_PARALLEL = 16
 SLOW_RELEASE = 0.5
 """A release (the backend's destructor) that takes this long is recorded in :attr:`Reaper.slow_releases`."""
 EXIT_DRAIN = 5.0
-"""At interpreter exit, wait at most this many seconds for the graves' ops to end (cancelled Gloo ops end in
-milliseconds; an uncancellable op runs to its own timeout)."""
+"""At interpreter exit, wait this many seconds for the graves' ops to end (cancelled Gloo ops end in milliseconds;
+an uncancellable op runs to its own timeout) -- longer where :data:`EXIT_WAIT_MAX` says so."""
+EXIT_WAIT_MAX = 120.0
+"""At interpreter exit, wait on for graves whose ops all end by their own deadlines within this many seconds: better
+a late exit than an op ending while the interpreter finalizes (see the module docstring)."""
+EXIT_MARGIN = 1.0
+"""Seconds past a grave's deadline that the exit still waits (a backend starts an op's clock when it runs it, a
+little after it was issued)."""
 
 
 @dataclass(eq=False)
@@ -68,6 +79,8 @@ class Grave:
     cancelled: int | None = None
     """Connections its canceller cut (Gloo: pair sockets shut down); None: it had no canceller, or it raised -- its
     ops then end only at their own timeout."""
+    until: float = 0.0
+    """``time.perf_counter()`` by which each of its ops has ended at its own timeout, at the latest (0: unknown)."""
     born: float = field(default_factory=time.monotonic)
     done_since: float | None = None
     released: bool = False
@@ -215,10 +228,11 @@ def reaper() -> Reaper:
 
 
 def bury(handle: BackendHandle, name: str, works: Sequence[Any] = (), keep: Sequence[Any] = (), *,
-         issuing: bool = False) -> Grave:
+         issuing: bool = False, until: float = 0.0) -> Grave:
     """Cancel what runs on ``handle`` (its ``cancel_fn``, if any) and hand it to the reaper; returns the grave (the
-    caller may still add Works or kept objects to it, under its own lock, and clear ``issuing``)."""
-    grave = Grave(handle, name, list(works), list(keep), issuing)
+    caller may still add Works or kept objects to it, under its own lock, and clear ``issuing``). ``until``: see
+    :attr:`Grave.until`."""
+    grave = Grave(handle, name, list(works), list(keep), issuing, until=until)
     cancel = handle.cancel_fn
     if cancel is not None:
         try:
@@ -229,10 +243,23 @@ def bury(handle: BackendHandle, name: str, works: Sequence[Any] = (), keep: Sequ
     return grave
 
 
+_GIVEN_UP: set[int] = set()
+"""``id`` of the graves an exit drain already waited for in vain (a later exit drain does not wait for them again)."""
+
+
 def drain() -> None:
-    """``atexit``: reap every abandoned backend before the interpreter finalizes (see the module docstring)."""
-    left = _REAPER.drain()
-    if left:
-        names = ", ".join(sorted({g.name for g in left}))
-        print(f"torchnext: {len(left)} abandoned backend(s) still running ops at exit ({names}); their threads may "
+    """``atexit``: reap every abandoned backend before the interpreter finalizes (see the module docstring).
+
+    Registered twice (by the reaper and by the Communicator's exit handler, which first aborts communicators with
+    ops in flight and then drains): a grave already waited for in vain is not waited for, nor reported, again."""
+    waited = [g for g in _REAPER.graves() if id(g) not in _GIVEN_UP]
+    left = _REAPER.drain(EXIT_DRAIN if waited else 0.0)
+    if left and all(0.0 < g.until <= time.perf_counter() + EXIT_WAIT_MAX for g in left):
+        # every op left ends by its own deadline soon: wait for that rather than finalize while one may end
+        left = _REAPER.drain(max(g.until for g in left) + EXIT_MARGIN - time.perf_counter())
+    new = [g for g in left if id(g) not in _GIVEN_UP]
+    _GIVEN_UP.update(id(g) for g in left)
+    if new:
+        names = ", ".join(sorted({g.name for g in new}))
+        print(f"torchnext: {len(new)} abandoned backend(s) still running ops at exit ({names}); their threads may "
               "end the process abnormally", file=sys.stderr)

@@ -336,6 +336,8 @@ class Work:
             launched, self._launched = self._launched, None
             if launched and status is not _COMPLETED:  # a failed op's backend Works may still run: the communicator
                 comm._orphans.extend(launched)  # buried with its backend (done ones cost nothing)
+                if self._deadline > comm._orphans_until:  # ... until its deadline at the latest (the backend's own)
+                    comm._orphans_until = self._deadline
             comm._in_flight.pop(self.op_id, None)
             if status is WorkStatus.ERROR or status is WorkStatus.TIMED_OUT:
                 if breaks_comm and comm._error is None and isinstance(exc, CommError):
