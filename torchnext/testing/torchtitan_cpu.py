@@ -380,9 +380,10 @@ def torchtitan_on_cpu(*, skip: Sequence[str] = ()) -> Iterator[CpuShims]:
 
 @contextlib.contextmanager
 def _store_per_run(index: int, base: dist.Store) -> Iterator[None]:
-    """``init_process_group`` calls that name no store and no init method rendezvous under ``torchnext-run-<index>/``
-    in ``base`` (torch reuses the same keys after ``destroy_process_group``; a second job in the same processes would
-    read the first one's addresses). The backend and every other argument pass through unchanged; the backend the
+    """``init_process_group`` calls that name no store and no init method rendezvous under
+    ``torchnext-run-<restart>-<index>/`` in ``base`` (torch reuses the same keys after ``destroy_process_group``; a
+    second job in the same processes -- or the workers torchrun restarts, ``TORCHELASTIC_RESTART_COUNT`` -- would read
+    the first one's addresses). The backend and every other argument pass through unchanged; the backend the
     group got is printed (``torchtitan_cpu: run <index> rank <r> backend <name>``) for the caller to check."""
     c10d: Any = dist.distributed_c10d
     original = c10d.init_process_group
@@ -390,7 +391,8 @@ def _store_per_run(index: int, base: dist.Store) -> Iterator[None]:
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
         if len(args) < 2 and kwargs.get("store") is None and kwargs.get("init_method") in (None, "env://"):
             kwargs.pop("init_method", None)
-            kwargs.update(store=dist.PrefixStore(f"torchnext-run-{index}/", base), rank=int(os.environ["RANK"]),
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            kwargs.update(store=dist.PrefixStore(f"torchnext-run-{restart}-{index}/", base), rank=int(os.environ["RANK"]),
                           world_size=int(os.environ["WORLD_SIZE"]))
         out = original(*args, **kwargs)
         print(f"torchtitan_cpu: run {index} rank {dist.get_rank()} backend {dist.get_backend()}", file=sys.stderr,
@@ -424,9 +426,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     Runs the module or script under :func:`torchtitan_on_cpu`. With ``--runs``, a JSON list of argument lists, it
     runs it once per list, in this process, one after the other, each list appended to ``args``: several torchtitan
-    jobs for the price of one start (torch and torchtitan imported once). Each job's ``init_process_group`` then
-    rendezvous under its own store prefix (``torchnext-run-<i>/``); the backend is the caller's (``torchnext run``'s
-    swap included). A job that raises ends the process with that error.
+    jobs for the price of one start (torch and torchtitan imported once). Under torchrun each job's
+    ``init_process_group`` rendezvous under its own store prefix (``torchnext-run-<restart>-<i>/``, see
+    :func:`_store_per_run`); the backend is the caller's (``torchnext run``'s swap included). A job that raises ends
+    the process with that error.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     runs: list[list[str]] | None = None
@@ -443,12 +446,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit("usage: python -m torchnext.testing.torchtitan_cpu [--runs RUNS.json] "
                          "(-m module | script.py) [args]")
     with torchtitan_on_cpu():
-        if runs is None:
-            _run_target(args, ())
-            return
-        base = _env_store()
-        for i, extra in enumerate(runs):
-            with _store_per_run(i, base):
+        base = _env_store() if {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= set(os.environ) else None
+        for i, extra in enumerate(runs if runs is not None else [[]]):
+            with _store_per_run(i, base) if base is not None else contextlib.nullcontext():
                 _run_target(args, extra)
 
 

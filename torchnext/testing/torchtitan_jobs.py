@@ -22,13 +22,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchnext.testing.procfs import stat_fields
 
-__all__ = ["LAUNCHERS", "TitanJob", "TitanResult", "run_jobs"]
+__all__ = ["LAUNCHERS", "TitanJob", "TitanResult", "run_jobs", "worker_pids"]
 
 LAUNCHERS: dict[str, list[str]] = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run"],
@@ -53,6 +53,8 @@ class TitanJob:
     env: dict[str, str] = field(default_factory=dict)
     """Added to this process's environment."""
     module: str = "torchtitan.train"
+    launcher_args: list[str] = field(default_factory=list)
+    """More launcher options (``["--max-restarts", "1"]``: torchrun restarts the job's workers when one dies)."""
 
 
 @dataclass(kw_only=True)
@@ -110,8 +112,25 @@ def _kill(pids: set[int], sig: signal.Signals) -> None:
             pass
 
 
-def run_jobs(jobs: Sequence[TitanJob], folder: Path, *, timeout_s: float) -> list[TitanResult]:
-    """Run ``jobs`` at once (see the module docstring); logs and run lists go to ``folder``.
+def worker_pids(launcher_pid: int) -> list[int]:
+    """The live worker processes under a launcher (``torchnext.testing.torchtitan_cpu`` in their command line)."""
+    found = []
+    for pid in sorted(_descendants(launcher_pid)):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"torchnext.testing.torchtitan_cpu" in cmdline and b"torch.distributed.run" not in cmdline and _alive(pid):
+            found.append(pid)
+    return found
+
+
+def run_jobs(jobs: Sequence[TitanJob], folder: Path, *, timeout_s: float,
+             watch: Callable[[dict[str, int]], None] | None = None) -> list[TitanResult]:
+    """Run ``jobs`` at once (see the module docstring); logs and run lists go to ``folder``. ``watch``, if given, is
+    called about twice a second with ``{job name: launcher pid}`` while they run (a test's fault injector: it reads
+    ``folder/<name>.log`` and kills what it wants, e.g. one of :func:`worker_pids`).
 
     Raises:
         ValueError: a job names an unknown launcher, or two jobs share a name.
@@ -129,7 +148,7 @@ def run_jobs(jobs: Sequence[TitanJob], folder: Path, *, timeout_s: float) -> lis
                                  f"known: {sorted(LAUNCHERS)}")
             runs_file, log_path = folder / f"{job.name}.runs.json", folder / f"{job.name}.log"
             runs_file.write_text(json.dumps(job.runs))
-            cmd = [*LAUNCHERS[job.launcher], "--standalone", "--nproc-per-node", str(job.nproc),
+            cmd = [*LAUNCHERS[job.launcher], "--standalone", "--nproc-per-node", str(job.nproc), *job.launcher_args,
                    "-m", "torchnext.testing.torchtitan_cpu", "--runs", str(runs_file), "-m", job.module, *job.common]
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -143,6 +162,8 @@ def run_jobs(jobs: Sequence[TitanJob], folder: Path, *, timeout_s: float) -> lis
                     seen[proc.pid] |= _descendants(proc.pid)
                     if proc.poll() is not None:
                         ended[proc.pid] = time.monotonic() - t0
+            if watch is not None:
+                watch({job.name: proc.pid for job, proc, _, _ in started if proc.pid not in ended})
             time.sleep(0.5)
     finally:
         for _, proc, _, _ in started:
