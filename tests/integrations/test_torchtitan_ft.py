@@ -39,7 +39,9 @@ def _run(root: Path, name: str, tok: str, data: str, *, kill: bool) -> dict[str,
     with CoordinatorProcess(TOKEN, initial_size=2, min_size=1) as coord:
         common = ["--module", "torchnext.integrations.torchtitan", "--config", "llama3_debugmodel_torchnext_ft",
                   "--hf_assets_path", tok, "--dataloader.dataset_path", data, "--training.steps", str(STEPS),
-                  "--training.seq_len", "128", "--training.local_batch_size", "2", *CPU_FLAGS, "--debug.seed", "0",
+                  # 4 sequences a rank: steps long enough that torchrun's restart of group 1 (new processes,
+                  # imports, build) ends well before group 0 reaches step 20 alone
+                  "--training.seq_len", "128", "--training.local_batch_size", "4", *CPU_FLAGS, "--debug.seed", "0",
                   "--metrics.enable_tensorboard", "--metrics.save_for_all_ranks", "--fault_tolerance.replica_groups",
                   "2", "--checkpoint.enable", "--checkpoint.interval", "1000", "--comm.init_timeout_seconds", "120",
                   "--comm.train_timeout_seconds", "120"]
