@@ -171,3 +171,16 @@ def test_read_scalars_reads_what_a_summary_writer_wrote(tmp_path: Path) -> None:
         read_scalars(tmp_path / "tb")
     with pytest.raises(FileNotFoundError):
         read_scalars(tmp_path / "none")
+
+
+def test_runner_refuses_bad_arguments(tmp_path: Path) -> None:
+    from torchnext.testing.torchtitan_cpu import main
+
+    with pytest.raises(SystemExit, match="--runs needs a JSON file"):
+        main(["--runs"])
+    bad = tmp_path / "runs.json"
+    bad.write_text('[["--a"], "b"]')
+    with pytest.raises(SystemExit, match="expected a JSON list of lists of strings"):
+        main(["--runs", str(bad), "-m", "torchtitan.train"])
+    with pytest.raises(SystemExit, match="usage"):
+        main(["-m"])
