@@ -148,9 +148,15 @@ def test_killed_group_rejoins_heals_and_ends_equal_while_the_other_trains_on(run
 
 
 def test_the_replica_group_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from torchnext.integrations.torchtitan import FaultTolerance, FaultTolerantTrainer
-    from torchnext.integrations.torchtitan.config_registry import llama3_debugmodel_torchnext_ft
+    from torchnext.integrations.torchtitan import FaultTolerance, FaultTolerantTrainer, TorchnextLowpLinear
+    from torchnext.integrations.torchtitan.config_registry import (
+        llama3_debugmodel_torchnext_ft,
+        llama3_debugmodel_torchnext_ft_mxfp8,
+    )
 
+    lowp = llama3_debugmodel_torchnext_ft_mxfp8()  # the example's config: FT-HSDP + MXFP8
+    assert isinstance(lowp, FaultTolerantTrainer.Config)
+    assert len(list(lowp.model_spec.model.traverse(TorchnextLowpLinear.Config))) == 31
     config = llama3_debugmodel_torchnext_ft()
     assert isinstance(config, FaultTolerantTrainer.Config)
     monkeypatch.setenv("TORCHNEXT_FT_REPLICA_GROUP", "one")

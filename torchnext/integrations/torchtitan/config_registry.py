@@ -10,7 +10,12 @@ from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
 from torchnext.integrations.torchtitan.converter import TorchnextLowpConverter
 
-__all__ = ["llama3_debugmodel_torchnext_ft", "llama3_debugmodel_torchnext_mxfp8", "llama3_debugmodel_torchnext_nvfp4"]
+__all__ = [
+    "llama3_debugmodel_torchnext_ft",
+    "llama3_debugmodel_torchnext_ft_mxfp8",
+    "llama3_debugmodel_torchnext_mxfp8",
+    "llama3_debugmodel_torchnext_nvfp4",
+]
 
 
 def _with_lowp(recipe: str, fqns: list[str]) -> Any:
@@ -40,3 +45,10 @@ def llama3_debugmodel_torchnext_ft() -> Any:
     base = llama3_debugmodel()
     return FaultTolerantTrainer.Config(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)
                                           if f.init})
+
+
+def llama3_debugmodel_torchnext_ft_mxfp8() -> Any:
+    """:func:`llama3_debugmodel_torchnext_ft` with every Linear in MXFP8 training (FT-HSDP + MXFP8)."""
+    config = llama3_debugmodel_torchnext_ft()
+    config.model_spec = model_registry("debugmodel", converters=[TorchnextLowpConverter.Config(recipe="mxfp8")])
+    return config
