@@ -19,9 +19,15 @@ then ``to_empty`` and ``init_states``).
 Process group: torchtitan calls ``init_process_group`` with the device's default backend and skips it when a
 group exists; ``torchnext run`` (torchrun whose workers get torchnext groups) runs it on ``backend="torchnext"``
 unedited: ``torchnext run --nproc-per-node 2 -m torchtitan.train --module ... --config ...``.
+
+Fault tolerance: :class:`FaultTolerantTrainer` is torchtitan's trainer on :mod:`torchnext.ft` (replica groups, one
+``torchnext run`` job each, FT-HSDP over ``ft.device_mesh``, healing), reached as ``--config
+llama3_debugmodel_torchnext_ft``; see :mod:`torchnext.integrations.torchtitan.ft`.
 """
 
 from torchnext.integrations.torchtitan.converter import TorchnextLowpConverter as TorchnextLowpConverter
 from torchnext.integrations.torchtitan.converter import TorchnextLowpLinear as TorchnextLowpLinear
+from torchnext.integrations.torchtitan.ft import FaultTolerance as FaultTolerance
+from torchnext.integrations.torchtitan.ft import FaultTolerantTrainer as FaultTolerantTrainer
 
-__all__ = ["TorchnextLowpConverter", "TorchnextLowpLinear"]
+__all__ = ["FaultTolerance", "FaultTolerantTrainer", "TorchnextLowpConverter", "TorchnextLowpLinear"]

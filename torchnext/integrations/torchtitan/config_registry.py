@@ -10,7 +10,12 @@ from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
 from torchnext.integrations.torchtitan.converter import TorchnextLowpConverter
 
-__all__ = ["llama3_debugmodel_torchnext_mxfp8", "llama3_debugmodel_torchnext_nvfp4"]
+__all__ = [
+    "llama3_debugmodel_torchnext_ft",
+    "llama3_debugmodel_torchnext_ft_mxfp8",
+    "llama3_debugmodel_torchnext_mxfp8",
+    "llama3_debugmodel_torchnext_nvfp4",
+]
 
 
 def _with_lowp(recipe: str, fqns: list[str]) -> Any:
@@ -28,3 +33,22 @@ def llama3_debugmodel_torchnext_mxfp8() -> Any:
 def llama3_debugmodel_torchnext_nvfp4() -> Any:
     """llama3 debug model, the transformer blocks' Linear layers in NVFP4 (the output head stays high precision)."""
     return _with_lowp("nvfp4", ["layers"])
+
+
+def llama3_debugmodel_torchnext_ft() -> Any:
+    """llama3 debug model trained by :class:`~torchnext.integrations.torchtitan.ft.FaultTolerantTrainer`: one
+    ``torchnext run`` job per replica group (``TORCHNEXT_FT_REPLICA_GROUP``), FT-HSDP across the groups."""
+    import dataclasses
+
+    from torchnext.integrations.torchtitan.ft import FaultTolerantTrainer
+
+    base = llama3_debugmodel()
+    return FaultTolerantTrainer.Config(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)
+                                          if f.init})
+
+
+def llama3_debugmodel_torchnext_ft_mxfp8() -> Any:
+    """:func:`llama3_debugmodel_torchnext_ft` with every Linear in MXFP8 training (FT-HSDP + MXFP8)."""
+    config = llama3_debugmodel_torchnext_ft()
+    config.model_spec = model_registry("debugmodel", converters=[TorchnextLowpConverter.Config(recipe="mxfp8")])
+    return config
