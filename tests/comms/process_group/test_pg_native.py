@@ -411,3 +411,52 @@ def test_abort_at_a_random_point_leaves_every_work_in_one_terminal_state(seed: i
     assert set(res["outcomes"]) <= {"completed", "aborted"}, res
     assert res["abort_s"] < 0.1, res  # abort() finished every op in flight (hundreds to thousands) within 100 ms
     assert set(res["states"]) <= {"completed", "aborted"}, res  # one final state per entry, none left "started"
+
+
+def two_threads_native_body(ctx: RankContext) -> dict[str, Any]:
+    """Two threads of each rank all_reduce on one native group at once, 200 ops each (values chosen so that any
+    pairing of the ranks' ops sums the same); then a thread issuing plain all_reduces beside one whose ops the fast
+    path sends to the Python path (PREMUL_SUM), zeros (the two kinds pair with each other in any order): every op
+    completes, nothing deadlocks between the issue lock and the GIL."""
+    import threading
+
+    pg = _init(ctx)
+    errors: list[str] = []
+    sums: list[float] = []
+    go = threading.Barrier(2)
+
+    def run(n: int, value: float, premul: bool = False) -> None:
+        go.wait(30)
+        try:
+            for _ in range(n):
+                t = torch.full((4,), value)
+                if premul:
+                    dist.all_reduce(t, op=dist._make_nccl_premul_sum(2.0))  # type: ignore[attr-defined]
+                else:
+                    dist.all_reduce(t)
+                sums.append(float(t[0]))
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    def phase(*targets: tuple[Any, ...]) -> bool:
+        threads = [threading.Thread(target=run, args=a) for a in targets]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(90)
+        return any(th.is_alive() for th in threads)
+
+    alive = phase((200, float(ctx.rank + 1)), (200, float(ctx.rank + 1)))
+    plain = sorted(set(sums))
+    sums.clear()
+    alive = alive or phase((100, 0.0), (20, 0.0, True))
+    native = pg.native  # type: ignore[union-attr]
+    dist.destroy_process_group()
+    return {"errors": errors, "plain": plain, "mixed": (len(sums), sorted(set(sums))), "alive": alive,
+            "native": native}
+
+
+def test_two_threads_issuing_on_one_native_group_are_serialized() -> None:
+    for r in run_ranks(two_threads_native_body, 2, timeout=180):
+        assert r["errors"] == [] and not r["alive"], r
+        assert r["plain"] == [3.0] and r["mixed"] == (120, [0.0]) and r["native"], r

@@ -1030,6 +1030,8 @@ class NativeBackend : public c10d::Backend {
   // built there: pybind casts need the GIL). Its Work is a Python object; PyWorkHolder keeps it alive.
   template <class MakeArgs>
   c10::intrusive_ptr<Work> python_op(const char* name, MakeArgs&& make_args) {
+    NoGil nogil;                               // the order: issue_mu_, then the GIL (never the other way round)
+    std::lock_guard<std::mutex> order(issue_mu_);
     py::gil_scoped_acquire gil;
     TORCH_CHECK(python_path_, "torchnext native backend: no Python path for ", name);
     py::tuple args = make_args();
@@ -1043,6 +1045,7 @@ class NativeBackend : public c10d::Backend {
                                  const char* rop, std::chrono::milliseconds timeout, bool async, Launch&& launch,
                                  std::function<void()> finalize = nullptr) {
     NoGil nogil;  // see NoGil
+    std::lock_guard<std::mutex> order(issue_mu_);  // one op handed over at a time (see issue_mu_)
     auto td = op_timeout(timeout);
     int64_t op_id = ++op_counter_;
     bool p2p = type == OpType::SEND || type == OpType::RECV || type == OpType::RECVANYSOURCE;
@@ -1093,6 +1096,11 @@ class NativeBackend : public c10d::Backend {
   }
 
   std::atomic<bool> python_mode_{false};
+  // Several threads issuing on one group are serialized from the op's id to its hand-off to the inner backend (and
+  // an op sent to the Python path likewise), as torch's own groups take them and as the Python path does: without
+  // it two threads' ops got their ids, Flight Recorder records and inner-backend order interleaved differently, and
+  // across ranks the inner backend paired one thread's op with the other's. Held without the GIL.
+  std::mutex issue_mu_;
   std::atomic<int64_t> op_counter_{0};
   c10::intrusive_ptr<c10d::Backend> inner_;  // guarded by core_->mu (read under it when issuing)
   std::atomic<std::chrono::milliseconds> timeout_;
