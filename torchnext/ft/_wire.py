@@ -43,9 +43,11 @@ from typing import Any
 
 __all__ = [
     "COORDINATOR_MESSAGES",
+    "FOLLOWER",
     "GENERATION",
     "GENERATION_REF",
     "MAX_GENERATION_LINE",
+    "MAX_GROUP",
     "MAX_LINE",
     "MAX_MEMBERS",
     "MEMBER_MESSAGES",
@@ -65,16 +67,22 @@ __all__ = [
     "number",
     "optional",
     "record",
+    "record_list",
     "text",
     "tune_socket",
     "verify",
     "wire_form",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Version of the membership protocol; a hello with another version is rejected. 2: mutual authentication,
 coordinator failover (reports, terms, prepare/promise). 3: generations in their compact form (:func:`wire_form`),
-lists of up to :data:`MAX_MEMBERS` ids."""
+lists of up to :data:`MAX_MEMBERS` ids. 4: group sessions -- a replica group's leader joins, heartbeats and votes
+for its whole group (``hello.followers``, ``welcome.members``), reports a follower's death (``lost``) and its failed
+collectives (``fail.member``); see docs/fault_tolerance.md, "Membership hierarchy"."""
+
+MAX_GROUP = 1024
+"""Most ranks in one replica group a leader speaks for (its ``followers`` list holds at most ``MAX_GROUP - 1``)."""
 
 MAX_LINE = 1 << 16
 """Longest line a coordinator accepts (bytes): a member's messages are small; a longer line is a protocol violation.
@@ -386,6 +394,18 @@ def record(schema: Schema) -> Validator:
     return v
 
 
+def record_list(schema: Schema, max_len: int) -> Validator:
+    """A list of at most ``max_len`` objects, each validated by ``schema``."""
+    item = record(schema)
+
+    def v(where: str, x: object) -> list[dict[str, Any]]:
+        if not isinstance(x, list) or len(x) > max_len:
+            raise ProtocolError(f"{where} must be a list of at most {max_len} objects, got {_show(x)}")
+        return [item(f"{where}[{i}]", y) for i, y in enumerate(x)]
+
+    return v
+
+
 def _fields(where: str, msg: Mapping[str, Any], schema: Schema) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, valid in schema.required.items():
@@ -447,22 +467,35 @@ REPORT = Schema(
 )
 """What a member that lost its coordinator tells the next one (see :mod:`torchnext.ft.election`)."""
 
+FOLLOWER = Schema(required={"step": _ID}, optional={"member": _ID, "pid": _ID})
+"""A follower a leader joins with its group (``hello.followers``, ranks 1 .. S-1 in order): the id it asks for (None:
+assigned), its committed step."""
+
 MEMBER_MESSAGES: dict[str, Schema] = {
     "hello": Schema(
         required={"nonce": text(64), "proof": text(128), "proto": integer(0, 1 << 16), "step": _ID},
         optional={"member": _ID, "pid": _ID, "group": _ID, "group_rank": _ID, "group_size": integer(1),
-                  "coordinators": integer(1, 64), "report": record(REPORT)},
+                  "coordinators": integer(1, 64), "report": record(REPORT),
+                  "followers": record_list(FOLLOWER, MAX_GROUP - 1)},
         defaults={"group_rank": 0, "group_size": 1, "coordinators": 1},
     ),
     "hb": Schema(),
     "vote": Schema(required={"gen": _ID, "step": _ID}),
-    "fail": Schema(required={"gen": _ID}, optional={"reason": _REASON, "end": text(32)}, defaults={"reason": ""}),
+    "fail": Schema(required={"gen": _ID}, optional={"reason": _REASON, "end": text(32), "member": _ID},
+                   defaults={"reason": ""}),
+    "lost": Schema(required={"member": _ID, "hung": boolean}, optional={"reason": _REASON}, defaults={"reason": ""}),
     "bye": Schema(optional={"done": boolean}, defaults={"done": False}),
     "promise": Schema(required={"term": integer(1)}),
 }
 """Messages a member sends to a coordinator (its first one is a ``hello``). A ``fail`` with ``end`` (a code of
 :data:`torchnext.ft.membership.END_CODES`) ends the job instead of asking for a new generation; a coordinator that
-predates the field drops it and regenerates."""
+predates the field drops it and regenerates.
+
+A **group session** (protocol 4) is a hello with ``followers`` (``group_rank`` 0, ``group_size`` = 1 + their
+count): the leader joins its whole group, and from then on its ``hb`` and ``vote`` stand for every rank of the
+group, a ``fail`` may name the ``member`` that reported, and ``lost`` reports a follower's death (``hung``: by
+silence on the local channel; else its channel closed). ``lost`` or ``fail.member`` naming a member outside the
+sender's group is a protocol violation."""
 
 GENERATION = Schema(
     required={"gen": integer(1), "step": _ID, "donor": _ID, "abort": boolean, "groups": groups, "term": integer(1)},
@@ -479,7 +512,8 @@ COORDINATOR_MESSAGES: dict[str, Schema] = {
         required={"proof": text(128), "member": _ID, "store_port": integer(1, 65535), "proto": integer(0, 1 << 16),
                   "heartbeat_interval_s": number(1e-3), "heartbeat_timeout_s": number(1e-3), "term": _ID,
                   "role": text(16)},
-        optional={"quorum_timeout_s": number(), "grow_timeout_s": number()},
+        optional={"quorum_timeout_s": number(), "grow_timeout_s": number(), "members": int_list(MAX_GROUP),
+                  "group_heartbeat_interval_s": number(1e-3), "group_heartbeat_timeout_s": number(1e-3)},
     ),
     "reject": Schema(required={"code": text(40)}, optional={"reason": _REASON}, defaults={"reason": ""}),
     "ping": Schema(),
@@ -492,7 +526,9 @@ COORDINATOR_MESSAGES: dict[str, Schema] = {
     "finished": Schema(required={"step": _ID}, optional={"by": _ID}),
     "prepare": Schema(required={"term": integer(1)}),
 }
-"""Messages a coordinator sends to a member."""
+"""Messages a coordinator sends to a member. A group session's ``welcome`` carries ``members`` (its group's ids by
+group rank) and the local level's heartbeat settings; every later message is for the whole group (its leader relays
+it to the followers)."""
 
 
 def tune_socket(sock: socket.socket) -> None:

@@ -165,7 +165,9 @@ class FaultTolerant:
             cfg.check_timeouts(heartbeat_interval_s=self._client.heartbeat_interval_s,
                                heartbeat_timeout_s=self._client.heartbeat_timeout_s,
                                quorum_timeout_s=self._client.quorum_timeout_s,
-                               grow_timeout_s=self._client.grow_timeout_s)
+                               grow_timeout_s=self._client.grow_timeout_s,
+                               group_heartbeat_interval_s=self._client.group_heartbeat_interval_s,
+                               group_heartbeat_timeout_s=self._client.group_heartbeat_timeout_s)
             if join:
                 self.join()
         except BaseException:

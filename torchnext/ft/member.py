@@ -167,6 +167,9 @@ class MemberClient:
         self.heartbeat_timeout_s = float(welcome["heartbeat_timeout_s"])
         self.quorum_timeout_s: float | None = welcome.get("quorum_timeout_s")
         self.grow_timeout_s: float | None = welcome.get("grow_timeout_s")
+        self.group_heartbeat_interval_s: float | None = welcome.get("group_heartbeat_interval_s")
+        """The local level's heartbeat settings (a group session's welcome, protocol 4; None for a flat member)."""
+        self.group_heartbeat_timeout_s: float | None = welcome.get("group_heartbeat_timeout_s")
         for msg in early:  # e.g. the first generation, sent right after the welcome
             self._observe(msg)
             msg[ARRIVED_AFTER] = 0
