@@ -46,6 +46,7 @@ __all__ = [
     "FOLLOWER",
     "GENERATION",
     "GENERATION_REF",
+    "LEADER_MESSAGES",
     "MAX_GENERATION_LINE",
     "MAX_GROUP",
     "MAX_LINE",
@@ -513,7 +514,8 @@ COORDINATOR_MESSAGES: dict[str, Schema] = {
                   "heartbeat_interval_s": number(1e-3), "heartbeat_timeout_s": number(1e-3), "term": _ID,
                   "role": text(16)},
         optional={"quorum_timeout_s": number(), "grow_timeout_s": number(), "members": int_list(MAX_GROUP),
-                  "group_heartbeat_interval_s": number(1e-3), "group_heartbeat_timeout_s": number(1e-3)},
+                  "group_heartbeat_interval_s": number(1e-3), "group_heartbeat_timeout_s": number(1e-3),
+                  "store_host": text(256)},
     ),
     "reject": Schema(required={"code": text(40)}, optional={"reason": _REASON}, defaults={"reason": ""}),
     "ping": Schema(),
@@ -529,6 +531,16 @@ COORDINATOR_MESSAGES: dict[str, Schema] = {
 """Messages a coordinator sends to a member. A group session's ``welcome`` carries ``members`` (its group's ids by
 group rank) and the local level's heartbeat settings; every later message is for the whole group (its leader relays
 it to the followers)."""
+
+LEADER_MESSAGES: dict[str, Schema] = {
+    **COORDINATOR_MESSAGES,
+    "failover": Schema(optional={"reason": _REASON}, defaults={"reason": ""}),
+    "store": Schema(required={"host": text(256), "port": integer(1, 65535), "term": _ID, "role": text(16)}),
+}
+"""Messages a group session's leader sends its followers over the local channel: the coordinator's, relayed as they
+came (after its own challenge and ``welcome``, which names the follower's id, the coordinator's ``store_host`` and
+the local heartbeat settings), plus ``failover`` (the leader lost its coordinator and fails over: abort the
+collectives and wait) and ``store`` (a new coordinator took the group: its store, term and role)."""
 
 
 def tune_socket(sock: socket.socket) -> None:

@@ -67,7 +67,17 @@ class FaultTolerantConfig:
     """Ranks per replica group, the same for every group (None: torchrun's ``WORLD_SIZE`` when ``replica_group`` is
     set, else 1)."""
 
+    leader_address: str | None = None
+    """A group session (protocol 4, docs/fault_tolerance.md "Membership hierarchy"): ``host:port`` where rank 0 of
+    this replica group listens for its other ranks (the same for every rank of the group; a free port on the group's
+    host). Rank 0 then holds the group's one connection to the coordinator and relays for the others; None (the
+    default): every rank connects to the coordinator itself (flat). Ignored for a group of one rank."""
+
     def __post_init__(self) -> None:
+        if self.leader_address is not None:
+            from torchnext.ft.member import parse_address
+
+            parse_address(self.leader_address)
         for f in ("timeout_s", "join_timeout_s", "reconfigure_timeout_s", "connect_timeout_s", "coordinator_timeout_s",
                   "failover_timeout_s"):
             v = getattr(self, f)

@@ -66,6 +66,7 @@ from torchnext.comms.hooks import HookList, PostHookArgs, RemovableHandle
 from torchnext.comms.work import WorkStatus
 from torchnext.ft.config import FaultTolerantConfig, Reconfiguration
 from torchnext.ft.errors import quiet_abort
+from torchnext.ft.group_session import GroupFollowerClient, GroupLeaderClient
 from torchnext.ft.healing import HealStats, recv_state, send_state
 from torchnext.ft.member import ARRIVED_AFTER, MemberClient
 from torchnext.ft.membership import JobFinished, QuorumLost, RemovedFromGroup
@@ -154,12 +155,23 @@ class FaultTolerant:
         self._process_group: Any = None
         self._vote: dict[str, int] | None = None  # a vote sent and not yet decided (reported on failover)
         _preload_gil_heavy_imports()
-        self._client = MemberClient(
-            address, token, member_id=cfg.member_id, step=step, connect_timeout_s=cfg.connect_timeout_s,
+        common: dict[str, Any] = dict(
+            member_id=cfg.member_id, step=step, connect_timeout_s=cfg.connect_timeout_s,
             coordinator_timeout_s=cfg.coordinator_timeout_s, on_interrupt=self._on_interrupt,
-            replica_group=self.replica_group, group_rank=self.group_rank, group_size=self.group_size,
             failover_timeout_s=cfg.failover_timeout_s, report=self._member_report,
         )
+        self._client: MemberClient
+        if cfg.leader_address is not None and self.group_size > 1 and self.replica_group is not None:
+            if self.group_rank == 0:  # the group's leader: one coordinator session for the whole group
+                self._client = GroupLeaderClient(address, token, leader_address=cfg.leader_address,
+                                                 replica_group=self.replica_group, group_size=self.group_size,
+                                                 **common)
+            else:
+                self._client = GroupFollowerClient(cfg.leader_address, token, replica_group=self.replica_group,
+                                                   group_rank=self.group_rank, group_size=self.group_size, **common)
+        else:
+            self._client = MemberClient(address, token, replica_group=self.replica_group, group_rank=self.group_rank,
+                                        group_size=self.group_size, **common)
         self._joined = False
         try:
             cfg.check_timeouts(heartbeat_interval_s=self._client.heartbeat_interval_s,

@@ -58,7 +58,7 @@ from torchnext.ft.membership import (
     RemovedFromGroup,
 )
 
-__all__ = ["MemberClient", "parse_address", "parse_addresses"]
+__all__ = ["MemberClient", "fatal_code", "parse_address", "parse_addresses"]
 
 _INTERRUPTING = frozenset({"wait", "removed", "fatal"})
 ARRIVED_AFTER = "_arrived_after"
@@ -116,7 +116,14 @@ class MemberClient:
     ``member_id`` (assigned or confirmed by the coordinator), ``store_host``/``store_port`` (the TCPStore of the
     coordinator in office), ``term``, ``fatal`` (the :class:`~.membership.MembershipError` that ended membership, or
     None). ``report()`` (from the owner, any thread) returns ``{"step", "synced", "entered", "vote"}`` for failover.
+
+    Subclasses (:mod:`torchnext.ft.group_session`: a replica group's leader and its followers) change what a hello
+    carries (:meth:`_hello_extra`), see every message from the coordinator before it is handled (:meth:`_relay_out`)
+    and read another set of messages (``_schemas``).
     """
+
+    _schemas: dict[str, Any] = COORDINATOR_MESSAGES
+    """The messages this client accepts from its peer (a coordinator's)."""
 
     def __init__(
         self,
@@ -171,6 +178,7 @@ class MemberClient:
         """The local level's heartbeat settings (a group session's welcome, protocol 4; None for a flat member)."""
         self.group_heartbeat_timeout_s: float | None = welcome.get("group_heartbeat_timeout_s")
         for msg in early:  # e.g. the first generation, sent right after the welcome
+            self._relay_out(msg)
             self._observe(msg)
             msg[ARRIVED_AFTER] = 0
             self.events.put(msg)
@@ -236,6 +244,7 @@ class MemberClient:
             }
             if report is not None:
                 hello["report"] = report
+            hello.update(self._hello_extra(report))
             sock.sendall(encode(hello))
             welcome = self._read_one(sock, reader, pending, deadline, where)
             if welcome["t"] == "reject":
@@ -254,8 +263,15 @@ class MemberClient:
             sock.close()
             raise
 
-    @staticmethod
-    def _read_one(sock: socket.socket, reader: LineReader, pending: _Early, deadline: float,
+    def _hello_extra(self, report: dict[str, Any] | None) -> dict[str, Any]:
+        """Fields added to every hello (a group session's leader: its ``followers``)."""
+        return {}
+
+    def _relay_out(self, msg: dict[str, Any]) -> None:
+        """Called with every checked message from the coordinator before this client handles it (a leader relays
+        them to its followers), from the thread that read it."""
+
+    def _read_one(self, sock: socket.socket, reader: LineReader, pending: _Early, deadline: float,
                   where: str) -> dict[str, Any]:
         while not pending:
             remaining = deadline - time.monotonic()
@@ -268,7 +284,7 @@ class MemberClient:
                 continue
             if not data:
                 raise CoordinatorLost(f"the coordinator at {where} closed the connection during the handshake")
-            pending.extend(check(m, COORDINATOR_MESSAGES) for m in reader.feed(data))
+            pending.extend(check(m, self._schemas) for m in reader.feed(data))
         return pending.pop(0)
 
     def _install(self, sock: socket.socket, welcome: dict[str, Any], addr: tuple[str, int],
@@ -278,7 +294,7 @@ class MemberClient:
             self._sock = sock
             self._reader = reader  # the handshake's: it may hold the start of the next message
             self.member_id = int(welcome["member"])
-            self.store_host = addr[0]
+            self.store_host = welcome.get("store_host") or addr[0]  # a leader names its coordinator's host
             self.store_port = int(welcome["store_port"])
             self.address = _fmt(addr)
             self.role = str(welcome["role"])
@@ -374,7 +390,7 @@ class MemberClient:
                     continue
                 self._last_heard = time.monotonic()
                 try:
-                    msgs = [check(m, COORDINATOR_MESSAGES) for m in self._reader.feed(data)]
+                    msgs = [check(m, self._schemas) for m in self._reader.feed(data)]
                 except ProtocolError as exc:
                     if not self._failover(f"the coordinator at {self.address} sent garbage: {exc}"):
                         return
@@ -454,6 +470,7 @@ class MemberClient:
                 self._attempted = max(self._attempted, msg["next"]["gen"])
 
     def _dispatch(self, msg: dict[str, Any]) -> bool:
+        self._relay_out(msg)
         kind = msg["t"]
         if kind == "ping":
             return True
@@ -504,9 +521,18 @@ _FATAL_CODES: dict[str, type[MembershipError]] = {
     "finished": JobFinished,
     "step_failed": StepFailed,
     "retries_exhausted": RetriesExhausted,
+    "coordinator_lost": CoordinatorLost,
 }
 """The code of a coordinator's ``fatal`` -> the error the member raises (any other code: ``MembershipError``)."""
 
 
 def _fatal_for(code: str, text: str) -> MembershipError:
     return _FATAL_CODES.get(code, MembershipError)(text)
+
+
+def fatal_code(exc: MembershipError) -> str:
+    """The ``fatal`` code that makes a member raise ``exc``'s class (a leader telling its followers how it ended)."""
+    for code, cls in _FATAL_CODES.items():
+        if type(exc) is cls:
+            return code
+    return "fatal"

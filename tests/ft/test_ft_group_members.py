@@ -1,0 +1,213 @@
+"""Group sessions with real members (``FaultTolerantConfig.leader_address``, protocol 4): rank 0 of each replica
+group holds the group's one coordinator connection and relays for the others over the local channel.
+
+Members are threads (Gloo over loopback) with an in-process coordinator, as in tests/ft/test_ft_finish.py. A
+"crash" closes a member's sockets (its client's thread stops: the peer reads EOF), a "hang" stops its client's
+thread with the sockets left open (only its silence tells)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from torchnext.comms import ReduceOp
+from torchnext.ft import (
+    Coordinator,
+    CoordinatorConfig,
+    FaultTolerant,
+    FaultTolerantConfig,
+    MembershipConfig,
+    RemovedFromGroup,
+)
+from torchnext.ft.group_session import GroupFollowerClient, GroupLeaderClient
+
+pytestmark = pytest.mark.timeout(120)
+
+GROUPS, SIZE = 2, 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stop_client(ft: FaultTolerant, *, crash: bool) -> None:
+    """The member's membership dies: its client thread stops; ``crash`` also closes its sockets."""
+    client = ft._client
+    client._closed.set()
+    client._thread.join(timeout=5)
+    if crash:
+        if isinstance(client, GroupLeaderClient):
+            client._relay.stop()
+        with client._send_lock:
+            try:
+                client._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            client._sock.close()
+
+
+def _run(coord: Coordinator, steps: int, kill: tuple[int, int, int, str] | None = None,
+         timeout: float = 90.0, on_commit: Any = None) -> dict[tuple[int, int], Any]:
+    """Every rank of GROUPS x SIZE trains ``steps`` steps; ``kill = (group, rank, at_step, "crash"|"hang")``.
+    Returns per (group, rank): ``(step_count, weight, generation, client type)``, or the exception it raised."""
+    ports = {g: _free_port() for g in range(GROUPS)}
+    out: dict[tuple[int, int], Any] = {}
+    fts: list[FaultTolerant] = []
+    ids: dict[tuple[int, int], int] = {}
+
+    def member(g: int, r: int) -> None:
+        w = torch.zeros(1)
+        ft = FaultTolerant(FaultTolerantConfig(coordinator=coord.address, token=coord.token, replica_group=g,
+                                               group_rank=r, group_size=SIZE, leader_address=f"127.0.0.1:{ports[g]}",
+                                               timeout_s=30.0),
+                           state_dict=lambda: {"w": w}, load_state_dict=lambda s: w.copy_(s["w"]))
+        fts.append(ft)
+        ids[(g, r)] = ft.member_id
+        try:
+            while ft.step_count < steps:
+                if kill is not None and (g, r) == kill[:2] and ft.step_count == kill[2]:
+                    _stop_client(ft, crash=kill[3] == "crash")
+                    out[(g, r)] = ("killed", ft.step_count)
+                    return
+                with ft.step() as st:
+                    grad = torch.full((1,), float(ft.step_count + 1))
+                    ft.all_reduce(grad, ReduceOp.AVG)  # rank r of every live group: the same value
+                    if st.commit():
+                        w += grad
+                        if on_commit is not None and ft.step_count < steps:  # nobody has left yet
+                            on_commit()
+            out[(g, r)] = (ft.step_count, float(w[0]), ft.generation, type(ft._client).__name__)
+        except BaseException as exc:  # reported to the test
+            out[(g, r)] = exc
+
+    threads = [threading.Thread(target=member, args=(g, r), daemon=True) for g in range(GROUPS) for r in range(SIZE)]
+    for th in threads:
+        th.start()
+    deadline = time.monotonic() + timeout
+    for th in threads:
+        th.join(max(0.0, deadline - time.monotonic()))
+    alive = [th.name for th in threads if th.is_alive()]
+    for ft in fts:
+        ft.close()
+    assert not alive, f"member threads hung: {alive}; results so far: {out}"
+    out["ids"] = ids
+    return out
+
+
+def _sessions(coord: Coordinator) -> int:
+    """Authenticated connections the coordinator holds (one per group session, one per flat member)."""
+    service = coord._service
+    assert service is not None
+    with service.lock:
+        return len({id(c) for c in service._by_member.values()})
+
+
+def test_group_sessions_train_with_one_connection_per_group() -> None:
+    with Coordinator(CoordinatorConfig(membership=MembershipConfig(min_size=GROUPS,
+                                                                   initial_size=GROUPS))) as coord:
+        seen: list[int] = []
+        out = _run(coord, 5, on_commit=lambda: seen.append(_sessions(coord)))
+        out.pop("ids")
+        exact = float(sum(range(1, 6)))
+        for (g, r), res in out.items():
+            assert not isinstance(res, BaseException), (g, r, res)
+            steps, w, gen, kind = res
+            assert (steps, w, gen) == (5, exact, 1), (g, r, res)
+            assert kind == ("GroupLeaderClient" if r == 0 else "GroupFollowerClient")
+        assert seen and set(seen) == {GROUPS}, seen  # while training: one coordinator connection per group
+        assert coord.step == 5 and coord.generation == 1
+
+
+@pytest.mark.parametrize(("rank", "mode"), [(1, "crash"), (1, "hang"), (0, "crash")],
+                         ids=["follower-crash", "follower-hang", "leader-crash"])
+def test_a_dead_rank_takes_its_group_out_and_the_other_group_trains_on(rank: int, mode: str) -> None:
+    with Coordinator(CoordinatorConfig(membership=MembershipConfig(min_size=1, initial_size=GROUPS))) as coord:
+        out = _run(coord, 6, kill=(1, rank, 3, mode))
+        ids = out.pop("ids")
+        survivors = {k: v for k, v in out.items() if k[0] == 0}
+        for key, res in survivors.items():
+            assert not isinstance(res, BaseException), (key, res)
+            steps, w, gen, _ = res
+            assert steps == 6 and gen == 2, (key, res)  # exactly one generation more: the group left whole
+            assert w == float(sum(range(1, 7))), (key, res)  # every committed step applied once
+        assert out[(1, rank)] == ("killed", 3)
+        other = out[(1, 1 - rank)]
+        assert isinstance(other, RemovedFromGroup), other  # its group failed: the sibling learns it and stops
+        gens = [(h["gen"], h["members"]) for h in coord.history() if h["event"] == "generation"]
+        assert gens[:2] == [(1, [0, 1, 2, 3]), (2, sorted([ids[(0, 0)], ids[(0, 1)]]))], (gens, ids)
+        failures = [h for h in coord.history() if h["event"] == "failure"]
+        assert failures[0]["member"] == ids[(1, rank)], failures  # then the survivors' own departures (close)
+        if rank == 1:  # detected and reported by its leader
+            assert f"lost by its leader {ids[(1, 0)]}" in failures[0]["why"], failures
+            assert failures[0]["hung"] == (mode == "hang")
+        else:
+            assert "lost by its leader" not in failures[0]["why"], failures
+
+
+def test_a_follower_with_the_wrong_token_is_refused_by_the_leader() -> None:
+    """The local channel authenticates as the coordinator does: a follower without the job token gets no welcome,
+    and the leader, missing a follower, joins nobody."""
+    with Coordinator(CoordinatorConfig(membership=MembershipConfig(min_size=1, initial_size=1))) as coord:
+        port = _free_port()
+        errors: dict[str, BaseException] = {}
+
+        def leader() -> None:
+            try:
+                GroupLeaderClient(coord.address, coord.token, leader_address=f"127.0.0.1:{port}", replica_group=0,
+                                  group_size=2, member_id=None, step=0, connect_timeout_s=2.0,
+                                  coordinator_timeout_s=2.0, on_interrupt=lambda m: None)
+            except BaseException as exc:
+                errors["leader"] = exc
+
+        th = threading.Thread(target=leader, daemon=True)
+        th.start()
+        with pytest.raises(Exception, match="auth"):
+            GroupFollowerClient(f"127.0.0.1:{port}", "not-the-token", member_id=None, step=0, connect_timeout_s=2.0,
+                                coordinator_timeout_s=2.0, on_interrupt=lambda m: None, replica_group=0,
+                                group_rank=1, group_size=2)
+        th.join(10)
+        assert "only 0 of its 1 followers" in str(errors.get("leader")), errors
+        assert coord.members == ()
+
+
+def test_group_sessions_fail_over_to_a_standby() -> None:
+    """The primary coordinator stops after step 3: each leader fails over with one report for its group (its
+    followers are told ``failover``, then ``store``), the standby takes office over both groups, and every rank
+    trains on to the end; every committed step applied exactly once."""
+    token = "group-failover-token"
+    member_cfg = MembershipConfig(min_size=1, initial_size=GROUPS)
+    with Coordinator(CoordinatorConfig(token=token, membership=member_cfg)) as primary, \
+            Coordinator(CoordinatorConfig(token=token, standby=True, membership=member_cfg)) as standby:
+        both = _Both(primary, standby)
+
+        def stop_primary() -> None:
+            if primary.wait_until(lambda c: c.step >= 3, 60):
+                primary.stop()
+
+        killer = threading.Thread(target=stop_primary, daemon=True)
+        killer.start()
+        out = _run(both, 8)  # type: ignore[arg-type]
+        killer.join(5)
+        out.pop("ids")
+        for key, res in out.items():
+            assert not isinstance(res, BaseException), (key, res)
+            steps, w, _, _ = res
+            assert steps == 8 and w == float(sum(range(1, 9))), (key, res)
+        assert standby.in_office and standby.term == 2
+        reports = [h for h in standby.history() if h["event"] == "report"]
+        assert len(reports) == GROUPS and all(len(h["followers"]) == SIZE - 1 for h in reports), reports
+
+
+class _Both:
+    """What ``_run`` needs of a coordinator, for a primary listed first and its standby."""
+
+    def __init__(self, primary: Coordinator, standby: Coordinator) -> None:
+        self.address = f"{primary.address},{standby.address}"
+        self.token = primary.token
