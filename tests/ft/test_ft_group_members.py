@@ -211,3 +211,93 @@ class _Both:
     def __init__(self, primary: Coordinator, standby: Coordinator) -> None:
         self.address = f"{primary.address},{standby.address}"
         self.token = primary.token
+
+
+def _local_peer(port: int) -> tuple[socket.socket, dict[str, Any]]:
+    """A raw connection to a leader's local channel, with the challenge read."""
+    from torchnext.ft._wire import LineReader
+
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    reader = LineReader()
+    msgs: list[dict[str, Any]] = []
+    while not msgs:
+        msgs = reader.feed(s.recv(1 << 16))
+    return s, msgs[0]
+
+
+def _answer(s: socket.socket) -> list[dict[str, Any]]:
+    """Everything the leader sends until it closes the connection (or 5 s)."""
+    from torchnext.ft._wire import LineReader
+
+    reader, out = LineReader(), []
+    s.settimeout(5)
+    try:
+        while True:
+            data = s.recv(1 << 16)
+            if not data:
+                return out
+            out += reader.feed(data)
+    except (TimeoutError, ConnectionResetError):
+        return out
+
+
+def test_the_local_channel_survives_hostile_peers() -> None:
+    """Garbage, a hello for another group, a wrong proof, deep nesting: each closes that one connection; the real
+    follower then forms the session, and a late hello for a taken rank is refused while the session goes on."""
+    from torchnext.ft._wire import PROTOCOL_VERSION, encode, mac, new_nonce
+
+    with Coordinator(CoordinatorConfig(membership=MembershipConfig(min_size=1, initial_size=1))) as coord:
+        port = _free_port()
+        made: dict[str, Any] = {}
+
+        def leader() -> None:
+            try:
+                made["leader"] = GroupLeaderClient(
+                    coord.address, coord.token, leader_address=f"127.0.0.1:{port}", replica_group=5, group_size=2,
+                    member_id=None, step=0, connect_timeout_s=20.0, coordinator_timeout_s=2.0,
+                    on_interrupt=lambda m: None)
+            except BaseException as exc:
+                made["leader"] = exc
+
+        th = threading.Thread(target=leader, daemon=True)
+        th.start()
+        time.sleep(0.2)
+
+        def hello(challenge: dict[str, Any], token: str, **kw: Any) -> bytes:
+            mine = new_nonce()
+            return encode({"t": "hello", "nonce": mine, "proof": mac(token, "member", challenge["nonce"], mine),
+                           "proto": PROTOCOL_VERSION, "step": 0, "group": 5, "group_rank": 1, "group_size": 2, **kw})
+
+        cases = {
+            "garbage": lambda c: b"\x80\x04\x95 not json\n",
+            "nested": lambda c: b"[" * 5000 + b"\n",
+            "other group": lambda c: hello(c, coord.token, group=6),
+            "wrong token": lambda c: hello(c, "not-the-token"),
+            "vote first": lambda c: b'{"t":"vote","gen":1,"step":0}\n',
+        }
+        for name, line in cases.items():
+            s, challenge = _local_peer(port)
+            with s:
+                s.sendall(line(challenge))
+                got = _answer(s)
+            assert got and got[-1]["t"] == "reject", (name, got)
+        assert "leader" not in made  # still waiting for a real follower
+        follower = GroupFollowerClient(f"127.0.0.1:{port}", coord.token, member_id=None, step=0,
+                                       connect_timeout_s=10.0, coordinator_timeout_s=2.0, on_interrupt=lambda m: None,
+                                       replica_group=5, group_rank=1, group_size=2)
+        th.join(10)
+        lead = made["leader"]
+        assert isinstance(lead, GroupLeaderClient), lead
+        try:
+            assert coord.wait_until(lambda c: c.generation == 1 and len(c.members) == 2, 10), coord.members
+            s, challenge = _local_peer(port)
+            with s:
+                s.sendall(hello(challenge, coord.token))
+                got = _answer(s)
+            assert got and got[-1]["t"] == "reject" and got[-1]["code"] == "duplicate", got
+            time.sleep(0.3)
+            assert follower.fatal is None and lead.fatal is None
+            assert coord.members == (lead.member_id, follower.member_id)
+        finally:
+            follower.close()
+            lead.close()

@@ -75,9 +75,9 @@ class FaultTolerantConfig:
 
     def __post_init__(self) -> None:
         if self.leader_address is not None:
-            from torchnext.ft.member import parse_address
-
-            parse_address(self.leader_address)
+            host, _, port = str(self.leader_address).rpartition(":")
+            if not isinstance(self.leader_address, str) or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+                raise ValueError(f"FaultTolerantConfig.leader_address must be 'host:port', got {self.leader_address!r}")
         for f in ("timeout_s", "join_timeout_s", "reconfigure_timeout_s", "connect_timeout_s", "coordinator_timeout_s",
                   "failover_timeout_s"):
             v = getattr(self, f)

@@ -28,6 +28,7 @@ most ``failover_timeout_s`` for the leader's ``store`` or new generation, as a f
 
 from __future__ import annotations
 
+import logging
 import select
 import socket
 import threading
@@ -53,15 +54,24 @@ from torchnext.ft.membership import CoordinatorLost, MembershipError, RemovedFro
 
 __all__ = ["GroupFollowerClient", "GroupLeaderClient"]
 
+_LOG = logging.getLogger("torchnext.ft")
+
+HELLO_TIMEOUT_S = 10.0
+"""A connection to a leader's local channel that sends no valid hello within this long is closed."""
+MAX_PENDING = 64
+"""Local-channel connections still in their handshake at once; beyond this the oldest is closed."""
+
 _NOT_RELAYED = frozenset({"ping", "prepare", "challenge", "welcome", "reject"})
 """Coordinator messages a leader keeps to itself (it pings its followers at the local interval, promises for them)."""
 
 
 class _Follower:
-    __slots__ = ("challenge", "done", "last_seen", "member", "nonce", "rank", "reader", "sock", "step", "welcomed")
+    __slots__ = ("challenge", "done", "last_seen", "member", "nonce", "opened", "rank", "reader", "sock", "step",
+                 "welcomed")
 
     def __init__(self, sock: socket.socket, now: float) -> None:
         self.sock = sock
+        self.opened = now
         self.reader = LineReader()
         self.challenge = new_nonce()
         self.nonce = ""
@@ -184,10 +194,17 @@ class _Relay:
                     ready = []  # a socket closed under us: the next round rebuilds the list
                 now = time.monotonic()
                 for sock in ready:
-                    if sock is self._listener:
-                        self._accept(now)
-                    else:
-                        self._readable(sock, now)
+                    try:
+                        if sock is self._listener:
+                            self._accept(now)
+                        else:
+                            self._readable(sock, now)
+                    except Exception:  # a bug met on one peer's input: that peer goes, the relay stays
+                        _LOG.exception("torchnext group relay %s: internal error (the peer is dropped)", self.group)
+                        with self.lock:
+                            f = self._socks.get(sock)
+                        if f is not None:
+                            self._gone(f, hung=False, why="internal error of the relay on its input")
                 if now >= next_ping:
                     next_ping = now + self.interval
                     self._ping()
@@ -214,6 +231,11 @@ class _Relay:
             _close(sock)
             return
         f = _Follower(sock, now)
+        with self.lock:
+            pending = sorted((p for p in self._socks.values() if p.rank < 0), key=lambda p: p.opened)
+        for p in pending[: max(0, len(pending) + 1 - MAX_PENDING)]:  # too many handshakes: the oldest go
+            _LOG.warning("torchnext group relay %s: closing the oldest unauthenticated local connection", self.group)
+            self._drop(p)
         with self.lock:
             self._socks[sock] = f
             self._write(f, encode({"t": "challenge", "nonce": f.challenge, "proto": PROTOCOL_VERSION}))
@@ -293,6 +315,11 @@ class _Relay:
         with self.lock:
             silent = [f for f in self.ranks.values()
                       if f.welcomed and not f.done and now - f.last_seen > self.timeout]
+            idle = [p for p in self._socks.values() if p.rank < 0 and now - p.opened > HELLO_TIMEOUT_S]
+        for p in idle:
+            _LOG.info("torchnext group relay %s: closing a local connection: no hello within %ss", self.group,
+                      HELLO_TIMEOUT_S)
+            self._drop(p)
         for f in silent:
             self._gone(f, hung=True, why=f"silent on its local channel for {now - f.last_seen:.3f}s (timeout "
                                           f"{self.timeout}s)")
