@@ -25,6 +25,7 @@ class _Leader:
         self.sock = socket.create_connection(("127.0.0.1", coord.port), timeout=5)
         self.reader = LineReader(1 << 24)
         self.inbox: list[dict[str, Any]] = []
+        self.pings = 0
         challenge = self.read(lambda m: m["t"] == "challenge")
         mine = new_nonce()
         msg = {"t": "hello", "nonce": mine, "proof": mac(coord.token, "member", challenge["nonce"], mine),
@@ -52,7 +53,9 @@ class _Leader:
             data = self.sock.recv(1 << 16)
             if not data:
                 raise ConnectionError(f"closed; got {[m['t'] for m in self.inbox]}")
-            self.inbox += [check(m, COORDINATOR_MESSAGES) for m in self.reader.feed(data) if m["t"] != "ping"]
+            got = self.reader.feed(data)
+            self.pings += sum(1 for m in got if m["t"] == "ping")
+            self.inbox += [check(m, COORDINATOR_MESSAGES) for m in got if m["t"] != "ping"]
 
     def closed(self, timeout: float = 5.0) -> bool:
         try:
@@ -188,3 +191,28 @@ def test_a_standby_takes_office_from_the_leaders_reports() -> None:
         finally:
             for leader in leaders:
                 leader.close()
+
+
+def test_pings_are_paced_by_the_members_own_timeout(coord: Coordinator) -> None:
+    """A hello with ``coordinator_timeout_s`` = 2 s is pinged every 0.5 s (a quarter of it), one without every
+    heartbeat interval (0.1 s); both heartbeat, so both stay members."""
+    paced = _Leader(coord, 0, 4, coordinator_timeout_s=2.0)
+    eager = _Leader(coord, 1, 4)
+    try:
+        for leader in (paced, eager):
+            leader.read(lambda m: m["t"] == "gen")
+            leader.pings = 0
+        t_end = time.monotonic() + 1.5
+        while time.monotonic() < t_end:
+            for leader in (paced, eager):
+                leader.send({"t": "hb"})
+                try:
+                    leader.read(lambda m: False, 0.05)
+                except TimeoutError:
+                    pass
+        assert 1 <= paced.pings <= 4, paced.pings
+        assert eager.pings >= 9, eager.pings
+        assert coord.members == (0, 1, 2, 3, 4, 5, 6, 7)
+    finally:
+        paced.close()
+        eager.close()

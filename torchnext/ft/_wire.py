@@ -477,7 +477,7 @@ MEMBER_MESSAGES: dict[str, Schema] = {
         required={"nonce": text(64), "proof": text(128), "proto": integer(0, 1 << 16), "step": _ID},
         optional={"member": _ID, "pid": _ID, "group": _ID, "group_rank": _ID, "group_size": integer(1),
                   "coordinators": integer(1, 64), "report": record(REPORT),
-                  "followers": record_list(FOLLOWER, MAX_GROUP - 1)},
+                  "followers": record_list(FOLLOWER, MAX_GROUP - 1), "coordinator_timeout_s": number(1e-3)},
         defaults={"group_rank": 0, "group_size": 1, "coordinators": 1},
     ),
     "hb": Schema(),
@@ -496,7 +496,11 @@ A **group session** (protocol 4) is a hello with ``followers`` (``group_rank`` 0
 count): the leader joins its whole group, and from then on its ``hb`` and ``vote`` stand for every rank of the
 group, a ``fail`` may name the ``member`` that reported, and ``lost`` reports a follower's death (``hung``: by
 silence on the local channel; else its channel closed). ``lost`` or ``fail.member`` naming a member outside the
-sender's group is a protocol violation."""
+sender's group is a protocol violation.
+
+Silence (protocol 4): any message counts as a heartbeat, so a member skips its ``hb`` when it sent something else
+within the interval (votes while training); a hello's ``coordinator_timeout_s`` (the member's own) lets the
+coordinator ping that connection only every quarter of it, and not at all while it wrote something else since."""
 
 GENERATION = Schema(
     required={"gen": integer(1), "step": _ID, "donor": _ID, "abort": boolean, "groups": groups, "term": integer(1)},

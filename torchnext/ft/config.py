@@ -71,7 +71,8 @@ class FaultTolerantConfig:
     """A group session (protocol 4, docs/fault_tolerance.md "Membership hierarchy"): ``host:port`` where rank 0 of
     this replica group listens for its other ranks (the same for every rank of the group; a free port on the group's
     host). Rank 0 then holds the group's one connection to the coordinator and relays for the others; None (the
-    default): every rank connects to the coordinator itself (flat). Ignored for a group of one rank."""
+    default; ``TORCHNEXT_FT_LEADER_ADDRESS`` when set): every rank connects to the coordinator itself (flat). Ignored
+    for a group of one rank."""
 
     def __post_init__(self) -> None:
         if self.leader_address is not None:

@@ -161,13 +161,14 @@ class FaultTolerant:
             failover_timeout_s=cfg.failover_timeout_s, report=self._member_report,
         )
         self._client: MemberClient
-        if cfg.leader_address is not None and self.group_size > 1 and self.replica_group is not None:
+        leader_address = cfg.leader_address or env.ft_leader_address
+        if leader_address is not None and self.group_size > 1 and self.replica_group is not None:
             if self.group_rank == 0:  # the group's leader: one coordinator session for the whole group
-                self._client = GroupLeaderClient(address, token, leader_address=cfg.leader_address,
+                self._client = GroupLeaderClient(address, token, leader_address=leader_address,
                                                  replica_group=self.replica_group, group_size=self.group_size,
                                                  **common)
             else:
-                self._client = GroupFollowerClient(cfg.leader_address, token, replica_group=self.replica_group,
+                self._client = GroupFollowerClient(leader_address, token, replica_group=self.replica_group,
                                                    group_rank=self.group_rank, group_size=self.group_size, **common)
         else:
             self._client = MemberClient(address, token, replica_group=self.replica_group, group_rank=self.group_rank,

@@ -1,7 +1,8 @@
 """A member's side of the membership protocol: one connection to the coordinator in office, one heartbeat thread,
 and failover to the next coordinator address when that one is lost.
 
-The thread does nothing heavy: it sends ``{"t": "hb"}`` every heartbeat interval and reads the coordinator's
+The thread does nothing heavy: it sends ``{"t": "hb"}`` every heartbeat interval (unless the member sent another
+message within it: any message says it is alive) and reads the coordinator's
 messages the moment they arrive. Messages that must interrupt the member (a new generation with ``abort``, "wait",
 "removed", "fatal", a lost coordinator) call ``on_interrupt(msg)`` *in the thread*, so a main thread blocked in a
 collective is unblocked at once (the fault-tolerant wrapper aborts its Communicator there); then every message is
@@ -166,6 +167,8 @@ class MemberClient:
         self._decided: tuple[int, int, int] | None = None
         self._failing_since: float | None = None
         self._send_lock = threading.Lock()
+        self._last_sent = 0.0
+        """When this member last sent its coordinator anything (a heartbeat is skipped within an interval of it)."""
         self._closed = threading.Event()
         self.member_id: int = -1 if member_id is None else member_id
         sock, welcome, early, addr = self._first_join(member_id, step)
@@ -240,7 +243,7 @@ class MemberClient:
                 "t": "hello", "nonce": mine, "proof": mac(self._token, "member", challenge["nonce"], mine),
                 "proto": PROTOCOL_VERSION, "member": member_id, "step": step, "pid": os.getpid(),
                 "group": self._group[0], "group_rank": self._group[1], "group_size": self._group[2],
-                "coordinators": len(self.addresses),
+                "coordinators": len(self.addresses), "coordinator_timeout_s": self._coordinator_timeout_s,
             }
             if report is not None:
                 hello["report"] = report
@@ -309,6 +312,7 @@ class MemberClient:
         try:
             with self._send_lock:
                 self._sock.sendall(data)
+                self._last_sent = time.monotonic()
         except OSError:
             pass
 
@@ -354,10 +358,13 @@ class MemberClient:
             interval = self.heartbeat_interval_s
             now = time.monotonic()
             sock = self._sock
-            if now >= next_hb:
+            if now >= next_hb and now - self._last_sent < interval:
+                next_hb = self._last_sent + interval  # a vote (any message) just said we are alive
+            elif now >= next_hb:
                 try:
                     with self._send_lock:
                         sock.sendall(hb)
+                        self._last_sent = now
                 except OSError as exc:
                     if not self._failover(f"cannot send a heartbeat to the coordinator at {self.address}: {exc}"):
                         return

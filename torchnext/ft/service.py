@@ -89,6 +89,11 @@ class _Conn:
     writing: bool = False
     ids: list[int] = field(default_factory=list)
     """A group session's member ids by group rank (``ids[0] == member``, the leader); empty for a flat member."""
+    ping_every: float = 0.0
+    """Ping this connection only after this long without writing to it (a quarter of the member's
+    ``coordinator_timeout_s`` from its hello; 0: every heartbeat interval, as before protocol 4)."""
+    wrote_at: float = 0.0
+    """When something was last queued for this connection (``time.monotonic()``)."""
 
     def speaks_for(self) -> list[int]:
         """The members this connection speaks for: its group's, or its own."""
@@ -312,10 +317,8 @@ class MembershipService:
                 return
             st = self.state
             assert st is not None
-            if kind == "hb":
-                st.heartbeat(mid, now)
-            elif kind == "vote":
-                st.heartbeat(mid, now)
+            st.heartbeat(mid, now)  # any message says the sender is alive (it skips its hb when it sent one)
+            if kind == "vote":
                 st.vote(mid, msg["gen"], msg["step"], now)
             elif kind == "fail":
                 who = mid if msg["member"] is None else self._own(conn, msg["member"], "fail", leader=True)
@@ -382,6 +385,8 @@ class MembershipService:
             return
         conn.join = (msg["group"], msg["group_rank"], msg["group_size"])
         conn.coordinators = msg["coordinators"]
+        if msg["coordinator_timeout_s"] is not None:  # its own silence bound: a ping every quarter of it suffices
+            conn.ping_every = max(self._config.heartbeat_interval_s, msg["coordinator_timeout_s"] / 4)
         report = msg["report"]
         with self.lock:
             if self.state is None:
@@ -550,7 +555,8 @@ class MembershipService:
                 if now > conn.fenced_until:
                     self._close(conn)
             elif conn.member is not None:
-                self._send_bytes(conn, ping)
+                if now - conn.wrote_at >= conn.ping_every:  # it heard from us recently enough otherwise
+                    self._send_bytes(conn, ping)
             elif now - conn.opened > HELLO_TIMEOUT_S:
                 _LOG.info("torchnext coordinator: closing %s: no hello within %ss", conn.peer, HELLO_TIMEOUT_S)
                 self._close(conn)
@@ -609,6 +615,7 @@ class MembershipService:
 
     def _push(self, conn: _Conn) -> None:
         """Write what the socket takes now; close a peer whose unsent bytes pass :data:`MAX_UNSENT`."""
+        conn.wrote_at = time.monotonic()
         self._write(conn)
         if len(conn.out) > MAX_UNSENT:
             _LOG.warning("torchnext coordinator: closing %s: it does not read (%d bytes unsent)", conn.peer,

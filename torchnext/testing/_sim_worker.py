@@ -55,7 +55,7 @@ _HANG = "hang"
 
 class _Member:
     __slots__ = ("challenge", "committed", "error", "gen", "group", "id", "ids", "lost_due", "members", "nonce", "out",
-                 "rank", "reader", "retry_at", "size", "slot", "sock", "state", "t_gen", "voted")
+                 "rank", "reader", "retry_at", "sent_at", "size", "slot", "sock", "state", "t_gen", "voted")
 
     def __init__(self, group: int, rank: int, slot: int, size: int = 1) -> None:
         self.group, self.rank, self.slot = group, rank, slot
@@ -65,6 +65,8 @@ class _Member:
         """The ids of those ranks by group rank (from the welcome)."""
         self.lost_due: list[tuple[float, int, bool]] = []
         """Followers killed, to report: ``(when, group rank, hung)``."""
+        self.sent_at = 0.0
+        """When it last sent anything: its heartbeat is skipped within an interval of it, as a real member's."""
         self.sock: socket.socket | None = None
         self.reader = LineReader(MAX_GENERATION_LINE)
         self.out = b""
@@ -168,8 +170,9 @@ class _Worker:
 
     def _heartbeat_slot(self, now: float) -> None:
         self.stats.late = max(self.stats.late, now - self.next_slot)
+        recent = now - self.interval
         for m in self.slots[self.slot]:
-            if m.state == "joined":
+            if m.state == "joined" and m.sent_at < recent:  # a vote within the interval said it is alive
                 self._send(m, self.hb)
         self.slot = (self.slot + 1) % _SLOTS
         self.next_slot += self.interval / _SLOTS
@@ -374,6 +377,7 @@ class _Worker:
         if m.sock is None:
             return
         self.stats.sent += 1
+        m.sent_at = time.monotonic()
         if m.out:
             m.out += data
             return
@@ -478,6 +482,7 @@ class _Worker:
                 "t": "hello", "nonce": m.nonce, "proof": mac(self.token, "member", msg["nonce"], m.nonce),
                 "proto": PROTOCOL_VERSION, "member": None, "step": 0, "pid": os.getpid(), "group": m.group,
                 "group_rank": m.rank, "group_size": self.group_size, "coordinators": 1,
+                "coordinator_timeout_s": 2.0,  # a real member's default: pinged every 0.5 s, not every interval
             }
             if m.size > 1:  # a group session: the leader joins its followers with it
                 hello["followers"] = [{"step": 0}] * (m.size - 1)
