@@ -237,7 +237,8 @@ def main() -> int:
         print(f"# torchnext bench_scale: python {platform.python_version()}, torch {torch.__version__}, "
               f"{platform.platform()}, {os.cpu_count()} CPUs, load {load()}")
         print(f"# heartbeat {args.heartbeat_interval} s / timeout {args.heartbeat_timeout} s, {args.steps} steps, "
-              f"{args.processes} simulator processes, {'flat' if args.flat else 'group sessions (protocol 4)'}")
+              f"{args.processes} simulator processes, "
+              f"{'flat' if args.flat or args.group_size == 1 else 'group sessions (protocol 4)'}")
         print("| members | coordinator msgs per step | coordinator CPU per step | commit round p50 / p99 | idle "
               "heartbeat load (one core) | formation | detection, last (first) survivor: group hang / group crash / "
               "leader crash / follower crash / follower hang | status |")

@@ -197,3 +197,32 @@ def test_heartbeat_levels_are_validated() -> None:
         cfg.check_timeouts(**base, group_heartbeat_interval_s=0.5, group_heartbeat_timeout_s=6.0)
     with pytest.raises(ValueError, match=r"coordinator_timeout_s=2.0 must be > .*2 \* group_heartbeat_interval_s"):
         cfg.check_timeouts(**base, group_heartbeat_interval_s=1.0, group_heartbeat_timeout_s=3.0)
+
+
+def test_the_vote_fast_path_decodes_as_json_does() -> None:
+    """``decode`` parses a vote without ``json.loads`` (every session sends one per step): on votes as encoded and
+    on near misses (leading zeros, 19+ digits, spaces, other keys) it answers exactly what the JSON path answers."""
+    import json
+
+    from torchnext.ft._wire import _VOTE, decode, encode
+
+    rng = random.Random(3)
+    lines = [encode({"t": "vote", "gen": rng.randrange(10**18), "step": rng.randrange(1 << 40)})[:-1]
+             for _ in range(200)]
+    lines += [b'{"t":"vote","gen":0,"step":0}', b'{"t":"vote","gen":01,"step":2}', b'{"t":"vote","gen":1,"step":-2}',
+              b'{"t":"vote","gen":1234567890123456789,"step":2}', b'{"t":"vote", "gen":1,"step":2}',
+              b'{"t":"vote","gen":1,"step":2,"x":1}', b'{"t":"vote","gen":1.0,"step":2}',
+              b'{"t":"vote","step":2,"gen":1}', b'{"t":"vote","gen":9223372036854775807,"step":1}']
+    fast = 0
+    for line in lines:
+        try:
+            want: object = json.loads(line)
+        except ValueError:
+            want = ProtocolError
+        try:
+            got: object = decode(line)
+        except ProtocolError:
+            got = ProtocolError
+        assert got == want, line
+        fast += _VOTE.fullmatch(line) is not None
+    assert fast == 201  # the 200 encoded votes and gen 0 / step 0; every near miss took the JSON path

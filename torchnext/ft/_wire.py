@@ -233,16 +233,26 @@ def _depth_ok_reference(line: bytes) -> bool:
 _HOT = {b'{"t":"hb"}': "hb", b'{"t":"ping"}': "ping"}
 """The lines sent most (every member every heartbeat interval, both ways): recognised without ``json.loads``."""
 
+_VOTE = re.compile(rb'\{"t":"vote","gen":(0|[1-9][0-9]{0,17}),"step":(0|[1-9][0-9]{0,17})\}')
+"""A vote as :func:`encode` writes it (every session every step): parsed without ``json.loads``. JSON numbers have
+no leading zeros; 18 digits stay below 2**63. Any other spelling takes the general path."""
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+"""One decoder for every line (``json.loads`` with an argument builds a new one per call)."""
+
 
 def decode(line: bytes) -> dict[str, Any]:
     """One line -> one message object with a string ``"t"``; :class:`ProtocolError` otherwise."""
     hot = _HOT.get(line)
     if hot is not None:
         return {"t": hot}
+    vote = _VOTE.fullmatch(line)
+    if vote is not None:
+        return {"t": "vote", "gen": int(vote[1]), "step": int(vote[2])}
     if not _depth_ok(line):
         raise ProtocolError(f"nested deeper than {MAX_DEPTH} levels: {line[:80]!r}")
     try:
-        msg = json.loads(line, parse_constant=_no_constant)
+        msg = _DECODER.decode(line.decode())
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and huge integers are ValueErrors too
         raise ProtocolError(f"not JSON ({exc}): {line[:80]!r}") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):

@@ -565,8 +565,8 @@ class MembershipService:
     def _flush(self, now: float) -> None:
         """Deliver what the state machine decided (lock held). Order: messages, fences, closes."""
         st = self.state
-        if st is None:
-            return
+        if st is None or not (st.outbox or st.to_fence or st.to_close):
+            return  # nothing decided (most messages: a heartbeat, a vote that was not the last)
         outbox, st.outbox = st.outbox, []
         if outbox:
             encoded: dict[int, bytes] = {}  # id(msg) -> its line: a broadcast is encoded once (outbox keeps msg alive)
