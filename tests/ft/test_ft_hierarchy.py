@@ -10,7 +10,15 @@ import random
 import pytest
 
 from torchnext.ft import FaultTolerantConfig
-from torchnext.ft._wire import MEMBER_MESSAGES, ProtocolError, check
+from torchnext.ft._wire import (
+    COORDINATOR_MESSAGES,
+    MEMBER_MESSAGES,
+    ProtocolError,
+    apply_delta,
+    check,
+    decode,
+    encode,
+)
 from torchnext.ft.membership import Membership, MembershipConfig, Rejected
 
 
@@ -19,6 +27,12 @@ def _mk(**kw: object) -> Membership:
     kw.setdefault("heartbeat_timeout_s", 100.0)
     kw.setdefault("settle_s", 0.0)
     return Membership(MembershipConfig(**kw))  # type: ignore[arg-type]
+
+
+def _received(msg: dict, base: int, base_groups: list[list[int]]) -> dict:
+    """``msg`` as a member receives it: encoded, decoded, checked and, if a delta, applied to what it holds."""
+    got = check(decode(encode(msg)[:-1]), COORDINATOR_MESSAGES)
+    return apply_delta(got, base, base_groups)
 
 
 def _sessions(groups: int, size: int, **kw: object) -> tuple[Membership, list[list[int]]]:
@@ -78,7 +92,9 @@ def test_a_follower_lost_by_its_leader_takes_the_group_out(hung: bool) -> None:
     m.tick(1.0)
     gens = [(mid, msg) for mid, msg in m.outbox if msg["t"] == "gen"]
     assert m.gen == 2 and [mid for mid, _ in gens] == [0, 8]
-    assert gens[0][1]["groups"] == [ids[0], ids[2]] and gens[0][1]["abort"]
+    assert gens[0][1]["base"] == 1 and gens[0][1]["drop"] == ids[1]  # a delta: the leaders hold generation 1
+    full = _received(gens[0][1], 1, ids)
+    assert full["groups"] == [ids[0], ids[2]] and full["abort"] and full["members"] == ids[0] + ids[2]
     for leader in (0, 8):
         m.vote(leader, 2, 0, 1.1)
     assert m.step == 1  # the survivors commit in the new generation
@@ -226,3 +242,79 @@ def test_the_vote_fast_path_decodes_as_json_does() -> None:
         assert got == want, line
         fast += _VOTE.fullmatch(line) is not None
     assert fast == 201  # the 200 encoded votes and gen 0 / step 0; every near miss took the JSON path
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_every_session_expands_each_delta_to_the_full_generation(seed: int) -> None:
+    """The reference is the full message: under random joins, crashes, hangs and commits, every session that holds
+    the previous generation gets a delta, and that delta -- through the wire, applied to what the session holds --
+    is exactly the full generation; a session that does not hold it gets the full form."""
+    rng = random.Random(seed)
+    m = _mk(initial_size=4)
+    held: dict[int, tuple[int, list[list[int]]]] = {}  # session -> (generation, groups) it holds
+    next_group = 0
+    deltas = 0
+    now = 0.0
+
+    def join_group() -> None:
+        nonlocal next_group
+        m.join_group(None, 0, [(None, 0)] * 2, now, group=next_group)
+        next_group += 1
+
+    fulls: dict[int, dict] = {}  # generation -> the full message the state machine built
+    build = m._new_generation
+
+    def recording(*args: object, **kw: object) -> dict | None:
+        msg = build(*args, **kw)  # type: ignore[arg-type]
+        if msg is not None:
+            fulls[msg["gen"]] = msg
+        return msg
+
+    m._new_generation = recording  # type: ignore[method-assign]
+    for _ in range(4):
+        join_group()
+    for i in range(60):
+        now += 1.0
+        roll = rng.random()
+        if (i == 0 or roll < 0.4) and m.heads:  # first a commit: every group then holds the state
+            for head in m.heads:
+                m.vote(head, m.gen, m.step, now)
+        elif roll < 0.65:
+            join_group()
+        elif m.live and len({x.group for x in m.live.values()}) > 3:
+            victim = rng.choice(sorted(m.live))
+            m.failure(victim, now, "closed", hung=rng.random() < 0.5)
+        now += 2.0  # past the grow timeout: an idle joiner is admitted with abort
+        m.tick(now)
+        for head, msg in m.outbox:
+            if msg["t"] == "decision" and msg.get("next") is not None:
+                msg = msg["next"]  # a grow between steps: always the full form
+            elif msg["t"] != "gen":
+                continue
+            if "base" in msg:
+                deltas += 1
+                assert head in held and held[head][0] == msg["base"], (head, msg, held.get(head))
+                got = _received(msg, *held[head])
+            else:
+                got = check(decode(encode(msg)[:-1]), COORDINATOR_MESSAGES)
+            want = check(decode(encode(fulls[msg["gen"]])[:-1]), COORDINATOR_MESSAGES)
+            assert got == want, (head, msg)
+            held[head] = (got["gen"], got["groups"])
+        m.outbox.clear()
+        if m.fatal is not None:
+            break
+    assert deltas > 0
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"base": 7}, "against generation 7"),
+    ({"drop": [0]}, "drops part of replica group"),
+    ({"drop": [90, 91, 92]}, "does not hold"),
+    ({"add": [[0, 99]]}, "disjoint"),
+    ({"quorum_base": True, "quorum": [[0, 1, 2]]}, "both quorum and quorum_base"),
+])
+def test_a_delta_that_does_not_fit_is_refused(change: dict[str, object], why: str) -> None:
+    delta = {"t": "gen", "gen": 2, "step": 0, "donor": 0, "abort": True, "term": 1, "joiners": [], "base": 1,
+             "drop": [3, 4, 5], "add": [], **change}
+    with pytest.raises(ProtocolError, match=why):
+        _received(delta, 1, [[0, 1, 2], [3, 4, 5]])

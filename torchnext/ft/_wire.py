@@ -46,6 +46,7 @@ __all__ = [
     "FOLLOWER",
     "GENERATION",
     "GENERATION_REF",
+    "GEN_MESSAGE",
     "LEADER_MESSAGES",
     "MAX_GENERATION_LINE",
     "MAX_GROUP",
@@ -56,6 +57,7 @@ __all__ = [
     "REPORT",
     "LineReader",
     "ProtocolError",
+    "apply_delta",
     "Schema",
     "boolean",
     "check",
@@ -521,6 +523,75 @@ GENERATION = Schema(
 """A generation; on the wire in its compact form (see the module docstring), checked into the full one: ``gen,
 members, step, donor, joiners, abort, groups, donors, term, quorum, reason``."""
 
+
+def _gen_or_delta(where: str, gen: dict[str, Any]) -> dict[str, Any]:
+    """A ``gen`` message: the full form expanded (:func:`_expand_generation`), or a delta (``base`` set, no
+    ``groups``) left for :func:`apply_delta`, which needs the receiver's generation ``base``."""
+    if gen["base"] is None:
+        if gen["groups"] is None:
+            raise ProtocolError(f"{where}: a generation needs its groups or a base")
+        for name in ("drop", "add", "quorum_base"):
+            gen.pop(name)
+        gen.pop("base")
+        return _expand_generation(where, gen)
+    if gen["groups"] is not None or gen["members"] is not None or gen["synced"] is not None:
+        raise ProtocolError(f"{where}: a delta (base) lists no groups, members or synced")
+    if gen["joiners"] is None:
+        gen["joiners"] = []
+    return gen
+
+
+GEN_MESSAGE = Schema(
+    required={"gen": integer(1), "step": _ID, "donor": _ID, "abort": boolean, "term": integer(1)},
+    optional={**GENERATION.optional, "groups": groups, "base": integer(1), "drop": int_list(), "add": groups,
+              "quorum_base": boolean},
+    defaults={"reason": ""}, derive=_gen_or_delta,
+)
+"""A ``gen`` message (protocol 4): a full generation (:data:`GENERATION`), or a **delta** against the generation
+``base`` the receiver holds -- ``drop`` (the ids leaving, whole groups), ``add`` (the groups joining), ``quorum``
+(absent: the new groups; ``quorum_base``: ``base``'s groups) -- which a coordinator sends to the sessions that hold
+``base``, so that a generation after a failure costs each of them bytes per change, not per member
+(:func:`apply_delta` expands it)."""
+
+
+def apply_delta(gen: dict[str, Any], base: int, base_groups: list[list[int]]) -> dict[str, Any]:
+    """``gen`` (a checked delta of :data:`GEN_MESSAGE`) expanded against the receiver's generation ``base`` with
+    replica groups ``base_groups``, in place, into the full form; a full ``gen`` is returned as it is. Reference::
+
+        groups = sorted([g for g in base_groups if not set(g) & set(drop)] + add, key=min)
+
+    Raises:
+        ProtocolError: the delta is against another generation, drops part of a group or an id not in ``base``,
+        or adds a group that overlaps the others.
+    """
+    if gen.get("base") is None:
+        return gen
+    where = f"gen {gen['gen']}"
+    if gen["base"] != base:
+        raise ProtocolError(f"{where}: a delta against generation {gen['base']}, but this member holds {base}")
+    drop = set(gen.pop("drop") or ())
+    keep: list[list[int]] = []
+    gone: set[int] = set()
+    for g in base_groups:
+        hit = drop.intersection(g)
+        if hit and len(hit) != len(g):
+            raise ProtocolError(f"{where}: drops part of replica group {g}")
+        if hit:
+            gone.update(g)
+        else:
+            keep.append(list(g))
+    if gone != drop:
+        raise ProtocolError(f"{where}: drops ids that generation {base} does not hold: {sorted(drop - gone)[:8]}")
+    full = groups(f"{where}.groups", sorted(keep + [list(g) for g in gen.pop("add") or ()], key=min))
+    quorum_base = gen.pop("quorum_base")
+    gen.pop("base")
+    gen["groups"] = full
+    if quorum_base:
+        if gen["quorum"] is not None:
+            raise ProtocolError(f"{where}: both quorum and quorum_base")
+        gen["quorum"] = [list(g) for g in base_groups]
+    return _expand_generation(where, gen)
+
 COORDINATOR_MESSAGES: dict[str, Schema] = {
     "challenge": Schema(required={"nonce": text(64), "proto": integer(0, 1 << 16)}),
     "welcome": Schema(
@@ -533,7 +604,7 @@ COORDINATOR_MESSAGES: dict[str, Schema] = {
     ),
     "reject": Schema(required={"code": text(40)}, optional={"reason": _REASON}, defaults={"reason": ""}),
     "ping": Schema(),
-    "gen": GENERATION,
+    "gen": GEN_MESSAGE,
     "decision": Schema(required={"gen": _ID, "step": _ID, "committed": _ID},
                        optional={"next": record(GENERATION)}),
     "wait": Schema(required={"gen": _ID}, optional={"reason": _REASON}, defaults={"reason": ""}),

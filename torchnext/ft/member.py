@@ -42,6 +42,7 @@ from torchnext.ft._wire import (
     PROTOCOL_VERSION,
     LineReader,
     ProtocolError,
+    apply_delta,
     check,
     encode,
     mac,
@@ -169,6 +170,8 @@ class MemberClient:
         self._send_lock = threading.Lock()
         self._last_sent = 0.0
         """When this member last sent its coordinator anything (a heartbeat is skipped within an interval of it)."""
+        self._base_gen: tuple[int, list[list[int]]] = (0, [])
+        """The last generation received (number, replica groups): what a delta generation is applied to."""
         self._closed = threading.Event()
         self.member_id: int = -1 if member_id is None else member_id
         sock, welcome, early, addr = self._first_join(member_id, step)
@@ -466,15 +469,20 @@ class MemberClient:
         return False
 
     def _observe(self, msg: dict[str, Any]) -> None:
-        """Track what a report needs: generation numbers, terms, decisions."""
+        """Track what a report needs: generation numbers, terms, decisions; expand a generation sent as a delta
+        against the last one received (:func:`~torchnext.ft._wire.apply_delta`; ``ProtocolError`` if it does not
+        fit)."""
         kind = msg["t"]
         if kind == "gen":
+            apply_delta(msg, *self._base_gen)
+            self._base_gen = (msg["gen"], msg["groups"])
             self._attempted = max(self._attempted, msg["gen"])
             self.term = max(self.term, msg["term"])
         elif kind == "decision":
             self._decided = (msg["gen"], msg["step"], msg["committed"])
             if msg.get("next") is not None:
                 self._attempted = max(self._attempted, msg["next"]["gen"])
+                self._base_gen = (msg["next"]["gen"], msg["next"]["groups"])
 
     def _dispatch(self, msg: dict[str, Any]) -> bool:
         self._relay_out(msg)
@@ -488,6 +496,10 @@ class MemberClient:
             return True
         if kind in ("challenge", "welcome", "reject"):
             return self._failover(f"the coordinator at {self.address} sent {kind!r} during the session")
+        try:
+            self._observe(msg)
+        except ProtocolError as exc:  # a delta that does not fit what this member holds: a broken coordinator
+            return self._failover(f"the coordinator at {self.address} sent a generation it cannot hold: {exc}")
         if kind == "removed":
             self._lose(RemovedFromGroup(
                 f"you were removed: member {self.member_id} was removed from the group at generation "
@@ -497,7 +509,6 @@ class MemberClient:
             code = str(msg.get("code"))
             self._lose(_fatal_for(code, f"the coordinator ended the job ({code}): {msg.get('reason')}"), msg)
             return False
-        self._observe(msg)
         if kind == "gen" and self._failing_since is not None:  # a standby took office: the failover is over
             self._failing_since = None
             self.role = "office"

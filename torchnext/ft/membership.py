@@ -329,6 +329,9 @@ class Membership:
     heads: tuple[int, ...] = ()
     """The sessions of the current generation: its members that hold a connection (flat members and the leaders of
     group sessions), sorted. A step commits when every one of them voted; generations and decisions go to them."""
+    _base: tuple[int, list[list[int]], frozenset[int]] = (0, [], frozenset())
+    """The last generation sent (number, groups) and the sessions it went to: the next one goes to them as a delta
+    against it (:meth:`_delta`), to everyone else in full."""
 
     # ------------------------------------------------------------------------------------------------ events
     def join(self, requested: int | None, step: int, now: float, *, group: int | None = None, group_rank: int = 0,
@@ -753,10 +756,32 @@ class Membership:
         }
         self.history.append({"event": "generation", "gen": self.gen, "members": list(members), "reason": reason,
                              "at": now, "abort": abort, "term": self.term})
+        base, base_groups, holders = self._base
+        self._base = (self.gen, groups, frozenset(self.heads))  # after this, every session holds this generation
         if notify:
+            delta = self._delta(msg, base, base_groups) if holders else None
             for m in self.heads:
-                self.outbox.append((m, msg))
+                self.outbox.append((m, delta if delta is not None and m in holders else msg))
         return msg
+
+    def _delta(self, msg: dict[str, Any], base: int, base_groups: list[list[int]]) -> dict[str, Any] | None:
+        """``msg`` as a delta against generation ``base`` (protocol 4, :data:`~torchnext.ft._wire.GEN_MESSAGE`),
+        for the sessions that hold it: the ids leaving and the groups joining instead of every group. None when the
+        full form is not larger."""
+        old = {tuple(g) for g in base_groups}
+        new = {tuple(g) for g in msg["groups"]}
+        add = [g for g in msg["groups"] if tuple(g) not in old]
+        drop = sorted(m for g in old - new for m in g)
+        if len(drop) + sum(len(g) for g in add) >= len(msg["members"]):
+            return None
+        delta: dict[str, Any] = {k: msg[k] for k in ("t", "gen", "step", "donor", "joiners", "abort", "reason",
+                                                      "term")}
+        delta.update(base=base, drop=drop, add=add)
+        if msg["quorum"] == base_groups and msg["quorum"] != msg["groups"]:
+            delta["quorum_base"] = True
+        elif msg["quorum"] != msg["groups"]:
+            delta["quorum"] = msg["quorum"]
+        return delta
 
     def _commit(self, now: float) -> None:
         old = self.members

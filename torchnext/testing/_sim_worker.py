@@ -132,6 +132,8 @@ class _Worker:
         self.steps: dict[str, Any] = {}
         self.next_check = 0.0
         self.running = True
+        self.deltas: dict[tuple[int, int], list[int]] = {}
+        """Delta generations expanded, by (base, generation): the coordinator sends one delta to every holder."""
         self.lost: list[_Member] = []
         """Leaders with follower deaths to report."""
 
@@ -516,7 +518,20 @@ class _Worker:
     def _enter(self, m: _Member, gen: dict[str, Any], now: float, *, planned: bool = False) -> None:
         if gen["gen"] <= m.gen:
             return
-        m.gen, m.members, m.committed, m.t_gen = gen["gen"], gen["members"], gen["step"], now
+        members = gen["members"]
+        if gen.get("base") is not None:  # a delta against the generation this member holds (protocol 4)
+            if gen["base"] != m.gen or m.members is None:
+                self._fail(m, f"a delta generation {gen['gen']} against {gen['base']}, but it holds {m.gen}")
+                return
+            key = (m.gen, gen["gen"])  # one delta per (base, generation), read by many members: expanded once
+            members = self.deltas.get(key)
+            if members is None:
+                gone = set(gen["drop"] or ())
+                members = sorted({x for x in m.members if x not in gone} | {x for g in gen["add"] or () for x in g})
+                if len(self.deltas) >= 64:
+                    self.deltas.clear()
+                self.deltas[key] = members
+        m.gen, m.members, m.committed, m.t_gen = gen["gen"], members, gen["step"], now
         if not planned and m.voted is not None and self.steps.get("voters"):
             self.steps["reason"] = self.steps["reason"] or (
                 f"member {m.id} was moved to generation {gen['gen']} (abort={gen['abort']}): {gen['reason']}")
