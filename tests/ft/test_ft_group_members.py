@@ -301,3 +301,41 @@ def test_the_local_channel_survives_hostile_peers() -> None:
         finally:
             follower.close()
             lead.close()
+
+
+@pytest.mark.parametrize("leader_first", [True, False], ids=["leader-first", "followers-first"])
+def test_group_sessions_finish_in_any_order(leader_first: bool) -> None:
+    """The job's end: every rank calls ``ft.finish()`` after its last step, a leader before or after its follower.
+    Nobody raises, no generation follows, and the coordinator records the end at the last committed step."""
+    with Coordinator(CoordinatorConfig(membership=MembershipConfig(min_size=GROUPS,
+                                                                   initial_size=GROUPS))) as coord:
+        ports = {g: _free_port() for g in range(GROUPS)}
+        out: dict[tuple[int, int], Any] = {}
+
+        def member(g: int, r: int) -> None:
+            try:
+                ft = FaultTolerant(FaultTolerantConfig(coordinator=coord.address, token=coord.token,
+                                                       replica_group=g, group_rank=r, group_size=SIZE,
+                                                       leader_address=f"127.0.0.1:{ports[g]}", timeout_s=30.0))
+                while ft.step_count < 4:
+                    with ft.step() as st:
+                        grad = torch.ones(1)
+                        ft.all_reduce(grad, ReduceOp.AVG)
+                        st.commit()
+                time.sleep(0.3 * ((r == 0) != leader_first) + 0.1 * g)  # staggered ends
+                ft.finish()
+                out[(g, r)] = ft.step_count
+            except BaseException as exc:  # reported to the test
+                out[(g, r)] = exc
+
+        threads = [threading.Thread(target=member, args=(g, r), daemon=True)
+                   for g in range(GROUPS) for r in range(SIZE)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not any(th.is_alive() for th in threads), out
+        assert out == {(g, r): 4 for g in range(GROUPS) for r in range(SIZE)}, out
+        assert coord.finished_step == 4 and coord.generation == 1
+        events = [h["event"] for h in coord.history()]
+        assert "failure" not in events and "group_failure" not in events, events
