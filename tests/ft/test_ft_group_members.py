@@ -54,7 +54,7 @@ def _stop_client(ft: FaultTolerant, *, crash: bool) -> None:
 
 
 def _run(coord: Coordinator, steps: int, kill: tuple[int, int, int, str] | None = None,
-         timeout: float = 90.0, on_commit: Any = None) -> dict[tuple[int, int], Any]:
+         timeout: float = 90.0, on_commit: Any = None, before_step: Any = None) -> dict[tuple[int, int], Any]:
     """Every rank of GROUPS x SIZE trains ``steps`` steps; ``kill = (group, rank, at_step, "crash"|"hang")``.
     Returns per (group, rank): ``(step_count, weight, generation, client type)``, or the exception it raised."""
     ports = {g: _free_port() for g in range(GROUPS)}
@@ -72,6 +72,8 @@ def _run(coord: Coordinator, steps: int, kill: tuple[int, int, int, str] | None 
         ids[(g, r)] = ft.member_id
         try:
             while ft.step_count < steps:
+                if before_step is not None:
+                    before_step(g, r, ft.step_count)
                 if kill is not None and (g, r) == kill[:2] and ft.step_count == kill[2]:
                     _stop_client(ft, crash=kill[3] == "crash")
                     out[(g, r)] = ("killed", ft.step_count)
@@ -187,14 +189,11 @@ def test_group_sessions_fail_over_to_a_standby() -> None:
             Coordinator(CoordinatorConfig(token=token, standby=True, membership=member_cfg)) as standby:
         both = _Both(primary, standby)
 
-        def stop_primary() -> None:
-            if primary.wait_until(lambda c: c.step >= 3, 60):
+        def stop_primary(g: int, r: int, step: int) -> None:
+            if (g, r, step) == (0, 0, 3):  # group 0's leader, before its step 3: the others are at most one ahead
                 primary.stop()
 
-        killer = threading.Thread(target=stop_primary, daemon=True)
-        killer.start()
-        out = _run(both, 8)  # type: ignore[arg-type]
-        killer.join(5)
+        out = _run(both, 8, before_step=stop_primary)  # type: ignore[arg-type]
         out.pop("ids")
         for key, res in out.items():
             assert not isinstance(res, BaseException), (key, res)
