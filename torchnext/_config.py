@@ -67,6 +67,10 @@ class EnvConfig:
     ft_replica_group: int = -1
     """``TORCHNEXT_FT_REPLICA_GROUP``: this process's replica group id (-1: none given, a group of its own)."""
 
+    ft_leader_address: str | None = None
+    """``TORCHNEXT_FT_LEADER_ADDRESS``: ``host:port`` where rank 0 of this process's replica group holds the group's
+    session (``FaultTolerantConfig.leader_address``; unset: every rank connects to the coordinator itself)."""
+
     huge_pages: int = 1
     """``TORCHNEXT_HUGE_PAGES``: ``1`` asks Linux for transparent huge pages on the large CPU outputs torchnext
     allocates itself (``madvise(MADV_HUGEPAGE)``, see :mod:`torchnext.lowp.workspace`); ``0`` never does."""
@@ -128,6 +132,7 @@ ENV_VARS = {
     "ft_coordinator": "TORCHNEXT_FT_COORDINATOR",
     "ft_token": "TORCHNEXT_FT_TOKEN",
     "ft_replica_group": "TORCHNEXT_FT_REPLICA_GROUP",
+    "ft_leader_address": "TORCHNEXT_FT_LEADER_ADDRESS",
     "huge_pages": "TORCHNEXT_HUGE_PAGES",
     "cpu_kernels": "TORCHNEXT_CPU_KERNELS",
     "kernel_cache": "TORCHNEXT_KERNEL_CACHE",

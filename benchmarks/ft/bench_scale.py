@@ -1,9 +1,13 @@
-"""Membership at scale (issue 26): today's coordinator under thousands of simulated members.
+"""Membership at scale (issue 26): the coordinator under thousands of simulated members.
 
     python benchmarks/ft/bench_scale.py                               # 64, 256, 1024 ranks in groups of 8
     python benchmarks/ft/bench_scale.py --ranks 64 256 1024 4096      # larger sizes are opt-in
     python benchmarks/ft/bench_scale.py --ranks 1024 --group-size 8 --json
     python benchmarks/ft/bench_scale.py --ranks 1024 --profile /tmp/coord.prof   # cProfile the coordinator's loop
+    python benchmarks/ft/bench_scale.py --flat                        # every rank its own session (protocol 3's way)
+
+By default the members speak protocol 4's group sessions (one connection per replica group, its leader's; see
+docs/fault_tolerance.md, "Membership hierarchy"); ``--flat`` connects every rank itself, for comparison.
 
 Per size: one ``torchnext coordinator`` process (the real one, default heartbeat settings unless given) and the
 members of :class:`torchnext.testing.member_sim.MemberSim` (``--processes`` processes, the real wire protocol,
@@ -21,7 +25,9 @@ authenticated with the job token). Figures, all from one run:
 * ``detect_s``: one replica group hangs (heartbeats stop, sockets stay open) -> the last survivor received the next
   generation (goal: heartbeat timeout + 0.2 s); ``detect_crash_s``: another group's sockets close -> the same;
   the next generation must hold exactly the survivors (``detect_first_s``, ``detect_first_crash_s``: -> the first
-  survivor received it).
+  survivor received it); ``detect_leader_s``: a third group's leader crashes; ``detect_follower_s`` /
+  ``detect_follower_hang_s``: a follower of a fourth / fifth group crashes / hangs (reported by its leader: at once,
+  or after the local heartbeat timeout, the coordinator's own default 0.6 s).
 
 Every wait is bounded; a size whose formation fails within ``--formation-timeout`` reports null figures and the
 reason. The coordinator and every simulator process are reaped on every path (``finally``).
@@ -73,7 +79,7 @@ def measure(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
     groups = ranks // g
     out: dict[str, Any] = dict.fromkeys(KEYS)
     out.update(ranks=ranks, group_size=g, groups=groups, processes=min(args.processes, groups), load_before=load(),
-               reason="")
+               hierarchy=not args.flat, reason="")
     token = secrets.token_hex(16)
     coord = CoordinatorProcess(token, initial_size=groups, min_size=1, heartbeat_interval_s=args.heartbeat_interval,
                                heartbeat_timeout_s=args.heartbeat_timeout)
@@ -86,7 +92,7 @@ def measure(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
     try:
         coord.start()
         sim = MemberSim(SimConfig(address=coord.address, token=token, ranks=ranks, group_size=g,
-                                  processes=args.processes)).start()
+                                  processes=args.processes, hierarchy=not args.flat)).start()
         formed = sim.join(timeout_s=args.formation_timeout)
         out["retries"] = formed.retries
         out["sim_late_s"] = formed.sim_late_s  # the simulator's own worst heartbeat lateness (all calls so far)
@@ -124,23 +130,26 @@ def measure(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
 
         survivors = set(formed.members)
         gen = formed.gen
-        for key, group, mode in (("detect_s", groups - 1, KillMode.HANG), ("detect_crash_s", groups - 2,
-                                                                           KillMode.CRASH)):
-            if group < 0 or len(survivors) == len(sim.ids.get(group, ())):
-                break  # no group left to survive this kill
-            t_kill = sim.kill_group(group, mode)
+        kills = (("detect_s", KillMode.HANG, None), ("detect_crash_s", KillMode.CRASH, None),
+                 ("detect_leader_s", KillMode.CRASH, 0), ("detect_follower_s", KillMode.CRASH, g - 1),
+                 ("detect_follower_hang_s", KillMode.HANG, g - 1))
+        for i, (key, mode, rank) in enumerate(kills):
+            group = groups - 1 - i
+            if group < 0 or len(survivors) == len(sim.ids.get(group, ())) or (rank is not None and g == 1):
+                break  # no group left to survive this kill (or no follower to kill)
+            t_kill = sim.kill_group(group, mode) if rank is None else sim.kill_rank(group, rank, mode)
             nxt = sim.await_generation(gen, timeout_s=args.heartbeat_timeout * 4 + 10)
             survivors -= set(sim.ids[group])
             out["sim_late_s"] = nxt.sim_late_s
             if not nxt.ok or nxt.received_at is None:
-                out["reason"] = f"{mode.value} of group {group}: {nxt.reason}"
+                out["reason"] = f"{key}: {mode.value} of group {group} rank {rank}: {nxt.reason}"
                 return out
             if set(nxt.members) != survivors:
                 out["reason"] = (f"{mode.value} of group {group}: generation {nxt.gen} holds {len(nxt.members)} "
                                  f"members, expected the {len(survivors)} survivors")
                 return out
             out[key] = nxt.received_at - t_kill
-            if nxt.first_at is not None:  # the spread first -> last receipt is the delivery of the generation
+            if nxt.first_at is not None and rank is None:  # first -> last receipt: the generation's delivery
                 out[key.replace("detect", "detect_first")] = nxt.first_at - t_kill
             gen = nxt.gen
         return out
@@ -163,7 +172,9 @@ def _fmt(v: Any, spec: str, scale: float = 1.0) -> str:
 def row(r: dict[str, Any]) -> str:
     det = "—" if r["detect_s"] is None else (
         f"{r['detect_s']:.2f} s ({_fmt(r.get('detect_first_s'), '.2f')} s) / "
-        f"{_fmt(r.get('detect_crash_s'), '.0f', 1e3)} ms ({_fmt(r.get('detect_first_crash_s'), '.0f', 1e3)} ms)")
+        f"{_fmt(r.get('detect_crash_s'), '.0f', 1e3)} ms ({_fmt(r.get('detect_first_crash_s'), '.0f', 1e3)} ms) / "
+        f"{_fmt(r.get('detect_leader_s'), '.0f', 1e3)} ms / {_fmt(r.get('detect_follower_s'), '.0f', 1e3)} ms / "
+        f"{_fmt(r.get('detect_follower_hang_s'), '.2f')} s")
     cells = [f"{r['ranks']:,} ({r['groups']} x {r['group_size']})", _fmt(r.get("coordinator_msgs_per_step"), ",.0f"),
              _fmt(r["coordinator_cpu_ms_per_step"], ".1f") + (" ms" if r["coordinator_cpu_ms_per_step"] else ""),
              "—" if r["commit_p50_ms"] is None else f"{r['commit_p50_ms']:.1f} / {r['commit_p99_ms']:.1f} ms",
@@ -211,6 +222,8 @@ def main() -> int:
     p.add_argument("--formation-timeout", type=float, default=60.0, help="bound on formation (default 60 s)")
     p.add_argument("--heartbeat-interval", type=float, default=0.1, help="coordinator setting (default 0.1 s)")
     p.add_argument("--heartbeat-timeout", type=float, default=0.6, help="coordinator setting (default 0.6 s)")
+    p.add_argument("--flat", action="store_true", help="every rank its own coordinator session (protocol 3's way) "
+                                                       "instead of one group session per replica group")
     p.add_argument("--json", action="store_true", help="one JSON object per size instead of the table")
     p.add_argument("--profile", default="", help="cProfile the coordinator's loop into this file (.<ranks> added "
                                                  "when several sizes); figures are then inflated")
@@ -224,9 +237,11 @@ def main() -> int:
         print(f"# torchnext bench_scale: python {platform.python_version()}, torch {torch.__version__}, "
               f"{platform.platform()}, {os.cpu_count()} CPUs, load {load()}")
         print(f"# heartbeat {args.heartbeat_interval} s / timeout {args.heartbeat_timeout} s, {args.steps} steps, "
-              f"{args.processes} simulator processes")
+              f"{args.processes} simulator processes, "
+              f"{'flat' if args.flat or args.group_size == 1 else 'group sessions (protocol 4)'}")
         print("| members | coordinator msgs per step | coordinator CPU per step | commit round p50 / p99 | idle "
-              "heartbeat load (one core) | formation | detection, last (first) survivor: hang / crash | status |")
+              "heartbeat load (one core) | formation | detection, last (first) survivor: group hang / group crash / "
+              "leader crash / follower crash / follower hang | status |")
         print("|---|---|---|---|---|---|---|---|", flush=True)
     for n in args.ranks:
         r = measure(args, n)

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(180)
 def test_json_has_the_issue_keys() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "ft" / "bench_scale.py"), "--ranks", "32", "--group-size", "8",
+        [sys.executable, str(ROOT / "benchmarks" / "ft" / "bench_scale.py"), "--ranks", "48", "--group-size", "8",
          "--steps", "10", "--idle-s", "0.5", "--json"],
         capture_output=True, text=True, timeout=150, cwd=ROOT, env=env,
     )
@@ -44,7 +44,11 @@ def test_json_has_the_issue_keys() -> None:
     assert all(isinstance(out[k], float) and out[k] >= 0 for k in KEYS), out
     assert out["commit_p50_ms"] <= out["commit_p99_ms"]
     assert 0.4 <= out["detect_s"] < 10  # a hang, seen through the 0.6 s heartbeat timeout
-    assert out["ranks"] == 32 and out["groups"] == 4 and out["committed"] == 10
+    assert out["ranks"] == 48 and out["groups"] == 6 and out["committed"] == 10 and out["hierarchy"] is True
+    # group sessions: a leader's crash is an EOF, a follower's crash is reported by its leader at once, a follower's
+    # hang after the local heartbeat timeout (0.6 s)
+    assert out["detect_leader_s"] < 0.4 and out["detect_follower_s"] < 0.4, out
+    assert 0.6 <= out["detect_follower_hang_s"] < 10, out
 
 
 def _first_generation(members: int) -> bytes:

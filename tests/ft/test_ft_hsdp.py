@@ -6,6 +6,7 @@ equality -- rank r of every live replica group holds bitwise the same parameter 
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import pytest
@@ -25,8 +26,23 @@ def _coordinator(groups: int) -> Coordinator:
     return Coordinator(CoordinatorConfig(membership=MembershipConfig(min_size=1, initial_size=groups)))
 
 
-def _spec(coord: Coordinator, group: int, rank: int, steps: int, *, incarnation: int = 0, **kw: Any) -> ParallelSpec:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+SESSIONS = pytest.mark.parametrize("sessions", [False, True], ids=["flat", "group-sessions"])
+"""Every rank its own coordinator connection, or one per replica group (protocol 4: ``leader_address``)."""
+
+
+def _spec(coord: Coordinator, group: int, rank: int, steps: int, *, incarnation: int = 0, sessions: bool = False,
+          ports: dict[tuple[int, int], int] | None = None, **kw: Any) -> ParallelSpec:
     member = 2 * group + rank + 100 * incarnation
+    if sessions:
+        assert ports is not None
+        port = ports.setdefault((group, incarnation), _free_port())
+        kw["leader_address"] = f"127.0.0.1:{port}"
     return ParallelSpec(coordinator=coord.address, token=coord.token, store_port=coord.store_port, member_id=member,
                         steps=steps, parallel="hsdp", group=group, group_rank=rank, group_size=2,
                         incarnation=incarnation, **kw)
@@ -37,12 +53,14 @@ def _full(shards: list[list[Any]]) -> list[torch.Tensor]:
     return [torch.cat([torch.tensor(s[i]) for s in shards]) for i in range(len(shards[0]))]
 
 
-def test_no_fault_matches_plain_data_parallel() -> None:
+@SESSIONS
+def test_no_fault_matches_plain_data_parallel(sessions: bool) -> None:
     steps = 4
+    ports: dict[tuple[int, int], int] = {}
     with _coordinator(2) as coord, FTJob() as job:
         for g in range(2):
             for r in range(2):
-                job.launch(_spec(coord, g, r, steps), run_parallel)
+                job.launch(_spec(coord, g, r, steps, sessions=sessions, ports=ports), run_parallel)
         reports = job.wait([0, 1, 2, 3], timeout=150)
     assert all(r["error"] is None and r["step"] == steps for r in reports.values()), reports
     assert reports[0]["digest"] == reports[2]["digest"] and reports[1]["digest"] == reports[3]["digest"]
@@ -53,14 +71,16 @@ def test_no_fault_matches_plain_data_parallel() -> None:
         torch.testing.assert_close(a.reshape(b.shape), b, rtol=1e-5, atol=1e-6, msg=f"parameter {i}")
 
 
-def test_kill_one_rank_then_the_group_rejoins_and_heals(tmp_path: Any) -> None:
+@SESSIONS
+def test_kill_one_rank_then_the_group_rejoins_and_heals(tmp_path: Any, sessions: bool) -> None:
     """Rank 1 of group 1 dies inside backward at step 3: its sibling is removed with it (shared fate), group 0
     trains on alone. Group 1 restarts (new processes, garbage-free fresh model and no optimizer state), heals shard
     by shard from group 0, and both groups train on together: every rank then holds bitwise the parameters and
     Adam state of its counterpart."""
     stop = tmp_path / "stop"
     faults = [Fault(kind=KILL, member=3, step=3, where=COLL)]
-    kw: dict[str, Any] = {"stop_file": str(stop), "step_sleep_s": 0.02, "faults": faults}
+    kw: dict[str, Any] = {"stop_file": str(stop), "step_sleep_s": 0.02, "faults": faults, "sessions": sessions,
+                          "ports": {}}
     with _coordinator(2) as coord, FTJob() as job:
         for g in range(2):
             for r in range(2):
@@ -73,6 +93,10 @@ def test_kill_one_rank_then_the_group_rejoins_and_heals(tmp_path: Any) -> None:
         target = coord.step + 4
         stop.write_text(str(target))
         reports = job.wait([0, 1, 2, 3, 102, 103], timeout=120)
+        failures = [h for h in coord.history() if h["event"] == "failure"]
+    assert failures and failures[0]["member"] == 3, failures
+    # group sessions: member 3's death was seen and reported by its group's leader (member 2), not by the coordinator
+    assert ("lost by its leader 2" in failures[0]["why"]) == sessions, failures[0]
     assert sorted(reports) == [0, 1, 2, 102, 103], sorted(reports)
     assert "removed" in (reports[2]["error"] or ""), reports[2]["error"]  # shared fate with member 3
     for m in (0, 1, 102, 103):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import time
 from typing import Any
 
@@ -98,8 +99,12 @@ def test_ddp_chaos_10_schedules(tmp_path: Any) -> None:
         assert torch.equal(torch.tensor(got, dtype=torch.float64), want), "differs from the exact replay"
 
 
-def test_hsdp_chaos_10_schedules(tmp_path: Any) -> None:
+@pytest.mark.parametrize("sessions", [False, True], ids=["flat", "group-sessions"])
+def test_hsdp_chaos_10_schedules(tmp_path: Any, sessions: bool) -> None:
+    """10 seeded faults on 2 replica groups of 2 FSDP2 ranks; with ``sessions`` each group holds one coordinator
+    connection, its leader's (protocol 4), so a follower's death is seen and reported by its leader."""
     rng = random.Random(14)
+    ports: dict[tuple[int, int], int] = {}
     stop = tmp_path / "stop"
     kw: dict[str, Any] = {"stop_file": str(stop), "signal_kills": True, "step_sleep_s": 0.005, "parallel": "hsdp",
                           "group_size": 2}
@@ -110,10 +115,16 @@ def test_hsdp_chaos_10_schedules(tmp_path: Any) -> None:
             return [2 * g + r + 100 * incarnation[g] for r in range(2)]
 
         def launch(g: int) -> None:
+            leader = None
+            if sessions:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    ports[(g, incarnation[g])] = s.getsockname()[1]
+                leader = f"127.0.0.1:{ports[(g, incarnation[g])]}"
             for r, m in enumerate(ids(g)):
                 job.launch(ParallelSpec(coordinator=coord.address, token=coord.token, store_port=coord.store_port,
                                         member_id=m, steps=0, group=g, group_rank=r, incarnation=incarnation[g],
-                                        **kw), run_parallel)
+                                        leader_address=leader, **kw), run_parallel)
 
         for g in range(2):
             launch(g)

@@ -43,9 +43,13 @@ from typing import Any
 
 __all__ = [
     "COORDINATOR_MESSAGES",
+    "FOLLOWER",
     "GENERATION",
     "GENERATION_REF",
+    "GEN_MESSAGE",
+    "LEADER_MESSAGES",
     "MAX_GENERATION_LINE",
+    "MAX_GROUP",
     "MAX_LINE",
     "MAX_MEMBERS",
     "MEMBER_MESSAGES",
@@ -53,6 +57,7 @@ __all__ = [
     "REPORT",
     "LineReader",
     "ProtocolError",
+    "apply_delta",
     "Schema",
     "boolean",
     "check",
@@ -65,16 +70,22 @@ __all__ = [
     "number",
     "optional",
     "record",
+    "record_list",
     "text",
     "tune_socket",
     "verify",
     "wire_form",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Version of the membership protocol; a hello with another version is rejected. 2: mutual authentication,
 coordinator failover (reports, terms, prepare/promise). 3: generations in their compact form (:func:`wire_form`),
-lists of up to :data:`MAX_MEMBERS` ids."""
+lists of up to :data:`MAX_MEMBERS` ids. 4: group sessions -- a replica group's leader joins, heartbeats and votes
+for its whole group (``hello.followers``, ``welcome.members``), reports a follower's death (``lost``) and its failed
+collectives (``fail.member``); see docs/fault_tolerance.md, "Membership hierarchy"."""
+
+MAX_GROUP = 1024
+"""Most ranks in one replica group a leader speaks for (its ``followers`` list holds at most ``MAX_GROUP - 1``)."""
 
 MAX_LINE = 1 << 16
 """Longest line a coordinator accepts (bytes): a member's messages are small; a longer line is a protocol violation.
@@ -224,16 +235,26 @@ def _depth_ok_reference(line: bytes) -> bool:
 _HOT = {b'{"t":"hb"}': "hb", b'{"t":"ping"}': "ping"}
 """The lines sent most (every member every heartbeat interval, both ways): recognised without ``json.loads``."""
 
+_VOTE = re.compile(rb'\{"t":"vote","gen":(0|[1-9][0-9]{0,17}),"step":(0|[1-9][0-9]{0,17})\}')
+"""A vote as :func:`encode` writes it (every session every step): parsed without ``json.loads``. JSON numbers have
+no leading zeros; 18 digits stay below 2**63. Any other spelling takes the general path."""
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+"""One decoder for every line (``json.loads`` with an argument builds a new one per call)."""
+
 
 def decode(line: bytes) -> dict[str, Any]:
     """One line -> one message object with a string ``"t"``; :class:`ProtocolError` otherwise."""
     hot = _HOT.get(line)
     if hot is not None:
         return {"t": hot}
+    vote = _VOTE.fullmatch(line)
+    if vote is not None:
+        return {"t": "vote", "gen": int(vote[1]), "step": int(vote[2])}
     if not _depth_ok(line):
         raise ProtocolError(f"nested deeper than {MAX_DEPTH} levels: {line[:80]!r}")
     try:
-        msg = json.loads(line, parse_constant=_no_constant)
+        msg = _DECODER.decode(line.decode())
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and huge integers are ValueErrors too
         raise ProtocolError(f"not JSON ({exc}): {line[:80]!r}") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
@@ -386,6 +407,18 @@ def record(schema: Schema) -> Validator:
     return v
 
 
+def record_list(schema: Schema, max_len: int) -> Validator:
+    """A list of at most ``max_len`` objects, each validated by ``schema``."""
+    item = record(schema)
+
+    def v(where: str, x: object) -> list[dict[str, Any]]:
+        if not isinstance(x, list) or len(x) > max_len:
+            raise ProtocolError(f"{where} must be a list of at most {max_len} objects, got {_show(x)}")
+        return [item(f"{where}[{i}]", y) for i, y in enumerate(x)]
+
+    return v
+
+
 def _fields(where: str, msg: Mapping[str, Any], schema: Schema) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, valid in schema.required.items():
@@ -447,22 +480,39 @@ REPORT = Schema(
 )
 """What a member that lost its coordinator tells the next one (see :mod:`torchnext.ft.election`)."""
 
+FOLLOWER = Schema(required={"step": _ID}, optional={"member": _ID, "pid": _ID})
+"""A follower a leader joins with its group (``hello.followers``, ranks 1 .. S-1 in order): the id it asks for (None:
+assigned), its committed step."""
+
 MEMBER_MESSAGES: dict[str, Schema] = {
     "hello": Schema(
         required={"nonce": text(64), "proof": text(128), "proto": integer(0, 1 << 16), "step": _ID},
         optional={"member": _ID, "pid": _ID, "group": _ID, "group_rank": _ID, "group_size": integer(1),
-                  "coordinators": integer(1, 64), "report": record(REPORT)},
+                  "coordinators": integer(1, 64), "report": record(REPORT),
+                  "followers": record_list(FOLLOWER, MAX_GROUP - 1), "coordinator_timeout_s": number(1e-3)},
         defaults={"group_rank": 0, "group_size": 1, "coordinators": 1},
     ),
     "hb": Schema(),
     "vote": Schema(required={"gen": _ID, "step": _ID}),
-    "fail": Schema(required={"gen": _ID}, optional={"reason": _REASON, "end": text(32)}, defaults={"reason": ""}),
+    "fail": Schema(required={"gen": _ID}, optional={"reason": _REASON, "end": text(32), "member": _ID},
+                   defaults={"reason": ""}),
+    "lost": Schema(required={"member": _ID, "hung": boolean}, optional={"reason": _REASON}, defaults={"reason": ""}),
     "bye": Schema(optional={"done": boolean}, defaults={"done": False}),
     "promise": Schema(required={"term": integer(1)}),
 }
 """Messages a member sends to a coordinator (its first one is a ``hello``). A ``fail`` with ``end`` (a code of
 :data:`torchnext.ft.membership.END_CODES`) ends the job instead of asking for a new generation; a coordinator that
-predates the field drops it and regenerates."""
+predates the field drops it and regenerates.
+
+A **group session** (protocol 4) is a hello with ``followers`` (``group_rank`` 0, ``group_size`` = 1 + their
+count): the leader joins its whole group, and from then on its ``hb`` and ``vote`` stand for every rank of the
+group, a ``fail`` may name the ``member`` that reported, and ``lost`` reports a follower's death (``hung``: by
+silence on the local channel; else its channel closed). ``lost`` or ``fail.member`` naming a member outside the
+sender's group is a protocol violation.
+
+Silence (protocol 4): any message counts as a heartbeat, so a member skips its ``hb`` when it sent something else
+within the interval (votes while training); a hello's ``coordinator_timeout_s`` (the member's own) lets the
+coordinator ping that connection only every quarter of it, and not at all while it wrote something else since."""
 
 GENERATION = Schema(
     required={"gen": integer(1), "step": _ID, "donor": _ID, "abort": boolean, "groups": groups, "term": integer(1)},
@@ -473,17 +523,88 @@ GENERATION = Schema(
 """A generation; on the wire in its compact form (see the module docstring), checked into the full one: ``gen,
 members, step, donor, joiners, abort, groups, donors, term, quorum, reason``."""
 
+
+def _gen_or_delta(where: str, gen: dict[str, Any]) -> dict[str, Any]:
+    """A ``gen`` message: the full form expanded (:func:`_expand_generation`), or a delta (``base`` set, no
+    ``groups``) left for :func:`apply_delta`, which needs the receiver's generation ``base``."""
+    if gen["base"] is None:
+        if gen["groups"] is None:
+            raise ProtocolError(f"{where}: a generation needs its groups or a base")
+        for name in ("drop", "add", "quorum_base"):
+            gen.pop(name)
+        gen.pop("base")
+        return _expand_generation(where, gen)
+    if gen["groups"] is not None or gen["members"] is not None or gen["synced"] is not None:
+        raise ProtocolError(f"{where}: a delta (base) lists no groups, members or synced")
+    if gen["joiners"] is None:
+        gen["joiners"] = []
+    return gen
+
+
+GEN_MESSAGE = Schema(
+    required={"gen": integer(1), "step": _ID, "donor": _ID, "abort": boolean, "term": integer(1)},
+    optional={**GENERATION.optional, "groups": groups, "base": integer(1), "drop": int_list(), "add": groups,
+              "quorum_base": boolean},
+    defaults={"reason": ""}, derive=_gen_or_delta,
+)
+"""A ``gen`` message (protocol 4): a full generation (:data:`GENERATION`), or a **delta** against the generation
+``base`` the receiver holds -- ``drop`` (the ids leaving, whole groups), ``add`` (the groups joining), ``quorum``
+(absent: the new groups; ``quorum_base``: ``base``'s groups) -- which a coordinator sends to the sessions that hold
+``base``, so that a generation after a failure costs each of them bytes per change, not per member
+(:func:`apply_delta` expands it)."""
+
+
+def apply_delta(gen: dict[str, Any], base: int, base_groups: list[list[int]]) -> dict[str, Any]:
+    """``gen`` (a checked delta of :data:`GEN_MESSAGE`) expanded against the receiver's generation ``base`` with
+    replica groups ``base_groups``, in place, into the full form; a full ``gen`` is returned as it is. Reference::
+
+        groups = sorted([g for g in base_groups if not set(g) & set(drop)] + add, key=min)
+
+    Raises:
+        ProtocolError: the delta is against another generation, drops part of a group or an id not in ``base``,
+        or adds a group that overlaps the others.
+    """
+    if gen.get("base") is None:
+        return gen
+    where = f"gen {gen['gen']}"
+    if gen["base"] != base:
+        raise ProtocolError(f"{where}: a delta against generation {gen['base']}, but this member holds {base}")
+    drop = set(gen.pop("drop") or ())
+    keep: list[list[int]] = []
+    gone: set[int] = set()
+    for g in base_groups:
+        hit = drop.intersection(g)
+        if hit and len(hit) != len(g):
+            raise ProtocolError(f"{where}: drops part of replica group {g}")
+        if hit:
+            gone.update(g)
+        else:
+            keep.append(list(g))
+    if gone != drop:
+        raise ProtocolError(f"{where}: drops ids that generation {base} does not hold: {sorted(drop - gone)[:8]}")
+    full = groups(f"{where}.groups", sorted(keep + [list(g) for g in gen.pop("add") or ()], key=min))
+    quorum_base = gen.pop("quorum_base")
+    gen.pop("base")
+    gen["groups"] = full
+    if quorum_base:
+        if gen["quorum"] is not None:
+            raise ProtocolError(f"{where}: both quorum and quorum_base")
+        gen["quorum"] = [list(g) for g in base_groups]
+    return _expand_generation(where, gen)
+
 COORDINATOR_MESSAGES: dict[str, Schema] = {
     "challenge": Schema(required={"nonce": text(64), "proto": integer(0, 1 << 16)}),
     "welcome": Schema(
         required={"proof": text(128), "member": _ID, "store_port": integer(1, 65535), "proto": integer(0, 1 << 16),
                   "heartbeat_interval_s": number(1e-3), "heartbeat_timeout_s": number(1e-3), "term": _ID,
                   "role": text(16)},
-        optional={"quorum_timeout_s": number(), "grow_timeout_s": number()},
+        optional={"quorum_timeout_s": number(), "grow_timeout_s": number(), "members": int_list(MAX_GROUP),
+                  "group_heartbeat_interval_s": number(1e-3), "group_heartbeat_timeout_s": number(1e-3),
+                  "store_host": text(256)},
     ),
     "reject": Schema(required={"code": text(40)}, optional={"reason": _REASON}, defaults={"reason": ""}),
     "ping": Schema(),
-    "gen": GENERATION,
+    "gen": GEN_MESSAGE,
     "decision": Schema(required={"gen": _ID, "step": _ID, "committed": _ID},
                        optional={"next": record(GENERATION)}),
     "wait": Schema(required={"gen": _ID}, optional={"reason": _REASON}, defaults={"reason": ""}),
@@ -492,7 +613,19 @@ COORDINATOR_MESSAGES: dict[str, Schema] = {
     "finished": Schema(required={"step": _ID}, optional={"by": _ID}),
     "prepare": Schema(required={"term": integer(1)}),
 }
-"""Messages a coordinator sends to a member."""
+"""Messages a coordinator sends to a member. A group session's ``welcome`` carries ``members`` (its group's ids by
+group rank) and the local level's heartbeat settings; every later message is for the whole group (its leader relays
+it to the followers)."""
+
+LEADER_MESSAGES: dict[str, Schema] = {
+    **COORDINATOR_MESSAGES,
+    "failover": Schema(optional={"reason": _REASON}, defaults={"reason": ""}),
+    "store": Schema(required={"host": text(256), "port": integer(1, 65535), "term": _ID, "role": text(16)}),
+}
+"""Messages a group session's leader sends its followers over the local channel: the coordinator's, relayed as they
+came (after its own challenge and ``welcome``, which names the follower's id, the coordinator's ``store_host`` and
+the local heartbeat settings), plus ``failover`` (the leader lost its coordinator and fails over: abort the
+collectives and wait) and ``store`` (a new coordinator took the group: its store, term and role)."""
 
 
 def tune_socket(sock: socket.socket) -> None:

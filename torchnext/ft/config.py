@@ -67,7 +67,18 @@ class FaultTolerantConfig:
     """Ranks per replica group, the same for every group (None: torchrun's ``WORLD_SIZE`` when ``replica_group`` is
     set, else 1)."""
 
+    leader_address: str | None = None
+    """A group session (protocol 4, docs/fault_tolerance.md "Membership hierarchy"): ``host:port`` where rank 0 of
+    this replica group listens for its other ranks (the same for every rank of the group; a free port on the group's
+    host). Rank 0 then holds the group's one connection to the coordinator and relays for the others; None (the
+    default; ``TORCHNEXT_FT_LEADER_ADDRESS`` when set): every rank connects to the coordinator itself (flat). Ignored
+    for a group of one rank."""
+
     def __post_init__(self) -> None:
+        if self.leader_address is not None:
+            host, _, port = str(self.leader_address).rpartition(":")
+            if not isinstance(self.leader_address, str) or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+                raise ValueError(f"FaultTolerantConfig.leader_address must be 'host:port', got {self.leader_address!r}")
         for f in ("timeout_s", "join_timeout_s", "reconfigure_timeout_s", "connect_timeout_s", "coordinator_timeout_s",
                   "failover_timeout_s"):
             v = getattr(self, f)
@@ -90,7 +101,9 @@ class FaultTolerantConfig:
             raise ValueError(f"FaultTolerantConfig.group_rank={self.group_rank} must be < group_size={self.group_size}")
 
     def check_timeouts(self, *, heartbeat_interval_s: float, heartbeat_timeout_s: float,
-                       quorum_timeout_s: float | None, grow_timeout_s: float | None) -> None:
+                       quorum_timeout_s: float | None, grow_timeout_s: float | None,
+                       group_heartbeat_interval_s: float | None = None,
+                       group_heartbeat_timeout_s: float | None = None) -> None:
         """The timeout hierarchy, checked against the coordinator's settings when joining (docs/fault_tolerance.md).
         Each rule names the two values it compares::
 
@@ -99,6 +112,9 @@ class FaultTolerantConfig:
             timeout_s              >  heartbeat_timeout_s         # a hang is removed before an op times out on it
             reconfigure_timeout_s  >= quorum_timeout_s            # members outwait the coordinator's quorum wait
             join_timeout_s         >  grow_timeout_s              # a joiner outwaits the coordinator's forced grow
+            # a group session (protocol 4: the welcome carries the local level's settings)
+            coordinator_timeout_s  >  2 * group_heartbeat_interval_s  # a follower: one late relay never ends it
+            timeout_s              >  group_heartbeat_timeout_s   # a hung follower is reported before an op times out
 
         Raises:
             ValueError: a rule is broken (healing or reconfiguration would otherwise dead-lock or give up early).
@@ -117,6 +133,13 @@ class FaultTolerantConfig:
         if grow_timeout_s is not None:
             rules.append(("join_timeout_s", self.join_timeout_s, ">", "grow_timeout_s", grow_timeout_s,
                           "a joiner would give up before the coordinator grows the group to admit it"))
+        if group_heartbeat_interval_s is not None:
+            rules.append(("coordinator_timeout_s", self.coordinator_timeout_s, ">", "2 * group_heartbeat_interval_s",
+                          2 * group_heartbeat_interval_s,
+                          "a follower would declare its leader lost after one late relayed ping"))
+        if group_heartbeat_timeout_s is not None:
+            rules.append(("timeout_s", self.timeout_s, ">", "group_heartbeat_timeout_s", group_heartbeat_timeout_s,
+                          "a hung follower must be reported by its leader before the survivors' ops time out on it"))
         for name, value, rel, other, bound, why in rules:
             ok = value > bound if rel == ">" else value >= bound
             if not ok:

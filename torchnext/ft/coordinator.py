@@ -219,6 +219,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s, help="seconds")
     parser.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s, help="seconds")
     parser.add_argument("--quorum-timeout", type=float, default=d.quorum_timeout_s, help="seconds")
+    parser.add_argument("--group-heartbeat-interval", type=float, default=d.group_heartbeat_interval_s,
+                        help="seconds: a follower's heartbeats to its group's leader (group sessions)")
+    parser.add_argument("--group-heartbeat-timeout", type=float, default=d.group_heartbeat_timeout_s,
+                        help="seconds: a leader declares a silent follower failed after this")
     parser.add_argument("--standby", action="store_true",
                         help="start as a standby: take office only when members that lost their coordinator report "
                              "to it (needs TORCHNEXT_FT_TOKEN, the job's token)")
@@ -243,6 +247,8 @@ def run(args: argparse.Namespace) -> int:
         membership = MembershipConfig(
             min_size=args.min_size, initial_size=args.initial_size, heartbeat_interval_s=args.heartbeat_interval,
             heartbeat_timeout_s=args.heartbeat_timeout, quorum_timeout_s=args.quorum_timeout,
+            group_heartbeat_interval_s=args.group_heartbeat_interval,
+            group_heartbeat_timeout_s=args.group_heartbeat_timeout,
         )
     except ValueError as exc:
         print(f"torchnext coordinator: {exc}")

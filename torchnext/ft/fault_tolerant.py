@@ -66,6 +66,7 @@ from torchnext.comms.hooks import HookList, PostHookArgs, RemovableHandle
 from torchnext.comms.work import WorkStatus
 from torchnext.ft.config import FaultTolerantConfig, Reconfiguration
 from torchnext.ft.errors import quiet_abort
+from torchnext.ft.group_session import GroupFollowerClient, GroupLeaderClient
 from torchnext.ft.healing import HealStats, recv_state, send_state
 from torchnext.ft.member import ARRIVED_AFTER, MemberClient
 from torchnext.ft.membership import JobFinished, QuorumLost, RemovedFromGroup
@@ -154,18 +155,32 @@ class FaultTolerant:
         self._process_group: Any = None
         self._vote: dict[str, int] | None = None  # a vote sent and not yet decided (reported on failover)
         _preload_gil_heavy_imports()
-        self._client = MemberClient(
-            address, token, member_id=cfg.member_id, step=step, connect_timeout_s=cfg.connect_timeout_s,
+        common: dict[str, Any] = dict(
+            member_id=cfg.member_id, step=step, connect_timeout_s=cfg.connect_timeout_s,
             coordinator_timeout_s=cfg.coordinator_timeout_s, on_interrupt=self._on_interrupt,
-            replica_group=self.replica_group, group_rank=self.group_rank, group_size=self.group_size,
             failover_timeout_s=cfg.failover_timeout_s, report=self._member_report,
         )
+        self._client: MemberClient
+        leader_address = cfg.leader_address or env.ft_leader_address
+        if leader_address is not None and self.group_size > 1 and self.replica_group is not None:
+            if self.group_rank == 0:  # the group's leader: one coordinator session for the whole group
+                self._client = GroupLeaderClient(address, token, leader_address=leader_address,
+                                                 replica_group=self.replica_group, group_size=self.group_size,
+                                                 **common)
+            else:
+                self._client = GroupFollowerClient(leader_address, token, replica_group=self.replica_group,
+                                                   group_rank=self.group_rank, group_size=self.group_size, **common)
+        else:
+            self._client = MemberClient(address, token, replica_group=self.replica_group, group_rank=self.group_rank,
+                                        group_size=self.group_size, **common)
         self._joined = False
         try:
             cfg.check_timeouts(heartbeat_interval_s=self._client.heartbeat_interval_s,
                                heartbeat_timeout_s=self._client.heartbeat_timeout_s,
                                quorum_timeout_s=self._client.quorum_timeout_s,
-                               grow_timeout_s=self._client.grow_timeout_s)
+                               grow_timeout_s=self._client.grow_timeout_s,
+                               group_heartbeat_interval_s=self._client.group_heartbeat_interval_s,
+                               group_heartbeat_timeout_s=self._client.group_heartbeat_timeout_s)
             if join:
                 self.join()
         except BaseException:

@@ -1,7 +1,8 @@
 """A member's side of the membership protocol: one connection to the coordinator in office, one heartbeat thread,
 and failover to the next coordinator address when that one is lost.
 
-The thread does nothing heavy: it sends ``{"t": "hb"}`` every heartbeat interval and reads the coordinator's
+The thread does nothing heavy: it sends ``{"t": "hb"}`` every heartbeat interval (unless the member sent another
+message within it: any message says it is alive) and reads the coordinator's
 messages the moment they arrive. Messages that must interrupt the member (a new generation with ``abort``, "wait",
 "removed", "fatal", a lost coordinator) call ``on_interrupt(msg)`` *in the thread*, so a main thread blocked in a
 collective is unblocked at once (the fault-tolerant wrapper aborts its Communicator there); then every message is
@@ -41,6 +42,7 @@ from torchnext.ft._wire import (
     PROTOCOL_VERSION,
     LineReader,
     ProtocolError,
+    apply_delta,
     check,
     encode,
     mac,
@@ -58,7 +60,7 @@ from torchnext.ft.membership import (
     RemovedFromGroup,
 )
 
-__all__ = ["MemberClient", "parse_address", "parse_addresses"]
+__all__ = ["MemberClient", "fatal_code", "parse_address", "parse_addresses"]
 
 _INTERRUPTING = frozenset({"wait", "removed", "fatal"})
 ARRIVED_AFTER = "_arrived_after"
@@ -116,7 +118,14 @@ class MemberClient:
     ``member_id`` (assigned or confirmed by the coordinator), ``store_host``/``store_port`` (the TCPStore of the
     coordinator in office), ``term``, ``fatal`` (the :class:`~.membership.MembershipError` that ended membership, or
     None). ``report()`` (from the owner, any thread) returns ``{"step", "synced", "entered", "vote"}`` for failover.
+
+    Subclasses (:mod:`torchnext.ft.group_session`: a replica group's leader and its followers) change what a hello
+    carries (:meth:`_hello_extra`), see every message from the coordinator before it is handled (:meth:`_relay_out`)
+    and read another set of messages (``_schemas``).
     """
+
+    _schemas: dict[str, Any] = COORDINATOR_MESSAGES
+    """The messages this client accepts from its peer (a coordinator's)."""
 
     def __init__(
         self,
@@ -159,6 +168,10 @@ class MemberClient:
         self._decided: tuple[int, int, int] | None = None
         self._failing_since: float | None = None
         self._send_lock = threading.Lock()
+        self._last_sent = 0.0
+        """When this member last sent its coordinator anything (a heartbeat is skipped within an interval of it)."""
+        self._base_gen: tuple[int, list[list[int]]] = (0, [])
+        """The last generation received (number, replica groups): what a delta generation is applied to."""
         self._closed = threading.Event()
         self.member_id: int = -1 if member_id is None else member_id
         sock, welcome, early, addr = self._first_join(member_id, step)
@@ -167,7 +180,11 @@ class MemberClient:
         self.heartbeat_timeout_s = float(welcome["heartbeat_timeout_s"])
         self.quorum_timeout_s: float | None = welcome.get("quorum_timeout_s")
         self.grow_timeout_s: float | None = welcome.get("grow_timeout_s")
+        self.group_heartbeat_interval_s: float | None = welcome.get("group_heartbeat_interval_s")
+        """The local level's heartbeat settings (a group session's welcome, protocol 4; None for a flat member)."""
+        self.group_heartbeat_timeout_s: float | None = welcome.get("group_heartbeat_timeout_s")
         for msg in early:  # e.g. the first generation, sent right after the welcome
+            self._relay_out(msg)
             self._observe(msg)
             msg[ARRIVED_AFTER] = 0
             self.events.put(msg)
@@ -229,10 +246,11 @@ class MemberClient:
                 "t": "hello", "nonce": mine, "proof": mac(self._token, "member", challenge["nonce"], mine),
                 "proto": PROTOCOL_VERSION, "member": member_id, "step": step, "pid": os.getpid(),
                 "group": self._group[0], "group_rank": self._group[1], "group_size": self._group[2],
-                "coordinators": len(self.addresses),
+                "coordinators": len(self.addresses), "coordinator_timeout_s": self._coordinator_timeout_s,
             }
             if report is not None:
                 hello["report"] = report
+            hello.update(self._hello_extra(report))
             sock.sendall(encode(hello))
             welcome = self._read_one(sock, reader, pending, deadline, where)
             if welcome["t"] == "reject":
@@ -251,8 +269,15 @@ class MemberClient:
             sock.close()
             raise
 
-    @staticmethod
-    def _read_one(sock: socket.socket, reader: LineReader, pending: _Early, deadline: float,
+    def _hello_extra(self, report: dict[str, Any] | None) -> dict[str, Any]:
+        """Fields added to every hello (a group session's leader: its ``followers``)."""
+        return {}
+
+    def _relay_out(self, msg: dict[str, Any]) -> None:
+        """Called with every checked message from the coordinator before this client handles it (a leader relays
+        them to its followers), from the thread that read it."""
+
+    def _read_one(self, sock: socket.socket, reader: LineReader, pending: _Early, deadline: float,
                   where: str) -> dict[str, Any]:
         while not pending:
             remaining = deadline - time.monotonic()
@@ -265,7 +290,7 @@ class MemberClient:
                 continue
             if not data:
                 raise CoordinatorLost(f"the coordinator at {where} closed the connection during the handshake")
-            pending.extend(check(m, COORDINATOR_MESSAGES) for m in reader.feed(data))
+            pending.extend(check(m, self._schemas) for m in reader.feed(data))
         return pending.pop(0)
 
     def _install(self, sock: socket.socket, welcome: dict[str, Any], addr: tuple[str, int],
@@ -275,7 +300,7 @@ class MemberClient:
             self._sock = sock
             self._reader = reader  # the handshake's: it may hold the start of the next message
             self.member_id = int(welcome["member"])
-            self.store_host = addr[0]
+            self.store_host = welcome.get("store_host") or addr[0]  # a leader names its coordinator's host
             self.store_port = int(welcome["store_port"])
             self.address = _fmt(addr)
             self.role = str(welcome["role"])
@@ -290,6 +315,7 @@ class MemberClient:
         try:
             with self._send_lock:
                 self._sock.sendall(data)
+                self._last_sent = time.monotonic()
         except OSError:
             pass
 
@@ -335,10 +361,13 @@ class MemberClient:
             interval = self.heartbeat_interval_s
             now = time.monotonic()
             sock = self._sock
-            if now >= next_hb:
+            if now >= next_hb and now - self._last_sent < interval:
+                next_hb = self._last_sent + interval  # a vote (any message) just said we are alive
+            elif now >= next_hb:
                 try:
                     with self._send_lock:
                         sock.sendall(hb)
+                        self._last_sent = now
                 except OSError as exc:
                     if not self._failover(f"cannot send a heartbeat to the coordinator at {self.address}: {exc}"):
                         return
@@ -371,7 +400,7 @@ class MemberClient:
                     continue
                 self._last_heard = time.monotonic()
                 try:
-                    msgs = [check(m, COORDINATOR_MESSAGES) for m in self._reader.feed(data)]
+                    msgs = [check(m, self._schemas) for m in self._reader.feed(data)]
                 except ProtocolError as exc:
                     if not self._failover(f"the coordinator at {self.address} sent garbage: {exc}"):
                         return
@@ -440,17 +469,23 @@ class MemberClient:
         return False
 
     def _observe(self, msg: dict[str, Any]) -> None:
-        """Track what a report needs: generation numbers, terms, decisions."""
+        """Track what a report needs: generation numbers, terms, decisions; expand a generation sent as a delta
+        against the last one received (:func:`~torchnext.ft._wire.apply_delta`; ``ProtocolError`` if it does not
+        fit)."""
         kind = msg["t"]
         if kind == "gen":
+            apply_delta(msg, *self._base_gen)
+            self._base_gen = (msg["gen"], msg["groups"])
             self._attempted = max(self._attempted, msg["gen"])
             self.term = max(self.term, msg["term"])
         elif kind == "decision":
             self._decided = (msg["gen"], msg["step"], msg["committed"])
             if msg.get("next") is not None:
                 self._attempted = max(self._attempted, msg["next"]["gen"])
+                self._base_gen = (msg["next"]["gen"], msg["next"]["groups"])
 
     def _dispatch(self, msg: dict[str, Any]) -> bool:
+        self._relay_out(msg)
         kind = msg["t"]
         if kind == "ping":
             return True
@@ -461,6 +496,10 @@ class MemberClient:
             return True
         if kind in ("challenge", "welcome", "reject"):
             return self._failover(f"the coordinator at {self.address} sent {kind!r} during the session")
+        try:
+            self._observe(msg)
+        except ProtocolError as exc:  # a delta that does not fit what this member holds: a broken coordinator
+            return self._failover(f"the coordinator at {self.address} sent a generation it cannot hold: {exc}")
         if kind == "removed":
             self._lose(RemovedFromGroup(
                 f"you were removed: member {self.member_id} was removed from the group at generation "
@@ -470,7 +509,6 @@ class MemberClient:
             code = str(msg.get("code"))
             self._lose(_fatal_for(code, f"the coordinator ended the job ({code}): {msg.get('reason')}"), msg)
             return False
-        self._observe(msg)
         if kind == "gen" and self._failing_since is not None:  # a standby took office: the failover is over
             self._failing_since = None
             self.role = "office"
@@ -501,9 +539,18 @@ _FATAL_CODES: dict[str, type[MembershipError]] = {
     "finished": JobFinished,
     "step_failed": StepFailed,
     "retries_exhausted": RetriesExhausted,
+    "coordinator_lost": CoordinatorLost,
 }
 """The code of a coordinator's ``fatal`` -> the error the member raises (any other code: ``MembershipError``)."""
 
 
 def _fatal_for(code: str, text: str) -> MembershipError:
     return _FATAL_CODES.get(code, MembershipError)(text)
+
+
+def fatal_code(exc: MembershipError) -> str:
+    """The ``fatal`` code that makes a member raise ``exc``'s class (a leader telling its followers how it ended)."""
+    for code, cls in _FATAL_CODES.items():
+        if type(exc) is cls:
+            return code
+    return "fatal"

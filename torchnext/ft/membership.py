@@ -138,9 +138,15 @@ class MembershipConfig:
     """Survivors below ``min_size`` wait this long for joiners before every member gets ``QuorumLost``."""
     fence_linger_s: float = 60.0
     """A removed (hung) member's connection is kept this long so that, if it resumes, it reads "you were removed"."""
+    group_heartbeat_interval_s: float = 0.1
+    """The local level of a group session (protocol 4): a follower heartbeats its leader this often (sent to the
+    leader in its welcome). ``heartbeat_interval_s`` is the coordinator's level: leaders and flat members."""
+    group_heartbeat_timeout_s: float = 0.6
+    """A follower silent this long on its local channel is declared failed by its leader (reported with ``lost``)."""
 
     def __post_init__(self) -> None:
-        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "grow_timeout_s", "quorum_timeout_s"):
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "grow_timeout_s", "quorum_timeout_s",
+                     "group_heartbeat_interval_s", "group_heartbeat_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"MembershipConfig.{name} must be a positive number of seconds, got {value!r}")
@@ -150,6 +156,12 @@ class MembershipConfig:
             raise ValueError(
                 f"MembershipConfig.heartbeat_timeout_s={self.heartbeat_timeout_s} must be at least twice "
                 f"heartbeat_interval_s={self.heartbeat_interval_s} (one late heartbeat must not remove a member)"
+            )
+        if self.group_heartbeat_timeout_s < 2 * self.group_heartbeat_interval_s:
+            raise ValueError(
+                f"MembershipConfig.group_heartbeat_timeout_s={self.group_heartbeat_timeout_s} must be at least twice "
+                f"group_heartbeat_interval_s={self.group_heartbeat_interval_s} (one late heartbeat on a group's local "
+                "channel must not remove the group)"
             )
         if not isinstance(self.min_size, int) or self.min_size < 1:
             raise ValueError(f"MembershipConfig.min_size must be an int >= 1, got {self.min_size!r}")
@@ -171,6 +183,9 @@ class _Member:
     group_size: int = 1
     synced: bool = False
     """Holds the committed state (committed a step in a generation, or was the formation donor)."""
+    session: int = -1
+    """The member whose connection speaks for this one: its own id (a flat member, a leader) or its group's leader
+    (a follower of a group session, protocol 4). -1: its own (set by :class:`_Live` on insert)."""
 
 
 class _Live(dict[int, _Member]):
@@ -180,7 +195,8 @@ class _Live(dict[int, _Member]):
     * ``groups[gid][group_rank] = id`` (the live members of each replica group) and ``whole`` (the ids of the groups
       whose every rank is live);
     * ``heard``: ids in the order they were last heard from (least recently first), so heartbeat expiry looks only
-      at the members that may have expired. ``ordered`` is False once a time went backwards (a caller's clock, or
+      at the members that may have expired. Only session heads (flat members, leaders) are in it: a group session's
+      followers are watched by their leader, which reports their death (:meth:`Membership.failure`). ``ordered`` is False once a time went backwards (a caller's clock, or
       :meth:`Membership.forgive`): the next expiry scan then sorts once.
     """
 
@@ -196,11 +212,14 @@ class _Live(dict[int, _Member]):
         if mid in self:
             self.pop(mid)
         super().__setitem__(mid, m)
+        if m.session < 0:
+            m.session = mid
         ranks = self.groups.setdefault(m.group, {})
         ranks[m.group_rank] = mid
         if len(ranks) >= m.group_size:
             self.whole.add(m.group)
-        self.touch(mid, m.last_seen)
+        if m.session == mid:  # a follower is never judged by silence here: its leader watches it and reports
+            self.touch(mid, m.last_seen)
 
     def pop(self, mid: int, *default: Any) -> Any:
         m = super().pop(mid, *default)
@@ -307,6 +326,12 @@ class Membership:
     dropped when :meth:`_joiners` meets them)."""
     _member_set: frozenset[int] = frozenset()
     _member_set_of: tuple[int, ...] | None = None
+    heads: tuple[int, ...] = ()
+    """The sessions of the current generation: its members that hold a connection (flat members and the leaders of
+    group sessions), sorted. A step commits when every one of them voted; generations and decisions go to them."""
+    _base: tuple[int, list[list[int]], frozenset[int]] = (0, [], frozenset())
+    """The last generation sent (number, groups) and the sessions it went to: the next one goes to them as a delta
+    against it (:meth:`_delta`), to everyone else in full."""
 
     # ------------------------------------------------------------------------------------------------ events
     def join(self, requested: int | None, step: int, now: float, *, group: int | None = None, group_rank: int = 0,
@@ -317,37 +342,53 @@ class Membership:
             raise Rejected("fatal", f"the job has failed: {self.fatal}")
         if self.finished_step is not None:
             raise Rejected("finished", f"the job finished at step {self.finished_step}")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise Rejected("bad_request", f"step must be an int >= 0, got {step!r}")
+        _check_step(step)
         self._check_group(group, group_rank, group_size)
-        if requested is None:
-            mid = self._next_id
-            while mid in self.live or mid in self.removed:
-                mid += 1
-        else:
-            if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
-                raise Rejected("bad_request", f"member id must be an int >= 0, got {requested!r}")
-            if requested in self.removed:
-                raise Rejected(
-                    "removed",
-                    f"you were removed: member {requested} was removed from the group ({self.removed[requested]}); "
-                    "a restarted process must join with a new member id",
-                )
-            if requested in self.live:
-                raise Rejected("duplicate", f"member id {requested} is already connected")
-            mid = requested
-        self._next_id = max(self._next_id, mid + 1)
-        gid = -1 - mid if group is None else group
-        self.live[mid] = _Member(mid, now, step, now, group=gid, group_rank=group_rank, group_size=group_size)
-        self._pending[mid] = None
-        self.history.append({"event": "join", "member": mid, "group": gid, "at": now})
+        self._check_id(requested)
+        mid = self._insert(requested, step, now, group, group_rank, group_size, None)
         self._maybe_form(now)
         return mid
 
-    def take_office(self, takeover: Takeover, joins: dict[int, tuple[int | None, int, int]], now: float) -> None:
+    def join_group(self, leader: int | None, step: int, followers: list[tuple[int | None, int]], now: float, *,
+                   group: int) -> list[int]:
+        """A group session (protocol 4): leader ``leader`` (rank 0) joins replica group ``group`` with its
+        ``followers`` (``(requested id, committed step)`` of ranks 1, 2, ...), all at once; returns the ids by group
+        rank. From then on the leader's heartbeats and votes stand for the group (:meth:`vote`), and a follower's
+        death is reported by it (:meth:`failure`). All or nothing: any refusal (the reasons of :meth:`join`, or a
+        requested id twice) admits nobody. ::
+
+            ids = [join(leader, step, group=group, group_rank=0, group_size=S)]
+            ids += [join(f, s, group=group, group_rank=r, group_size=S) for r, (f, s) in enumerate(followers, 1)]
+        """
+        if self.fatal is not None:
+            raise Rejected("fatal", f"the job has failed: {self.fatal}")
+        if self.finished_step is not None:
+            raise Rejected("finished", f"the job finished at step {self.finished_step}")
+        if isinstance(group, bool) or not isinstance(group, int) or group < 0:
+            raise Rejected("bad_request", f"a group session needs a replica group id >= 0, got {group!r}")
+        size = 1 + len(followers)
+        asked = [leader, *(f for f, _ in followers)]
+        for rank, (requested, step_r) in enumerate([(leader, step), *followers]):
+            _check_step(step_r)
+            self._check_group(group, rank, size)
+            self._check_id(requested)
+        named = [r for r in asked if r is not None]
+        if len(set(named)) != len(named):
+            raise Rejected("bad_request", f"replica group {group} asks for a member id twice: {named}")
+        taken = set(named)  # ids asked for are not handed out to the group's other ranks
+        head = self._insert(leader, step, now, group, 0, size, None, avoid=taken)
+        ids = [head]
+        for rank, (requested, step_r) in enumerate(followers, 1):
+            ids.append(self._insert(requested, step_r, now, group, rank, size, head, avoid=taken))
+        self._maybe_form(now)
+        return ids
+
+    def take_office(self, takeover: Takeover, joins: dict[int, tuple[int | None, int, int]], now: float,
+                    sessions: dict[int, int] | None = None) -> None:
         """Start in office after a takeover (:mod:`torchnext.ft.election`): the promisers become live members
-        (``joins[m] = (group, group_rank, group_size)`` from their hellos), the pending decisions go out first, then
-        the first generation -- numbered above anything a member knows, under ``takeover.term`` -- with ``abort``."""
+        (``joins[m] = (group, group_rank, group_size)`` from their hellos; ``sessions[m]``: the leader that reported
+        for ``m``, when not ``m`` itself), the pending decisions go out first, then the first generation -- numbered
+        above anything a member knows, under ``takeover.term`` -- with ``abort``."""
         self.term = takeover.term
         self.gen = takeover.gen - 1
         self.step = takeover.step
@@ -358,12 +399,17 @@ class Membership:
             group, rank, size = joins[mid]
             gid = -1 - mid if group is None else group
             self.live[mid] = _Member(mid, now, takeover.step, now, group=gid, group_rank=rank, group_size=size,
-                                     synced=mid in takeover.synced)
+                                     synced=mid in takeover.synced, session=(sessions or {}).get(mid, mid))
             self._pending[mid] = None
         self._next_id = max([self._next_id, *[m + 1 for m in takeover.members]])
         self.history.append({"event": "takeover", "term": takeover.term, "at": now, "reason": takeover.reason,
                              "latest": takeover.latest.gen, "step": takeover.step})
-        self.outbox.extend(takeover.decisions)
+        sent: set[tuple[int, int]] = set()
+        for mid, decision in takeover.decisions:  # a group session's decision goes once, to its leader
+            head = self.live[mid].session if mid in self.live else mid
+            if (head, decision["step"]) not in sent:
+                sent.add((head, decision["step"]))
+                self.outbox.append((head, decision))
         self.change_reasons = [takeover.reason]
         self._reconfigure(now)
 
@@ -428,8 +474,9 @@ class Membership:
             self.change_at = None
             self.change_reasons = []
             self.waiting_since = None
-            for m in self.members:  # the others may still be finishing their loop: a notice, not an abort
-                if m != mid and m in self.live:
+            own = self.live[mid].session
+            for m in self.heads:  # the others may still be finishing their loop: a notice, not an abort
+                if m != own and m in self.live:
                     self.outbox.append((m, {"t": "finished", "step": self.step, "by": mid}))
             for j in self._joiners():  # processes waiting to join a job that is over
                 self.live.pop(j)
@@ -464,7 +511,9 @@ class Membership:
             self._schedule_change(now, f"member {mid} reported a failed collective: {reason}")
 
     def vote(self, mid: int, gen: int, step: int, now: float) -> None:
-        """Member ``mid`` completed step ``step``'s collectives in generation ``gen``."""
+        """Member ``mid`` completed step ``step``'s collectives in generation ``gen`` -- for a group session's
+        leader: every rank of its group did (the leader collected their votes). The step commits when every session
+        of the generation (:attr:`heads`) voted."""
         if self.finished_step is not None and mid in self.live:
             self._tell_finished(mid, "no later step can commit")
             return
@@ -476,8 +525,10 @@ class Membership:
                 "reason": f"member {mid} voted for step {step} but the committed step count is {self.step}",
             }))
             return
-        self.votes.add(mid)  # only members of the generation get here: all voted when the counts match
-        if len(self.votes) == len(self._members()):
+        if self.live[mid].session != mid:
+            return  # a follower of a group session never votes itself: its leader votes for the group
+        self.votes.add(mid)  # only session heads of the generation get here: all voted when the counts match
+        if len(self.votes) == len(self.heads):
             self._commit(now)
 
     def next_deadline(self) -> float | None:
@@ -534,6 +585,48 @@ class Membership:
             if taken is not None:
                 raise Rejected("duplicate", f"rank {rank} of replica group {group} is already connected "
                                             f"(member {taken})")
+
+    def _heads_of(self, members: list[int] | tuple[int, ...]) -> tuple[int, ...]:
+        """The sessions ``members`` are reached through (each once, sorted): flat members and group leaders."""
+        live = self.live
+        return tuple(sorted({live[m].session for m in members if m in live}))
+
+    def session_of(self, mid: int) -> int | None:
+        """The live member whose connection speaks for ``mid`` (``mid`` itself unless a leader relays for it)."""
+        m = self.live.get(mid)
+        return None if m is None else m.session
+
+    def _check_id(self, requested: int | None) -> None:
+        """Refuse a requested member id that is malformed, banned or connected."""
+        if requested is None:
+            return
+        if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
+            raise Rejected("bad_request", f"member id must be an int >= 0, got {requested!r}")
+        if requested in self.removed:
+            raise Rejected(
+                "removed",
+                f"you were removed: member {requested} was removed from the group ({self.removed[requested]}); "
+                "a restarted process must join with a new member id",
+            )
+        if requested in self.live:
+            raise Rejected("duplicate", f"member id {requested} is already connected")
+
+    def _insert(self, requested: int | None, step: int, now: float, group: int | None, rank: int, size: int,
+                session: int | None, *, avoid: set[int] | frozenset[int] = frozenset()) -> int:
+        """Admit one checked member (an id assigned when ``requested`` is None, never one in ``avoid``)."""
+        if requested is None:
+            mid = self._next_id
+            while mid in self.live or mid in self.removed or mid in avoid:
+                mid += 1
+        else:
+            mid = requested
+        self._next_id = max(self._next_id, mid + 1)
+        gid = -1 - mid if group is None else group
+        self.live[mid] = _Member(mid, now, step, now, group=gid, group_rank=rank, group_size=size,
+                                 session=mid if session is None else session)
+        self._pending[mid] = None
+        self.history.append({"event": "join", "member": mid, "group": gid, "at": now})
+        return mid
 
     def _members(self) -> frozenset[int]:
         """``set(self.members)``, rebuilt only when ``members`` was replaced."""
@@ -613,6 +706,7 @@ class Membership:
             return
         survivors = tuple(m for m in self.members if m in self.live)
         self.members = survivors
+        self.heads = self._heads_of(survivors)
         self.dead.clear()
         self.votes.clear()
         if self.waiting_since is None:
@@ -622,7 +716,7 @@ class Membership:
                          f"{self.config.min_size}: waiting "
                          f"up to {self.config.quorum_timeout_s}s for joiners")}
         self.history.append({"event": "wait", "at": now, "reason": msg["reason"]})
-        for m in candidates:
+        for m in self._heads_of(candidates):
             self.outbox.append((m, msg))
 
     def _new_generation(
@@ -642,6 +736,7 @@ class Membership:
             return None
         self.gen = max(self.gen + 1, self.min_next_gen)
         self.members = tuple(members)
+        self.heads = self._heads_of(members)
         entered = self._members()
         self._pending = {m: None for m in self._pending if m not in entered and m in self.live}
         self.votes.clear()
@@ -661,13 +756,36 @@ class Membership:
         }
         self.history.append({"event": "generation", "gen": self.gen, "members": list(members), "reason": reason,
                              "at": now, "abort": abort, "term": self.term})
+        base, base_groups, holders = self._base
+        self._base = (self.gen, groups, frozenset(self.heads))  # after this, every session holds this generation
         if notify:
-            for m in members:
-                self.outbox.append((m, msg))
+            delta = self._delta(msg, base, base_groups) if holders else None
+            for m in self.heads:
+                self.outbox.append((m, delta if delta is not None and m in holders else msg))
         return msg
+
+    def _delta(self, msg: dict[str, Any], base: int, base_groups: list[list[int]]) -> dict[str, Any] | None:
+        """``msg`` as a delta against generation ``base`` (protocol 4, :data:`~torchnext.ft._wire.GEN_MESSAGE`),
+        for the sessions that hold it: the ids leaving and the groups joining instead of every group. None when the
+        full form is not larger."""
+        old = {tuple(g) for g in base_groups}
+        new = {tuple(g) for g in msg["groups"]}
+        add = [g for g in msg["groups"] if tuple(g) not in old]
+        drop = sorted(m for g in old - new for m in g)
+        if len(drop) + sum(len(g) for g in add) >= len(msg["members"]):
+            return None
+        delta: dict[str, Any] = {k: msg[k] for k in ("t", "gen", "step", "donor", "joiners", "abort", "reason",
+                                                      "term")}
+        delta.update(base=base, drop=drop, add=add)
+        if msg["quorum"] == base_groups and msg["quorum"] != msg["groups"]:
+            delta["quorum_base"] = True
+        elif msg["quorum"] != msg["groups"]:
+            delta["quorum"] = msg["quorum"]
+        return delta
 
     def _commit(self, now: float) -> None:
         old = self.members
+        old_heads = self.heads
         decided = self.step
         self.step += 1
         self.votes.clear()
@@ -686,9 +804,9 @@ class Membership:
                                        notify=False)
             if nxt is not None:
                 decision["next"] = nxt
-                for j in joiners:
+                for j in self._heads_of(joiners):
                     self.outbox.append((j, nxt))
-        for m in old:
+        for m in old_heads:
             self.outbox.append((m, decision))
 
     def _tell_finished(self, mid: int, why: str) -> None:
@@ -710,6 +828,11 @@ class Membership:
 MAX_REASON = 1500
 """Longest reason a message carries (the wire allows 2,000 characters): a generation after hundreds of simultaneous
 failures joins hundreds of reasons; the full text stays in ``history``."""
+
+
+def _check_step(step: object) -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise Rejected("bad_request", f"step must be an int >= 0, got {step!r}")
 
 
 def _clip(reason: str) -> str:

@@ -87,6 +87,17 @@ class _Conn:
     fenced_until: float | None = None
     fence_msg: dict[str, Any] | None = None
     writing: bool = False
+    ids: list[int] = field(default_factory=list)
+    """A group session's member ids by group rank (``ids[0] == member``, the leader); empty for a flat member."""
+    ping_every: float = 0.0
+    """Ping this connection only after this long without writing to it (a quarter of the member's
+    ``coordinator_timeout_s`` from its hello; 0: every heartbeat interval, as before protocol 4)."""
+    wrote_at: float = 0.0
+    """When something was last queued for this connection (``time.monotonic()``)."""
+
+    def speaks_for(self) -> list[int]:
+        """The members this connection speaks for: its group's, or its own."""
+        return self.ids or ([] if self.member is None else [self.member])
 
 
 class MembershipService:
@@ -306,29 +317,47 @@ class MembershipService:
                 return
             st = self.state
             assert st is not None
-            if kind == "hb":
-                st.heartbeat(mid, now)
-            elif kind == "vote":
-                st.heartbeat(mid, now)
+            st.heartbeat(mid, now)  # any message says the sender is alive (it skips its hb when it sent one)
+            if kind == "vote":
                 st.vote(mid, msg["gen"], msg["step"], now)
             elif kind == "fail":
-                st.report_failure(mid, msg["gen"], msg["reason"][:500], now, end=msg["end"])
+                who = mid if msg["member"] is None else self._own(conn, msg["member"], "fail", leader=True)
+                st.report_failure(who, msg["gen"], msg["reason"][:500], now, end=msg["end"])
+            elif kind == "lost":  # a leader saw a follower die on its local channel: a group failure
+                who = self._own(conn, msg["member"], "lost", leader=False)
+                st.failure(who, now, f"lost by its leader {mid}: {msg['reason'][:500] or 'no reason given'}",
+                           hung=msg["hung"])
             elif kind == "bye":
                 if msg["done"]:
-                    st.finish(mid, now)
+                    for m in conn.speaks_for():  # a group session: the leader finishes for its group
+                        st.finish(m, now)
                 else:
                     st.leave(mid, now)
             self._flush(now)
+
+    @staticmethod
+    def _own(conn: _Conn, member: int, kind: str, *, leader: bool) -> int:
+        """``member`` as named by ``conn``'s ``kind`` message: a member of its group session (the leader itself
+        only when ``leader``); anything else is a protocol violation (it would touch another group)."""
+        if member == conn.member and leader:
+            return member
+        if member not in conn.ids or member == conn.member:
+            raise ProtocolError(f"{kind} names member {member}, which is not a follower in this connection's "
+                                f"group session (members {conn.ids or [conn.member]})")
+        return member
 
     def _reporter_message(self, conn: _Conn, msg: dict[str, Any], now: float) -> None:
         assert self.election is not None and conn.member is not None
         kind = msg["t"]
         if kind == "promise":
-            self.election.promise(conn.member, msg["term"])
+            for m in conn.speaks_for():  # a leader promises for its group
+                self.election.promise(m, msg["term"])
             self._elect(now)
         elif kind == "bye":
+            ids = conn.speaks_for()
             self._close(conn)
-            self.election.remove(conn.member)
+            for m in ids:
+                self.election.remove(m)
             self._elect(now)
         # heartbeats only refresh last_seen; votes and failure reports mean nothing before a generation exists
 
@@ -347,8 +376,17 @@ class MembershipService:
         if not verify(self._token, "member", conn.nonce, msg["nonce"], msg["proof"]):
             self._reject(conn, "auth", "wrong job token")
             return
+        followers = msg["followers"] or None
+        if followers is not None and (msg["group"] is None or msg["group_rank"] != 0
+                                      or msg["group_size"] != 1 + len(followers)):
+            self._reject(conn, "bad_request", f"a group session is led by rank 0 of a replica group and lists its "
+                         f"other ranks: group={msg['group']}, group_rank={msg['group_rank']}, group_size="
+                         f"{msg['group_size']} with {len(followers)} follower(s)")
+            return
         conn.join = (msg["group"], msg["group_rank"], msg["group_size"])
         conn.coordinators = msg["coordinators"]
+        if msg["coordinator_timeout_s"] is not None:  # its own silence bound: a ping every quarter of it suffices
+            conn.ping_every = max(self._config.heartbeat_interval_s, msg["coordinator_timeout_s"] / 4)
         report = msg["report"]
         with self.lock:
             if self.state is None:
@@ -366,15 +404,22 @@ class MembershipService:
                     return
             if msg["coordinators"] > 1:
                 st.failover = True
+            step = msg["step"] if report is None else report["step"]
             try:
-                mid = st.join(msg["member"], msg["step"] if report is None else report["step"], now,
-                              group=msg["group"], group_rank=msg["group_rank"], group_size=msg["group_size"])
+                if followers is None:
+                    mid = st.join(msg["member"], step, now, group=msg["group"], group_rank=msg["group_rank"],
+                                  group_size=msg["group_size"])
+                else:
+                    conn.ids = st.join_group(msg["member"], step, [(f["member"], f["step"]) for f in followers],
+                                             now, group=msg["group"])
+                    mid = conn.ids[0]
             except Rejected as exc:
                 self._reject(conn, exc.code, exc.reason)
                 return
             conn.member = mid
             conn.last_seen = now
-            self._by_member[mid] = conn
+            for m in conn.speaks_for():
+                self._by_member[m] = conn
             self._unauthenticated.pop(conn, None)
             self._welcome(conn, msg["nonce"], "office", st.term)
             self._flush(now)
@@ -387,24 +432,35 @@ class MembershipService:
                          "its coordinator has reported to it yet")
             return
         mid = msg["member"]
-        if mid is None:
-            self._reject(conn, "bad_request", "a report needs the member id")
+        followers = msg["followers"] or []
+        ids = [mid, *(f["member"] for f in followers)]
+        if any(m is None for m in ids):
+            self._reject(conn, "bad_request", "a report needs the member id (of every rank of a group session)")
             return
-        old = self._by_member.get(mid)
-        if old is not None:
-            self._reject(conn, "duplicate", f"member {mid} already reported on another connection")
+        if len(set(ids)) != len(ids):
+            self._reject(conn, "bad_request", f"a group session's report names a member twice: {ids}")
             return
+        for m in ids:
+            if m in self._by_member:
+                self._reject(conn, "duplicate", f"member {m} already reported on another connection")
+                return
         conn.member = mid
+        conn.ids = ids if followers else []
         conn.reporter = True
         conn.last_seen = now
-        self._by_member[mid] = conn
+        for m in ids:
+            self._by_member[m] = conn
         self._unauthenticated.pop(conn, None)
-        report = Report.from_message(mid, msg["report"])
-        self.standby_history.append({"event": "report", "member": mid, "at": now, "term": report.term,
-                                     "entered": None if report.entered is None else report.entered.gen,
-                                     "step": report.step})
+        # A leader's report stands for every rank of its group: they entered the same generations, and its
+        # followers hold at most the decisions it relayed to them (docs/fault_tolerance.md, "Membership hierarchy").
+        reports = [Report.from_message(m, msg["report"]) for m in ids]
+        self.standby_history.append({"event": "report", "member": mid, "at": now, "term": reports[0].term,
+                                     "entered": None if reports[0].entered is None else reports[0].entered.gen,
+                                     "step": reports[0].step, **({"followers": ids[1:]} if followers else {})})
         self._welcome(conn, msg["nonce"], "standby", 0)
-        term = self.election.add(report, now)
+        term = None
+        for report in reports:
+            term = self.election.add(report, now)
         if term is not None:
             self._send(conn, {"t": "prepare", "term": term})
         self._elect(now)
@@ -418,37 +474,54 @@ class MembershipService:
         if term is not None:
             self.standby_history.append({"event": "prepare", "term": term, "at": now,
                                          "reporters": sorted(election.reports)})
-            for mid in election.reports:
-                self._send(self._by_member[mid], {"t": "prepare", "term": term})
+            for conn in dict.fromkeys(self._by_member[mid] for mid in election.reports):  # a group's once
+                self._send(conn, {"t": "prepare", "term": term})
         takeover = election.decide(now)
         if takeover is None:
             return
         st = Membership(self._config)
         reporters = {mid: self._by_member[mid] for mid in election.reports}
         st.failover = any(c.coordinators > 1 for c in reporters.values())
-        st.take_office(takeover, {m: reporters[m].join for m in takeover.members}, now)
+        joins = {m: _join_of(reporters[m], m) for m in takeover.members}
+        sessions: dict[int, int] = {}
+        for m in takeover.members:
+            head = reporters[m].member
+            if head is not None:
+                sessions[m] = head
+        st.take_office(takeover, joins, now, sessions=sessions)
         self.state = st
         _LOG.warning("torchnext coordinator: %s", takeover.reason)
-        for mid, conn in reporters.items():
+        for conn in dict.fromkeys(reporters.values()):
             conn.reporter = False
-            if mid not in takeover.members:  # reported but did not promise in time: an ordinary joiner now
-                report = election.reports[mid]
-                group, rank, size = conn.join
-                try:
-                    st.join(mid, report.step, now, group=group, group_rank=rank, group_size=size)
-                except Rejected as exc:
-                    self._reject(conn, exc.code, exc.reason)
+            ids = conn.speaks_for()
+            if ids[0] in takeover.members:
+                continue
+            # reported but did not promise in time: an ordinary joiner now (a group session: its whole group)
+            report = election.reports[ids[0]]
+            try:
+                if conn.ids:
+                    st.join_group(ids[0], report.step, [(m, report.step) for m in ids[1:]], now,
+                                  group=int(conn.join[0] or 0))
+                else:
+                    group, rank, size = conn.join
+                    st.join(ids[0], report.step, now, group=group, group_rank=rank, group_size=size)
+            except Rejected as exc:
+                self._reject(conn, exc.code, exc.reason)
         self._flush(now)
 
     def _welcome(self, conn: _Conn, member_nonce: str, role: str, term: int) -> None:
         cfg = self._config
         assert conn.member is not None
-        self._send(conn, {
+        msg: dict[str, Any] = {
             "t": "welcome", "proof": mac(self._token, "coordinator", member_nonce, conn.nonce), "member": conn.member,
             "store_port": self.store_port, "proto": PROTOCOL_VERSION, "role": role, "term": term,
             "heartbeat_interval_s": cfg.heartbeat_interval_s, "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
             "quorum_timeout_s": cfg.quorum_timeout_s, "grow_timeout_s": cfg.grow_timeout_s,
-        })
+        }
+        if conn.ids:  # a group session: its ids by group rank, and the local level's heartbeat settings
+            msg.update(members=conn.ids, group_heartbeat_interval_s=cfg.group_heartbeat_interval_s,
+                       group_heartbeat_timeout_s=cfg.group_heartbeat_timeout_s)
+        self._send(conn, msg)
 
     def _reject(self, conn: _Conn, code: str, reason: str) -> None:
         _LOG.info("torchnext coordinator: refused %s (%s): %s", conn.peer, code, reason)
@@ -482,7 +555,8 @@ class MembershipService:
                 if now > conn.fenced_until:
                     self._close(conn)
             elif conn.member is not None:
-                self._send_bytes(conn, ping)
+                if now - conn.wrote_at >= conn.ping_every:  # it heard from us recently enough otherwise
+                    self._send_bytes(conn, ping)
             elif now - conn.opened > HELLO_TIMEOUT_S:
                 _LOG.info("torchnext coordinator: closing %s: no hello within %ss", conn.peer, HELLO_TIMEOUT_S)
                 self._close(conn)
@@ -491,16 +565,22 @@ class MembershipService:
     def _flush(self, now: float) -> None:
         """Deliver what the state machine decided (lock held). Order: messages, fences, closes."""
         st = self.state
-        if st is None:
-            return
+        if st is None or not (st.outbox or st.to_fence or st.to_close):
+            return  # nothing decided (most messages: a heartbeat, a vote that was not the last)
         outbox, st.outbox = st.outbox, []
         if outbox:
             encoded: dict[int, bytes] = {}  # id(msg) -> its line: a broadcast is encoded once (outbox keeps msg alive)
             queued: dict[_Conn, None] = {}
+            given: set[tuple[int, int]] = set()  # (conn, msg) pairs sent: a group session gets a message once
             for mid, msg in outbox:
                 conn = self._by_member.get(mid)
                 if conn is None or conn.sock not in self._conns:
                     continue
+                if conn.ids:
+                    key = (id(conn), id(msg))
+                    if key in given:
+                        continue
+                    given.add(key)
                 line = encoded.get(id(msg))
                 if line is None:
                     line = encoded[id(msg)] = encode(msg)
@@ -511,14 +591,14 @@ class MembershipService:
         fences, st.to_fence = st.to_fence, []
         for mid, msg in fences:
             conn = self._by_member.pop(mid, None)
-            if conn is not None:
+            if conn is not None and conn.fence_msg is None:  # a group session: the first member's reason
                 conn.fence_msg = msg
                 conn.fenced_until = now + self._config.fence_linger_s
                 self._send(conn, msg)
         closes, st.to_close = st.to_close, []
         for mid in closes:
             conn = self._by_member.pop(mid, None)
-            if conn is not None:
+            if conn is not None and conn.member == mid:  # a follower has no connection of its own to close
                 self._write(conn)
                 self._close(conn)
 
@@ -535,6 +615,7 @@ class MembershipService:
 
     def _push(self, conn: _Conn) -> None:
         """Write what the socket takes now; close a peer whose unsent bytes pass :data:`MAX_UNSENT`."""
+        conn.wrote_at = time.monotonic()
         self._write(conn)
         if len(conn.out) > MAX_UNSENT:
             _LOG.warning("torchnext coordinator: closing %s: it does not read (%d bytes unsent)", conn.peer,
@@ -569,7 +650,8 @@ class MembershipService:
         with self.lock:
             if reporter:
                 assert self.election is not None
-                self.election.remove(mid)
+                for m in conn.speaks_for():
+                    self.election.remove(m)
             elif self.state is not None:
                 self.state.failure(mid, now, why, hung=False)
                 self._flush(now)
@@ -578,8 +660,9 @@ class MembershipService:
         self._unauthenticated.pop(conn, None)
         if self._conns.pop(conn.sock, None) is None:
             return
-        if conn.member is not None and self._by_member.get(conn.member) is conn:
-            del self._by_member[conn.member]
+        for m in conn.speaks_for():
+            if self._by_member.get(m) is conn:
+                del self._by_member[m]
         try:
             self._sel.unregister(conn.sock)
         except (KeyError, ValueError):
@@ -604,6 +687,13 @@ class MembershipService:
 
 
 _PING = encode({"t": "ping"})
+
+
+def _join_of(conn: _Conn, mid: int) -> tuple[int | None, int, int]:
+    """``(group, group_rank, group_size)`` of member ``mid`` as its connection's hello said."""
+    if not conn.ids:
+        return conn.join
+    return conn.join[0], conn.ids.index(mid), len(conn.ids)
 
 
 def _peer(addr: Any) -> str:

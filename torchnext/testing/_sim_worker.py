@@ -1,5 +1,11 @@
 """The member simulator's worker process: one selector loop serving its share of :mod:`~.member_sim`'s members.
 
+With ``cfg["hierarchy"]`` (protocol 4's group sessions) a process holds one session per replica group: its leader's
+connection, speaking for the group's ``group_size`` ranks (``hello.followers``). The followers and their local
+channel are simulated inside the leader (no socket: it is the leader's load, not the coordinator's): they vote with
+it at once, and a follower killed is reported by its leader with ``lost`` -- at once for a crash (its channel
+closed), ``group_heartbeat_timeout_s`` after the kill for a hang (its silence).
+
 Commands come over a ``multiprocessing`` pipe from :class:`~torchnext.testing.member_sim.MemberSim`; each is answered
 once its condition holds or its deadline passes, while the loop keeps heartbeating. Only the stdlib and the wire
 functions of :mod:`torchnext.ft._wire` run here (no torch), so a forked worker costs no import.
@@ -48,11 +54,19 @@ _HANG = "hang"
 """``KillMode.HANG.value`` (the other mode closes the sockets)."""
 
 class _Member:
-    __slots__ = ("challenge", "committed", "error", "gen", "group", "id", "members", "nonce", "out", "rank", "reader",
-                 "retry_at", "slot", "sock", "state", "t_gen", "voted")
+    __slots__ = ("challenge", "committed", "error", "gen", "group", "id", "ids", "lost_due", "members", "nonce", "out",
+                 "rank", "reader", "retry_at", "sent_at", "size", "slot", "sock", "state", "t_gen", "voted")
 
-    def __init__(self, group: int, rank: int, slot: int) -> None:
+    def __init__(self, group: int, rank: int, slot: int, size: int = 1) -> None:
         self.group, self.rank, self.slot = group, rank, slot
+        self.size = size
+        """Ranks this connection speaks for: its group's (a group session's leader) or 1 (a flat member)."""
+        self.ids: list[int] = []
+        """The ids of those ranks by group rank (from the welcome)."""
+        self.lost_due: list[tuple[float, int, bool]] = []
+        """Followers killed, to report: ``(when, group rank, hung)``."""
+        self.sent_at = 0.0
+        """When it last sent anything: its heartbeat is skipped within an interval of it, as a real member's."""
         self.sock: socket.socket | None = None
         self.reader = LineReader(MAX_GENERATION_LINE)
         self.out = b""
@@ -95,8 +109,13 @@ class _Worker:
         self.token = str(cfg["token"])
         self.max_handshakes = int(cfg["max_handshakes"])
         self.group_size = gsize = int(cfg["group_size"])
-        self.members = [_Member(g, r, i % _SLOTS) for i, (g, r) in
-                        enumerate((g, r) for g in range(lo, hi) for r in range(gsize))]
+        self.hierarchy = bool(cfg.get("hierarchy", False))
+        if self.hierarchy:  # one session per group: its leader (rank 0) speaks for every rank
+            self.members = [_Member(g, 0, i % _SLOTS, gsize) for i, g in enumerate(range(lo, hi))]
+        else:
+            self.members = [_Member(g, r, i % _SLOTS) for i, (g, r) in
+                            enumerate((g, r) for g in range(lo, hi) for r in range(gsize))]
+        self.group_timeout = 0.6
         self.slots: list[list[_Member]] = [[m for m in self.members if m.slot == s] for s in range(_SLOTS)]
         self.sel = selectors.DefaultSelector()
         self.sel.register(conn.fileno(), selectors.EVENT_READ, None)
@@ -113,6 +132,10 @@ class _Worker:
         self.steps: dict[str, Any] = {}
         self.next_check = 0.0
         self.running = True
+        self.deltas: dict[tuple[int, int], list[int]] = {}
+        """Delta generations expanded, by (base, generation): the coordinator sends one delta to every holder."""
+        self.lost: list[_Member] = []
+        """Leaders with follower deaths to report."""
 
     # -------------------------------------------------------------------------------------------------- loop
     def run(self) -> None:
@@ -137,6 +160,8 @@ class _Worker:
                 now = time.monotonic()
                 if self.next_slot and now >= self.next_slot:
                     self._heartbeat_slot(now)
+                if self.lost:
+                    self._report_lost(now)
                 self._connect_more(now)
                 if self.pending is not None and (self.pending[0] == "steps" or now >= self.next_check):
                     self.next_check = now + 0.005  # join/await_gen conditions scan every member: not every event
@@ -147,8 +172,9 @@ class _Worker:
 
     def _heartbeat_slot(self, now: float) -> None:
         self.stats.late = max(self.stats.late, now - self.next_slot)
+        recent = now - self.interval
         for m in self.slots[self.slot]:
-            if m.state == "joined":
+            if m.state == "joined" and m.sent_at < recent:  # a vote within the interval said it is alive
                 self._send(m, self.hb)
         self.slot = (self.slot + 1) % _SLOTS
         self.next_slot += self.interval / _SLOTS
@@ -174,7 +200,8 @@ class _Worker:
             self.conn.send({"collected": gc.collect()})
             return
         if cmd == "kill":
-            self.conn.send(self._kill(int(kw["group"]), str(kw["mode"])))
+            rank = kw.get("rank")
+            self.conn.send(self._kill(int(kw["group"]), str(kw["mode"]), None if rank is None else int(rank)))
             return
         if cmd == "join":
             self.stats.t_start = now
@@ -248,20 +275,28 @@ class _Worker:
         ids: dict[int, list[int]] = {}
         for m in self.members:
             if m.id >= 0:
-                ids.setdefault(m.group, []).append(m.id)
+                ids.setdefault(m.group, []).extend(m.ids or [m.id])
         holding = [m for m in self.members if m.state == "joined" and m.gen]
         top = max(holding, key=lambda m: m.gen, default=None)
         errors = [f"group {m.group} rank {m.rank}: {m.error}" for m in self.members if m.state in ("failed", "removed")]
         return {"ids": ids, "rejected": dict(self.stats.rejected), "errors": errors[:5], "failed": len(errors),
-                "holding": len(holding),
+                "holding": sum(m.size for m in holding),
                 "gen": top.gen if top else 0, "members": top.members if top else None,
                 "t_start": self.stats.t_start, "t_last": max((m.t_gen for m in holding), default=0.0),
                 "retries": self.stats.retries}
 
-    def _kill(self, group: int, mode: str) -> dict[str, Any]:
+    def _kill(self, group: int, mode: str, rank: int | None) -> dict[str, Any]:
+        """Kill group ``group`` (``rank`` None), or one of its ranks. A group session's follower (``rank`` > 0) is
+        reported by its leader: at once for a crash, after ``group_heartbeat_timeout_s`` for a hang."""
         t = time.monotonic()
+        if self.hierarchy and rank:
+            for m in self.members:
+                if m.group == group and m.state == "joined":
+                    m.lost_due.append((t if mode != _HANG else t + self.group_timeout, rank, mode == _HANG))
+                    self.lost.append(m)
+            return {"t_kill": t}
         for m in self.members:
-            if m.group == group and m.state in ("joined", "shaking", "queued"):
+            if m.group == group and (rank is None or m.rank == rank) and m.state in ("joined", "shaking", "queued"):
                 if mode == _HANG and m.state == "joined" and m.sock is not None:
                     m.state = "hung"
                     self.sel.unregister(m.sock)  # no reads, no writes: the socket stays open, silent
@@ -269,6 +304,20 @@ class _Worker:
                     self._drop(m)
                     m.state = "killed"
         return {"t_kill": t}
+
+    def _report_lost(self, now: float) -> None:
+        """Leaders send ``lost`` for the followers whose death they detected by now."""
+        keep = []
+        for m in self.lost:
+            due = [x for x in m.lost_due if x[0] <= now]
+            m.lost_due = [x for x in m.lost_due if x[0] > now]
+            if m.state == "joined":
+                for _, rank, hung in due:
+                    why = "silent on the local channel" if hung else "its local channel closed"
+                    self._send(m, encode({"t": "lost", "member": m.ids[rank], "hung": hung, "reason": why}))
+            if m.lost_due and m.state == "joined":
+                keep.append(m)
+        self.lost = keep
 
     # --------------------------------------------------------------------------------------------- members
     def _connect_more(self, now: float) -> None:
@@ -330,6 +379,7 @@ class _Worker:
         if m.sock is None:
             return
         self.stats.sent += 1
+        m.sent_at = time.monotonic()
         if m.out:
             m.out += data
             return
@@ -430,11 +480,15 @@ class _Worker:
         kind = msg["t"]
         if kind == "challenge" and not m.nonce:
             m.nonce = new_nonce()
-            self._send(m, encode({
+            hello: dict[str, Any] = {
                 "t": "hello", "nonce": m.nonce, "proof": mac(self.token, "member", msg["nonce"], m.nonce),
                 "proto": PROTOCOL_VERSION, "member": None, "step": 0, "pid": os.getpid(), "group": m.group,
                 "group_rank": m.rank, "group_size": self.group_size, "coordinators": 1,
-            }))
+                "coordinator_timeout_s": 2.0,  # a real member's default: pinged every 0.5 s, not every interval
+            }
+            if m.size > 1:  # a group session: the leader joins its followers with it
+                hello["followers"] = [{"step": 0}] * (m.size - 1)
+            self._send(m, encode(hello))
             m.challenge = msg["nonce"]  # needed to verify the coordinator's proof
         elif kind == "welcome" and m.nonce:
             if not verify(self.token, "coordinator", m.nonce, m.challenge, msg["proof"]):
@@ -443,22 +497,41 @@ class _Worker:
             if msg["proto"] != PROTOCOL_VERSION:
                 self._fail(m, f"the coordinator speaks protocol {msg['proto']}")
                 return
+            if m.size > 1 and (msg["members"] is None or len(msg["members"]) != m.size):
+                self._fail(m, f"a group session's welcome named members {msg['members']}, expected {m.size} ids")
+                return
             self.shaking -= 1
             m.state, m.id, m.error = "joined", int(msg["member"]), ""
+            m.ids = list(msg["members"] or [])
+            if msg["group_heartbeat_timeout_s"] is not None:
+                self.group_timeout = float(msg["group_heartbeat_timeout_s"])
             if not self.next_slot:
                 self.interval = float(msg["heartbeat_interval_s"])
                 self.next_slot = now + self.interval / _SLOTS
         elif kind == "reject":
             self._drop(m)
             m.state, m.error = "rejected", f"{msg['code']}: {msg['reason']}"
-            self.stats.rejected[msg["code"]] += 1
+            self.stats.rejected[msg["code"]] += m.size  # a group session refused: all its ranks
         else:
             self._fail(m, f"the coordinator sent {kind!r} during the handshake")
 
     def _enter(self, m: _Member, gen: dict[str, Any], now: float, *, planned: bool = False) -> None:
         if gen["gen"] <= m.gen:
             return
-        m.gen, m.members, m.committed, m.t_gen = gen["gen"], gen["members"], gen["step"], now
+        members = gen["members"]
+        if gen.get("base") is not None:  # a delta against the generation this member holds (protocol 4)
+            if gen["base"] != m.gen or m.members is None:
+                self._fail(m, f"a delta generation {gen['gen']} against {gen['base']}, but it holds {m.gen}")
+                return
+            key = (m.gen, gen["gen"])  # one delta per (base, generation), read by many members: expanded once
+            members = self.deltas.get(key)
+            if members is None:
+                gone = set(gen["drop"] or ())
+                members = sorted({x for x in m.members if x not in gone} | {x for g in gen["add"] or () for x in g})
+                if len(self.deltas) >= 64:
+                    self.deltas.clear()
+                self.deltas[key] = members
+        m.gen, m.members, m.committed, m.t_gen = gen["gen"], members, gen["step"], now
         if not planned and m.voted is not None and self.steps.get("voters"):
             self.steps["reason"] = self.steps["reason"] or (
                 f"member {m.id} was moved to generation {gen['gen']} (abort={gen['abort']}): {gen['reason']}")

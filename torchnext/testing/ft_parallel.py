@@ -109,6 +109,9 @@ class ParallelSpec:
     port here; the other ranks read it (instead of ``store_port``). The store lives and dies with its group."""
     netns: str | None = None
     """Run inside this network namespace (a host of a :class:`~torchnext.testing.netns.NetLab`)."""
+    leader_address: str | None = None
+    """HSDP: the replica group's session address (``FaultTolerantConfig.leader_address``: rank 0 holds the group's
+    one coordinator connection and relays for its sibling); None: every rank connects itself."""
     stacks_file: str | None = None
     """If set: :data:`STACKS_SIGNAL` appends every thread's Python stack to this file (``faulthandler``) -- a harness
     whose bounded wait ran out asks every live process where it is."""
@@ -233,7 +236,8 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
             FaultTolerantConfig(coordinator=spec.coordinator, token=spec.token, member_id=spec.member_id,
                                 timeout_s=spec.timeout_s, replica_group=spec.group if hsdp else None,
                                 group_rank=spec.group_rank if hsdp else None,
-                                group_size=spec.group_size if hsdp else None),
+                                group_size=spec.group_size if hsdp else None,
+                                leader_address=spec.leader_address if hsdp else None),
             state_dict=lambda: sharded_state(model, *([opt] if opt is not None else [])),
             load_state_dict=lambda s: load_sharded_state(s, model, *([opt] if opt is not None else [])),
             join=False,

@@ -1,6 +1,12 @@
 """A member simulator: thousands of light members in a few processes, speaking the coordinator's real protocol.
 
-Each simulated member is one TCP connection to a real coordinator (``torchnext coordinator``, see
+By default (:attr:`SimConfig.hierarchy`) it speaks protocol 4's group sessions: each replica group is one TCP
+connection, its leader's, which joins, heartbeats and votes for the group's ranks; followers live inside their
+leader (their local channel is the leader's cost, not the coordinator's), and a follower killed with
+:meth:`MemberSim.kill_rank` is reported by its leader (``lost``). The rest of this docstring describes a session;
+with ``hierarchy=False`` every rank is one (flat membership, as real ``FaultTolerant`` ranks still connect).
+
+Each simulated session is one TCP connection to a real coordinator (``torchnext coordinator``, see
 :class:`~torchnext.testing.coordinators.CoordinatorProcess`), authenticated with the job token exactly as
 :class:`~torchnext.ft.member.MemberClient` does it (challenge, ``hello`` with ``mac(token, "member", ...)``, the
 welcome's proof verified back) and using the package's own wire functions (:mod:`torchnext.ft._wire`: ``encode``,
@@ -99,6 +105,10 @@ class SimConfig:
     ``"forkserver"`` import torchnext afresh (seconds each) and need the ``if __name__ == "__main__":`` guard."""
     start_timeout_s: float = 60.0
     """Bound on a worker process's start."""
+    hierarchy: bool = True
+    """Protocol 4's group sessions: one connection per replica group, its leader's (rank 0), joining, heartbeating and
+    voting for the group; the followers are simulated inside their leader (their local channel costs the leader,
+    not the coordinator). False: every rank connects itself (flat membership, protocol 3's way, for comparison)."""
 
     def __post_init__(self) -> None:
         parse_address(self.address)
@@ -136,7 +146,7 @@ class Formation:
     ids: dict[int, list[int]]
     """Replica group -> its members' ids by group rank (welcomed members only)."""
     rejected: dict[str, int]
-    """Refusal code -> members refused with it (``auth``: wrong token)."""
+    """Refusal code -> members refused with it (``auth``: wrong token; a group session refused counts its ranks)."""
     retries: int
     """Handshakes retried (closed or refused before the welcome)."""
     reason: str = ""
@@ -311,11 +321,24 @@ class MemberSim:
     def kill_group(self, group: int, mode: KillMode = KillMode.CRASH) -> float:
         """Kill replica group ``group`` (all its members, see :class:`KillMode`); returns ``time.monotonic()`` at
         the kill."""
-        if not 0 <= group < self.config.groups:
+        return self._kill(group, mode, None)
+
+    def kill_rank(self, group: int, rank: int, mode: KillMode = KillMode.CRASH) -> float:
+        """Kill rank ``rank`` of replica group ``group``; returns ``time.monotonic()`` at the kill. With
+        :attr:`SimConfig.hierarchy`, rank 0 is the group's leader: its connection closes (crash) or falls silent
+        (hang), and the coordinator detects it as any member today; a follower (rank > 0) is detected by its leader,
+        which reports it (``lost``): at once for a crash, after the welcome's ``group_heartbeat_timeout_s`` for a
+        hang. Flat: that rank's own connection. Either way the whole group leaves the next generation."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.config.group_size:
+            raise ValueError(f"rank must be in [0, {self.config.group_size}), got {rank!r}")
+        return self._kill(group, mode, rank)
+
+    def _kill(self, group: int, mode: KillMode, rank: int | None) -> float:
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < self.config.groups:
             raise ValueError(f"group must be in [0, {self.config.groups}), got {group!r}")
         mode = KillMode(mode)
         i = next(i for i, (lo, hi) in enumerate(self._ranges) if lo <= group < hi)
-        (reply,) = self._call("kill", 5.0, only=i, group=group, mode=mode.value)
+        (reply,) = self._call("kill", 5.0, only=i, group=group, mode=mode.value, rank=rank)
         return float(reply["t_kill"])
 
     def await_generation(self, after: int, *, timeout_s: float) -> Generation:
@@ -384,7 +407,7 @@ def _explain(reason: str, replies: list[dict[str, Any]]) -> str:
 
 def _config_dict(cfg: SimConfig, stacks: str) -> dict[str, Any]:
     return {"address": cfg.address, "token": cfg.token, "group_size": cfg.group_size,
-            "max_handshakes": cfg.max_handshakes, "stacks": stacks}
+            "max_handshakes": cfg.max_handshakes, "stacks": stacks, "hierarchy": cfg.hierarchy and cfg.group_size > 1}
 
 
 def _stacks_of(proc: Any, path: str) -> str:
