@@ -77,7 +77,7 @@ def run_hsdp(root: Path, backend: str, tag: str, tok: str, data: str, steps: int
     token = secrets.token_hex(8)
     common = [*_common(tok, data, steps, "torchnext.integrations.torchtitan", "llama3_debugmodel_torchnext_ft"),
               "--fault_tolerance.replica_groups", "2"]
-    with CoordinatorProcess(token, initial_size=2) as coord:
+    with CoordinatorProcess(token, initial_size=2, heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0) as coord:
         _launch([TitanJob(name=f"{tag}-g{g}", launcher="torchnext", runs=[["--dump_folder", str(root / tag / f"g{g}")]],
                           common=common, env={**_env(root), "TORCHNEXT_FT_COORDINATOR": coord.address,
                                               "TORCHNEXT_FT_TOKEN": token, "TORCHNEXT_FT_REPLICA_GROUP": str(g)})

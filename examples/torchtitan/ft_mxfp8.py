@@ -45,7 +45,10 @@ def main() -> int:
     token = secrets.token_hex(16)
     last = args.groups - 1
     killed: list[int] = []
-    with CoordinatorProcess(token, initial_size=args.groups, min_size=1) as coordinator:
+    # heartbeats as the demo's (0.25 s / 2 s): CPU training on shared cores starves a heartbeat thread for longer
+    # than the default 0.6 s timeout now and then
+    with CoordinatorProcess(token, initial_size=args.groups, min_size=1, heartbeat_interval_s=0.25,
+                            heartbeat_timeout_s=2.0) as coordinator:
         common = ["--module", "torchnext.integrations.torchtitan", "--config", "llama3_debugmodel_torchnext_ft_mxfp8",
                   "--hf_assets_path", tok, "--dataloader.dataset_path", data, "--training.steps", str(args.steps),
                   "--training.seq_len", "128", "--training.local_batch_size", "4", *CPU_FLAGS, "--debug.seed", "0",

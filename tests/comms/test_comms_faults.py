@@ -141,9 +141,15 @@ def _death_scenario(ctx: RankContext) -> dict[str, Any]:
     p2p = Communicator(ctx.store, ctx.rank, ws, timeout=timedelta(seconds=20), name="p2p")
     comm.all_reduce(torch.ones(2))
     if ctx.rank == ws - 1:
-        comm.all_reduce(torch.ones(1 << 20), async_op=True)  # die with an op in flight
+        # die while the others are in the op, with an op of its own in flight (a recv nobody sends). Not the same
+        # all_reduce: its worker thread could finish its whole part before the exit (seen once under load in CI),
+        # and then the others' op completes -- no failure to observe
+        ctx.store.wait([f"in_op_{r}" for r in range(ws - 1)], timedelta(seconds=30))
+        time.sleep(0.2)
+        p2p.recv(torch.empty(4), 0, async_op=True)
         os._exit(3)
     out: dict[str, Any] = {}
+    ctx.store.set(f"in_op_{ctx.rank}", "1")
     t0 = time.perf_counter()
     try:
         comm.all_reduce(torch.ones(1 << 20))

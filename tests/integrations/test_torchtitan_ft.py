@@ -36,7 +36,10 @@ def _committed(log: str, group: int) -> list[int]:
 
 def _run(root: Path, name: str, tok: str, data: str, *, kill: bool) -> dict[str, Any]:
     killed: dict[str, Any] = {}
-    with CoordinatorProcess(TOKEN, initial_size=2, min_size=1) as coord:
+    # heartbeats as the demo's (0.25 s / 2 s): a survivor's heartbeat thread starved 0.62 s under the suite's load
+    # beside two burners, and the default 0.6 s timeout removed the group that was to train on
+    with CoordinatorProcess(TOKEN, initial_size=2, min_size=1, heartbeat_interval_s=0.25,
+                            heartbeat_timeout_s=2.0) as coord:
         common = ["--module", "torchnext.integrations.torchtitan", "--config", "llama3_debugmodel_torchnext_ft",
                   "--hf_assets_path", tok, "--dataloader.dataset_path", data, "--training.steps", str(STEPS),
                   # 4 sequences a rank: steps long enough that torchrun's restart of group 1 (new processes,

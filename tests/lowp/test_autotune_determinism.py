@@ -45,19 +45,29 @@ def _rig(monkeypatch: pytest.MonkeyPatch, favourite: str) -> None:
     monkeypatch.setattr(at, "_time", rigged)
 
 
-def _train(recipe: Recipe, steps: int = 3) -> tuple[list[str], set[str]]:
+def _losses(recipe: Recipe, widths: tuple[int, ...], batch: int, steps: int) -> list[str]:
+    """A seeded MLP of ``widths`` (GELU between), converted to ``recipe``, trained ``steps`` AdamW steps on seeded
+    batches: the losses, as hex (bitwise comparable). What the autotuner chose stays in its memory cache."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256), nn.GELU(), nn.Linear(256, 64))
+    layers: list[nn.Module] = []
+    for i in range(len(widths) - 1):
+        layers += [nn.Linear(widths[i], widths[i + 1]), nn.GELU()]
+    model = nn.Sequential(*layers[:-1])
     convert_to_lowp_training(model, recipe, seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for step in range(steps):
-        x = torch.randn(96, 256, generator=torch.Generator().manual_seed(step))
+        x = torch.randn(batch, widths[0], generator=torch.Generator().manual_seed(step))
         loss = model(x).square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item().hex())
+    return losses
+
+
+def _train(recipe: Recipe, steps: int = 3) -> tuple[list[str], set[str]]:
+    losses = _losses(recipe, (256, 512, 256, 64), 96, steps)
     chosen = {r.backend for r in at._MEMORY.values()}
     at.clear_memory_cache()
     return losses, chosen
@@ -142,18 +152,7 @@ def test_bitwise_rule_names_the_excluded_candidate_and_a_stale_policy_is_retuned
 
 def _train_small(recipe: Recipe, steps: int = 3) -> tuple[list[str], dict[str, str]]:
     """Two 256x256 layers (two GEMM shapes to tune per recipe: the forward/dgrad one and the wgrad one)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
-    convert_to_lowp_training(model, recipe, seed=1)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for step in range(steps):
-        x = torch.randn(128, 256, generator=torch.Generator().manual_seed(step))
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item().hex())
+    losses = _losses(recipe, (256, 256, 256), 128, steps)
     chosen = {k: r.backend for k, r in at._MEMORY.items()}
     at.clear_memory_cache()
     return losses, chosen
