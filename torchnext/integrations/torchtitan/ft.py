@@ -319,6 +319,9 @@ class FaultTolerantTrainer(Trainer):
         replay.new_step()
         if self.semi is not None:
             self._catch_up(replay, self.semi.position)
+            if self.step > self.config.training.steps:  # healed at the job's last synchronization: nothing left
+                self.step = self.config.training.steps
+                return
             super().train_step(replay)
             self._outer_sync()
             return

@@ -1,10 +1,12 @@
-"""Test support for :class:`~torchnext.integrations.torchtitan.FaultTolerantTrainer`'s semi-sync training: a
-trainer that records the parameters around every outer synchronization, so a test can recompute the outer step
-with its own oracle, and can hold a group until a killed one has restarted. Not a library path.
+"""Test and debugging support for :class:`~torchnext.integrations.torchtitan.FaultTolerantTrainer`'s semi-sync
+training: a trainer that records the parameters around every outer synchronization, so that a test (or a person
+checking a job) can recompute each outer step with an oracle of their own, and that can hold a group until a killed
+one has restarted (a test's schedule). Not used by the trainer itself. (Here rather than in
+:mod:`torchnext.testing`, which sits below the integrations layer and may not import the trainer.)
 
-``-m torchtitan.train --module torchnext.testing.torchtitan_diloco --config llama3_debugmodel_torchnext_ft_recorded
---recording.folder DIR [--recording.params layers.1.,lm_head] [--recording.hold_at_step 4
---recording.hold_for_group 1]``. What it writes to ``DIR`` (``g``: replica group, ``r``: rank in the group, ``a``:
+``-m torchtitan.train --module torchnext.integrations.torchtitan.recording --config
+llama3_debugmodel_torchnext_ft_recorded --recording.folder DIR [--recording.params layers.1.,lm_head]
+[--recording.hold_at_step 4 --recording.hold_for_group 1]``. What it writes to ``DIR`` (``g``: replica group, ``r``: rank in the group, ``a``:
 torchrun's restart count; tensors are this rank's local shards of the recorded parameters)::
 
     g{g}-r{r}-a{a}-joined.pt    # {name: tensor} after joining (the job's formation, or a rejoin: healed)
