@@ -239,8 +239,8 @@ class FaultTolerantTrainer(Trainer):
         """Rebuild the dataloader so each replica group reads its own shard (torchtitan built it for one group)."""
         config = self.config
         pd = self.parallel_dims
-        mesh = pd.get_mesh("batch")
-        degree, rank = mesh.size(), mesh.get_local_rank()
+        mesh = pd.get_optional_mesh("batch")  # None for a one-rank group (semi-sync)
+        degree, rank = (1, 0) if mesh is None else (mesh.size(), mesh.get_local_rank())
         groups = config.fault_tolerance.replica_groups
         self.dataloader = config.dataloader.build(
             dp_world_size=degree * groups, dp_rank=self.replica_group * degree + rank, tokenizer=self.tokenizer,
