@@ -200,6 +200,7 @@ class FaultTolerantTrainer(Trainer):
             self.semi = SemiSync(self.ft, self.model_parts[0], self._semi_config,
                                  fqns_per_fragment=ftc.module_fqns_per_model_fragment)
         self.ft.on_reconfigure(self._log_reconfiguration)
+        self._load_checkpoint_before_joining()
         self._join()
 
     # ------------------------------------------------------------------------------------------- construction
@@ -264,6 +265,22 @@ class FaultTolerantTrainer(Trainer):
         self.lr_schedulers.step = lr_schedulers_step
 
     # ---------------------------------------------------------------------------------------------- healing
+    def _load_checkpoint_before_joining(self) -> None:
+        """Load this group's latest DCP checkpoint now, before joining, and not again in ``train()``.
+
+        torchtitan's ``train()`` loads the latest checkpoint first thing -- after ``__init__``, where a group that
+        joins a running job is healed from a live group. Left there, a restarted group with a checkpoint older than
+        the job's state (any ``--checkpoint.interval`` shorter than the run) overwrote the healed parameters,
+        optimizer state and step with its own stale ones: a silent replica divergence. Loaded before joining, a
+        heal overrides it; a group that starts the job keeps what it loaded."""
+        checkpointer = self.checkpointer
+        checkpointer.load(step=self.config.checkpoint.load_step)
+
+        def loaded_before_joining(step: int = -1) -> bool:
+            return False
+
+        checkpointer.load = loaded_before_joining  # type: ignore[method-assign]
+
     def _join(self) -> None:
         """Enter the job (healed from a live group when it runs already); semi-sync: take part in a synchronization
         the donor was inside."""
