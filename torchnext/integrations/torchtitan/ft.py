@@ -279,7 +279,7 @@ class FaultTolerantTrainer(Trainer):
         def loaded_before_joining(step: int = -1) -> bool:
             return False
 
-        checkpointer.load = loaded_before_joining  # type: ignore[method-assign]
+        checkpointer.load = loaded_before_joining
 
     def _join(self) -> None:
         """Enter the job (healed from a live group when it runs already); semi-sync: take part in a synchronization
