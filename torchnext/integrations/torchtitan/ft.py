@@ -164,6 +164,8 @@ class FaultTolerantTrainer(Trainer):
             FaultTolerantConfig(min_size=ftc.min_replica_groups, timeout_s=ftc.timeout_s,
                                 join_timeout_s=ftc.join_timeout_s, replica_group=self.replica_group),
             join=False, state_dict=self._ft_state, load_state_dict=self._ft_load)
+        _LOG.info("torchnext ft: replica group %d rank %d membership session: %s (%s)", self.replica_group,
+                  self.ft.group_rank, self.ft.session, self.ft.session_why)
         mesh = device_mesh(self.ft, ("dp_replicate", "fsdp"))
         lookup: Callable[..., Any] = parallel_dims.get_optional_mesh
 
