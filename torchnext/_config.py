@@ -113,11 +113,11 @@ class EnvConfig:
     """``TORCHNEXT_SUITE_GROUPS``: which groups :mod:`torchnext.testing.torch_suite` (PyTorch's distributed test
     suite as a harness) gives the suite -- ``gloo`` (torch's own) or ``torchnext``."""
 
-    native_pg: int = 0
-    """``TORCHNEXT_NATIVE_PG``: ``1`` runs the ops of torchnext process groups on the native data path (a C++
-    ``c10d::Backend`` over the group's Gloo backend, built on first use: :mod:`torchnext.comms.native`) whenever no
-    hook, consistency mode or fault-tolerant staging asks for Python per op; ``0`` (default) keeps every op on the
-    Python path."""
+    native_pg: int = 1
+    """``TORCHNEXT_NATIVE_PG``: ``1`` (default) runs the ops of torchnext process groups on the native data path (a
+    C++ ``c10d::Backend`` over the group's Gloo backend, built on first use: :mod:`torchnext.comms.native`) whenever
+    no hook, consistency mode or fault-tolerant staging asks for Python per op -- the Python path where no compiler
+    is there (one warning); ``0`` keeps every op on the Python path."""
 
     check_collectives: bool = False
     """``TORCHNEXT_CHECK_COLLECTIVES``: ``1`` turns the consistency mode on for every Communicator (and the groups

@@ -8,8 +8,13 @@ Measured in one run (medians over interleaved rounds, so load drifts hit every c
 2. 1-rank Gloo all_reduce of 4 B (a cheap op, so the per-op difference is resolvable): the same three configurations.
 3. The recorder's own hook work per op (pre + post hook bodies called directly, no communication).
 4. Dump of 2,000 entries: JSON and pickle, with and without frames.
+5. The native data path (issue #25): its C++ ring's work per op (record at issue + complete at the end, one input
+   and one output tensor) against the ring off, and against item 3 (the Python recorder's hook bodies) as the peer.
+6. Dump of 2,000 entries recorded by the C++ ring of a 1-rank torchnext process group on the native path (the
+   recorder merges the ring into its entries, then formats them): JSON and pickle, against item 4 (frames off).
 
-Goals: <= 2 us/op recording cost without frames; <= 50 ms per dump of 2,000 entries.
+Goals: <= 2 us/op recording cost without frames; <= 50 ms per dump of 2,000 entries. Native path (issue #25):
+<= 0.3 us/op record; <= 10 ms per dump of 2,000 entries.
 """
 
 from __future__ import annotations
@@ -150,6 +155,41 @@ def dump_times(fr: FlightRecorder, fmt: str, reps: int = 9) -> tuple[float, floa
     return statistics.median(wall), statistics.median(cpu)
 
 
+def native_ring_cost(reps: int = 9, n: int = 200_000) -> dict[str, float]:
+    """ns/op of the C++ ring's record + complete (capacity 2000) and with the ring off (capacity 0): medians of
+    ``reps`` runs of ``n`` ops, the two interleaved."""
+    from torchnext.comms import native
+
+    mod = native.module()
+    on, off = [], []
+    for _ in range(reps):
+        on.append(float(mod.fr_record_cost(2000, n, 1)))
+        off.append(float(mod.fr_record_cost(0, n, 1)))
+    return {"on_ns": statistics.median(on), "off_ns": statistics.median(off), "min_on_ns": min(on)}
+
+
+def native_dump_times(reps: int = 9) -> tuple[tuple[float, float], tuple[float, float], int]:
+    """Dump times of 2,000 entries from the native ring of a 1-rank torchnext group (native path)."""
+    import torch.distributed as dist
+
+    os.environ["TORCHNEXT_NATIVE_PG"] = "1"
+    os.environ["TORCHNEXT_FR_BUFFER_SIZE"] = "2000"
+    dist.init_process_group("torchnext", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        pg = dist.group.WORLD
+        if not getattr(pg, "native", False):
+            raise RuntimeError("the 1-rank torchnext group is not on the native path")
+        t = torch.ones(1)
+        for _ in range(2100):
+            dist.all_reduce(t)
+        rec = pg.communicator().flight_recorder  # type: ignore[union-attr]
+        n = len(rec.entries())
+        return dump_times(rec, "json", reps), dump_times(rec, "pickle", reps), n
+    finally:
+        dist.destroy_process_group()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
@@ -195,6 +235,26 @@ def main() -> None:
         figures[f"dump {name}"] = {"json_wall_ms": jw, "json_cpu_ms": jc, "pickle_wall_ms": pw, "pickle_cpu_ms": pc}
         print(f"   {name:10}  json {jw:6.1f} / {jc:6.1f}   pickle {pw:6.1f} / {pc:6.1f}   "
               f"(goal <= 50 ms: {'met' if max(jw, pw) <= 50 else 'NOT met'} on wall time)")
+    py_dump = figures["dump frames off"]
+    py_hook_ns = min(off_w, off_c)
+    try:
+        ring = native_ring_cost()
+        (njw, njc), (npw, npc), n_entries = native_dump_times()
+    except Exception as exc:  # no compiler, or the build failed: the Python path is all there is
+        print(f"\n5-6. native path: n/a ({exc})")
+    else:
+        rec_ns = ring["on_ns"] - ring["off_ns"]
+        figures["native ring ns/op"] = ring
+        print(f"\n5. native C++ ring, record + complete per op (median of 9 x 200k): ring on {ring['on_ns']:.0f} ns, "
+              f"off {ring['off_ns']:.0f} ns -> recording {rec_ns:.0f} ns/op; Python recorder's hooks (item 3) "
+              f"{py_hook_ns:.0f} ns: ratio {py_hook_ns / max(ring['on_ns'], 1e-9):.1f}x  "
+              f"(goal <= 300 ns: {'met' if ring['on_ns'] <= 300 else 'NOT met'})")
+        figures["native dump"] = {"entries": n_entries, "json_wall_ms": njw, "json_cpu_ms": njc,
+                                  "pickle_wall_ms": npw, "pickle_cpu_ms": npc}
+        print(f"6. dump of {n_entries} native entries (median of 9), wall ms / CPU ms: json {njw:6.1f} / {njc:6.1f}"
+              f"   pickle {npw:6.1f} / {npc:6.1f}   (Python-recorded, item 4: json {py_dump['json_wall_ms']:.1f}, "
+              f"pickle {py_dump['pickle_wall_ms']:.1f}; goal <= 10 ms: "
+              f"{'met' if max(njw, npw) <= 10 else 'NOT met'} on wall time)")
     print(f"\nload average after: {os.getloadavg()[0]:.2f} (2 CPUs shared with other jobs: wall times inflate)")
     if args.json:
         with open(args.json, "w") as f:

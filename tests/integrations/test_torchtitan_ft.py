@@ -2,8 +2,9 @@
 ``ft.device_mesh``): 2 replica groups x 2 CPU ranks, each group one ``torchnext run`` launch, one coordinator, 20
 steps. Fault-free, and with a rank of group 1 SIGKILLed once it committed step 5: group 0 trains on without
 restarting, committing every step exactly once; torchrun restarts group 1 (``--max-restarts 1``), which joins again,
-is healed from group 0 and trains to the end; at the end both groups' parameters and optimizer states (torchtitan's
-own DCP checkpoints of step 20) are bitwise equal; the steps committed before the kill have bitwise the losses of
+is healed from group 0 and trains to the end -- its own checkpoint of step 3 loaded before the heal, never after it;
+at the end both groups' parameters and optimizer states (torchtitan's own DCP checkpoints of step 20) are bitwise
+equal; the steps committed before the kill have bitwise the losses of
 the fault-free run."""
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ def _run(root: Path, name: str, tok: str, data: str, *, kill: bool) -> dict[str,
                   # imports, build) ends well before group 0 reaches step 20 alone
                   "--training.seq_len", "128", "--training.local_batch_size", "4", *CPU_FLAGS, "--debug.seed", "0",
                   "--metrics.enable_tensorboard", "--metrics.save_for_all_ranks", "--fault_tolerance.replica_groups",
-                  "2", "--checkpoint.enable", "--checkpoint.interval", "1000", "--comm.init_timeout_seconds", "120",
+                  # a checkpoint every 3 steps: the killed group restarts with an older one of its own (step 3),
+                  # which must not overwrite the state it is healed to (it did: loaded by train() after the heal)
+                  "2", "--checkpoint.enable", "--checkpoint.interval", "3", "--comm.init_timeout_seconds", "120",
                   "--comm.train_timeout_seconds", "120"]
         jobs = [TitanJob(name=f"{name}-g{g}", launcher="torchnext", common=common,
                          runs=[["--dump_folder", str(root / name / f"g{g}")]],
@@ -139,11 +142,17 @@ def test_killed_group_rejoins_heals_and_ends_equal_while_the_other_trains_on(run
     assert rejoin, g1.log[-3000:]
     healed_at = int(rejoin[1])
     assert KILL_AFTER <= healed_at < STEPS
-    assert f"catches up from step 1 to {healed_at + 1}" in g1.log
+    _assert_same_state(_final_state(run["root"] / "g0"), _final_state(run["root"] / "g1"))
+    # the restarted group loaded its own older checkpoint *before* it was healed (never after: that overwrote the
+    # healed state), then caught up from the checkpoint's step to the job's
+    loaded = re.search(r"Loading the checkpoint from \S*step-(\d+)\.", g1.log)
+    assert loaded and loaded.start() < rejoin.start(), "no checkpoint loaded before the heal"
+    assert int(loaded[1]) % 3 == 0 and int(loaded[1]) <= healed_at
+    assert f"catches up from step {int(loaded[1]) + 1} to {healed_at + 1}" in g1.log
+    assert g1.log.count("Loading the checkpoint") == 2  # once per rank of the restarted launch, not again in train()
     after = _committed(g1.log, 1)
     assert after[-2:] == [STEPS, STEPS] and after[: 2 * KILL_AFTER] == [s for s in range(1, KILL_AFTER + 1)
                                                                          for _ in (0, 1)]
-    _assert_same_state(_final_state(run["root"] / "g0"), _final_state(run["root"] / "g1"))
     # before the kill the job is the fault-free job: bitwise the same losses (group 0, both ranks)
     clean = read_scalars(runs["clean"]["root"] / "g0" / "tb")
     faulty = read_scalars(run["root"] / "g0" / "tb")

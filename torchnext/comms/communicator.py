@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from torchnext.comms import _peer_reports
 from torchnext.comms import _validate as v
 from torchnext.comms._ops import CollectiveOps, P2POp
 from torchnext.comms.backends import BackendConfig, BackendHandle, get_backend
-from torchnext.comms.errors import CommAborted, CommError, CommTimeout, PeerFailure
+from torchnext.comms.errors import CommAborted, CommError, CommTimeout, HookError, PeerFailure
 from torchnext.comms.extension import factory, option
 from torchnext.comms.hooks import AbortHookArgs, HookList, OpInfo, PostHookArgs, RemovableHandle
+from torchnext.comms.op_table import OpTable
 from torchnext.comms.reaper import Grave, bury, drain
 from torchnext.comms.reduce_op import ReduceOp
-from torchnext.comms.work import CompletionWaiter, UnwaitedWatcher, Work, WorkStatus, _new_tuple, future_callback
+from torchnext.comms.work import UnwaitedWatcher, Work, WorkStatus, _new_tuple, future_callback
 
 if TYPE_CHECKING:
     from torchnext.comms.flight_recorder import FlightRecorder
@@ -46,7 +46,7 @@ def _at_exit() -> None:
     ends an op during finalization aborts the process (see :mod:`torchnext.comms.reaper`). Healthy idle ones are
     left to their owners."""
     for comm in list(_LIVE):
-        if not comm._closed and (comm._in_flight or comm._sync_work is not None or comm._error is not None):
+        if not comm._closed and (comm._in_flight or comm._ops.sync_work is not None or comm._ops.error is not None):
             try:
                 comm.abort("interpreter exit")
             except Exception:
@@ -194,33 +194,29 @@ class Communicator(CollectiveOps):
         if self._timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         factory = get_backend(backend)
-        self._store: dist.Store | None = store  # released with the backend (see the store property)
+        # The ops' shared state -- lock, in-flight table, error/abort state, orphans, store, hook lists -- lives in
+        # the op table (Work reaches it alone); the aliases below are the same objects, for this class's hot paths.
+        self._ops = ops = OpTable(name, rank, ranks, store)
         self._rank = rank
         self._size = size
         self._ranks = ranks
         self._name = name
         self._backend_name = backend
         self._timeout_s = self._timeout.total_seconds()
-        self._lock = threading.Lock()  # guards terminal transitions, _in_flight, _error, _aborted
+        self._lock = ops.lock  # guards terminal transitions, the in-flight table, the error and abort state
         self._issue_lock = threading.Lock()  # one issuing thread at a time
-        self._in_flight: dict[int, Work] = {}  # async ops in flight
-        self._sync_work: Work | None = None  # the sync op in flight, if any
-        self._error: CommError | None = None
-        self._aborted: CommAborted | None = None
+        self._in_flight = ops.in_flight  # async ops in flight
         self._closed = False
         self._grave: Grave | None = None  # the abandoned backend, once aborted (or shut down errored)
-        self._orphans: list[Any] = []  # backend Works of failed ops that may still run (buried with the backend)
-        self._orphans_until = 0.0  # perf_counter: by then each of them has ended at its own timeout (the backend's)
         self._retained: list[Any] = []  # objects the backend may still write into (see retain())
         self._op_counter = 0
         self._split_seq = 0
         self._opts: dict[tuple[str, object], Any] = {}
-        self._waiter: CompletionWaiter | None = None
         self._unwaited: UnwaitedWatcher | None = None
-        self._pre_hooks: HookList[OpInfo] = HookList("pre")
-        self._post_hooks: HookList[PostHookArgs] = HookList("post")
-        self._check_hooks: HookList[OpInfo] = HookList("check")
-        self._abort_hooks: HookList[AbortHookArgs] = HookList("abort")
+        self._pre_hooks = ops.pre_hooks
+        self._post_hooks = ops.post_hooks
+        self._check_hooks = ops.check_hooks
+        self._abort_hooks = ops.abort_hooks
         self._split_hooks: HookList[Communicator] = HookList("split")
         self._shutdown_hooks: HookList[Communicator] = HookList("shutdown")
         self.extensions: dict[str, Any] = {}
@@ -307,9 +303,9 @@ class Communicator(CollectiveOps):
         Released with the backend once the communicator is closed (aborted or shut down): the connection is this
         communicator's, and a closed communicator kept alive -- by a failed Work a user holds, or a reference cycle
         through a raised exception's traceback -- must not keep a socket open. Then raises ``RuntimeError``."""
-        if self._store is None:
+        if self._ops.store is None:
             raise RuntimeError(f"communicator {self._name!r} is closed: its store was released with its backend")
-        return self._store
+        return self._ops.store
 
     @property
     def backend_handle(self) -> BackendHandle:
@@ -319,7 +315,7 @@ class Communicator(CollectiveOps):
         return self._backend
 
     def __repr__(self) -> str:
-        state = "aborted" if self._aborted else "errored" if self._error else "closed" if self._closed else "ok"
+        state = "aborted" if self._ops.aborted else "errored" if self._ops.error else "closed" if self._closed else "ok"
         return f"Communicator(name={self._name!r}, rank={self._rank}, size={self._size}, backend={self._backend_name!r}, {state})"
 
     # ------------------------------------------------------------------------------------------------- hooks
@@ -354,11 +350,33 @@ class Communicator(CollectiveOps):
         down first."""
         return self._split_hooks.add(fn)
 
+    def has_op_hooks(self) -> bool:
+        """Whether any pre or post hook is registered: an extension that issues ops of its own (an RMA window) builds
+        their :class:`OpInfo` and runs the hooks only then (:meth:`run_pre_hooks`, :meth:`run_post_hooks`)."""
+        return bool(self._pre_hooks.snapshot or self._post_hooks.snapshot)
+
+    def run_pre_hooks(self, info: OpInfo) -> None:
+        """Run the pre hooks for an op an extension issues itself, as for the communicator's own ops.
+
+        Raises:
+            HookError: a pre hook raised (the later ones were skipped); the op must not be issued.
+        """
+        error = self._pre_hooks.run(info, stop_on_error=True)
+        if error is not None:
+            raise error
+
+    def run_post_hooks(self, args: PostHookArgs) -> HookError | None:
+        """Run the post hooks once for an extension's op that reached a terminal state; returns the first hook's
+        failure as a ``HookError`` (every hook runs; nothing raises here), for the op's waiter to raise."""
+        if not self._post_hooks.snapshot:
+            return None
+        return self._post_hooks.run(args, stop_on_error=False)
+
     # ------------------------------------------------------------------------------------------ state / lifecycle
     def errored(self) -> Exception | None:
         """The first failure that broke this communicator (timeout, peer failure, backend error), or the
         ``CommAborted`` of ``abort()`` when there was none; None while healthy."""
-        return self._error or self._aborted
+        return self._ops.error or self._ops.aborted
 
     def abort(self, reason: str | None = None, *, cause: BaseException | None = None) -> None:
         """Abort: unblock every in-flight op on this rank with ``CommAborted`` at once; refuse all later ops.
@@ -372,15 +390,15 @@ class Communicator(CollectiveOps):
         done.
         """
         with self._lock:
-            if self._aborted is not None:
+            if self._ops.aborted is not None:
                 return
-            self._aborted = CommAborted(
+            self._ops.aborted = CommAborted(
                 f"communicator was aborted{f' ({reason})' if reason else ''}",
                 comm_name=self._name, rank=self._rank, ranks=self._ranks,
             )
-            self._aborted.__cause__ = cause
+            self._ops.aborted.__cause__ = cause
             in_flight = sorted(self._in_flight.items())
-            sync_work = self._sync_work
+            sync_work = self._ops.sync_work
             if sync_work is not None and sync_work.op_id not in self._in_flight:
                 in_flight = sorted([*in_flight, (sync_work.op_id, sync_work)])
         hook_error = self._abort_hooks.run(
@@ -390,11 +408,10 @@ class Communicator(CollectiveOps):
         )
         if self._unwaited is not None:
             self._unwaited.close()
-        if self._waiter is not None:
-            self._waiter.close()  # its thread leaves once its current wait ends (promptly: the backend is cancelled)
+        self._ops.close_waiter()  # its thread leaves once its current wait ends (promptly: the backend is cancelled)
         for _, work in in_flight:
             exc = CommAborted(f"cancelled by abort(){f' ({reason})' if reason else ''}",
-                              **self._error_context(work.op, work.op_id))
+                              **self._ops.error_context(work.op, work.op_id))
             exc.__cause__ = cause
             work._finish(WorkStatus.ABORTED, exc)  # its backend Works become orphans (buried below)
         if not self._closed:
@@ -438,12 +455,12 @@ class Communicator(CollectiveOps):
         """Hand the backend to the reaper with what may still run on it (the caller marked the communicator
         closed). An op being issued meanwhile adds its backend Works when it leaves (``_left_issue``)."""
         with self._lock:
-            works, self._orphans = self._orphans, []
+            works, self._ops.orphans = self._ops.orphans, []
             keep, self._retained = self._retained, []
             issuing = self._issue_lock.locked()
-            self._grave = bury(self._backend, self._name, works, keep, issuing=issuing, until=self._orphans_until)
+            self._grave = bury(self._backend, self._name, works, keep, issuing=issuing, until=self._ops.orphans_until)
             self._pg = None
-            self._store = None  # the backend holds its own reference while it lives (it connected through it)
+            self._ops.store = None  # the backend holds its own reference while it lives (it connected through it)
 
     def _left_issue(self, launched: Sequence[Any], until: float) -> None:
         """The issuing thread leaves an op on an aborted communicator: its backend Works go to the grave (``until``:
@@ -451,9 +468,8 @@ class Communicator(CollectiveOps):
         with self._lock:
             grave = self._grave
             if grave is None:  # abort() has not buried the backend yet: it takes them
-                self._orphans.extend(launched)
-                if launched and until > self._orphans_until:
-                    self._orphans_until = until
+                if launched:
+                    self._ops.add_orphans(launched, until)
             else:
                 grave.works.extend(launched)
                 if launched and until > grave.until:
@@ -470,9 +486,9 @@ class Communicator(CollectiveOps):
         with self._lock:
             if self._closed:
                 return
-            if self._sync_work is not None:
+            if self._ops.sync_work is not None:
                 raise RuntimeError(f"shutdown() of {self._name!r} while another thread is in a synchronous "
-                                   f"{self._sync_work.op}; wait for it to return (or abort())")
+                                   f"{self._ops.sync_work.op}; wait for it to return (or abort())")
             pending = list(self._in_flight.values())
         for work in pending:
             try:
@@ -491,12 +507,11 @@ class Communicator(CollectiveOps):
                 raise hook_error
 
     def _release(self) -> None:
-        if self._waiter is not None:
-            self._waiter.close()
+        self._ops.close_waiter()
         if self._unwaited is not None:
             self._unwaited.close()
         backend = self._backend
-        if self._error is not None:
+        if self._ops.error is not None:
             self._bury()
             return
         if backend.shutdown_fn is not None:
@@ -506,52 +521,40 @@ class Communicator(CollectiveOps):
         # whose destructor cannot join itself ("terminate called without an active exception").
         self._pg = None
         backend.pg = None
-        self._store = None
+        self._ops.store = None
 
     # ------------------------------------------------------------------------------------------------ the engine
-    # -------------------------------------------------------------------------------- peer-failure reports
-    def _publish_peer_failure(self, exc: PeerFailure) -> None:
-        """Tell the other members that this rank saw ``exc`` (see :mod:`torchnext.comms._peer_reports`)."""
-        where = self._ranks[self._rank] if self._ranks else self._rank
-        store = self._store
-        if store is not None:  # (None: closed meanwhile -- nobody is left to tell)
-            _peer_reports.publish(store, f"rank {self._rank} (global {where}): {exc}", self._name)
-
-    def _reported_peer_failure(self) -> str | None:
-        """The failure another member published, if any (bounded: never hangs on a dead store)."""
-        store = self._store
-        return None if store is None else _peer_reports.reported(store, self._name)
-
     def _fail_from_outside(self, exc: CommError) -> CommError:
         """A failure of an op that ran outside this communicator's own Works (the native process-group data path
         over this communicator's backend): the communicator becomes errored with it (the first failure wins), as
         after a failed op of its own. A timeout while another member reported a peer failure becomes that
         ``PeerFailure`` (returned); an original peer failure is published to the other members."""
         if isinstance(exc, CommTimeout):
-            report = self._reported_peer_failure()
+            report = self._ops.reported_peer_failure()
             if report is not None:
                 failure = PeerFailure(f"a member reported a peer failure ({report}); this op could not complete",
-                                      **self._error_context(exc.op, exc.op_id))
+                                      **self._ops.error_context(exc.op, exc.op_id))
                 failure.__cause__ = exc
                 exc = failure
         with self._lock:
-            first = self._error is None and self._aborted is None
+            first = self._ops.error is None and self._ops.aborted is None
             if first:
-                self._error = exc
+                self._ops.error = exc
         if first and isinstance(exc, PeerFailure) and not isinstance(exc.__cause__, CommTimeout):
-            self._publish_peer_failure(exc)
+            self._ops.publish_peer_failure(exc)
         return exc
 
     def _error_context(self, op: str | None, op_id: int | None) -> dict[str, Any]:
-        return {"op": op, "op_id": op_id, "comm_name": self._name, "rank": self._rank, "ranks": self._ranks}
+        return self._ops.error_context(op, op_id)
 
     def _refuse(self, op: str) -> None:
-        if self._aborted is not None:
+        if self._ops.aborted is not None:
             raise CommAborted("communicator was aborted; create a new one",
-                              **self._error_context(op, None)) from self._aborted.__cause__
-        if self._error is not None:
-            raise CommError(f"communicator is errored since: {self._error}", **self._error_context(op, None)) from self._error
-        raise CommError("communicator was shut down", **self._error_context(op, None))
+                              **self._ops.error_context(op, None)) from self._ops.aborted.__cause__
+        error = self._ops.error
+        if error is not None:
+            raise CommError(f"communicator is errored since: {error}", **self._ops.error_context(op, None)) from error
+        raise CommError("communicator was shut down", **self._ops.error_context(op, None))
 
     def _opt(self, kind: str, key: object, make: Callable[[], Any], timeout: timedelta | None) -> Any:
         """Backend options object; cached when the default timeout is used (the backend copies it per call). ``key``
@@ -584,7 +587,8 @@ class Communicator(CollectiveOps):
         batch: tuple[Any, ...] = (),
         splits: tuple[Any, ...] = (),
     ) -> Work | None:
-        if self._closed or self._error is not None:
+        ops = self._ops
+        if self._closed or ops.error is not None:
             self._refuse(op)
         if has_future and op in self._futureless:
             has_future = False
@@ -633,14 +637,14 @@ class Communicator(CollectiveOps):
             work.status = _IN_PROGRESS
             if not sliced:
                 with self._lock:
-                    raced = self._aborted is not None  # abort() ran since the check above
+                    raced = ops.aborted is not None  # abort() ran since the check above
                     if not raced:
                         self._in_flight[op_id] = work
             else:  # the one sync op in flight (one issuing thread): a slot, no lock. Publish, then check abort:
-                self._sync_work = work  # abort() sets the flag, then reads the slot -- one of us sees the other
-                raced = self._aborted is not None
+                ops.sync_work = work  # abort() sets the flag, then reads the slot -- one of us sees the other
+                raced = ops.aborted is not None
             if raced:
-                work._finish(WorkStatus.ABORTED, self._aborted)
+                work._finish(WorkStatus.ABORTED, ops.aborted)
                 self._refuse(op)
             try:
                 backend_works = launch(td)
@@ -679,26 +683,21 @@ class Communicator(CollectiveOps):
                         try:
                             fut = bw.get_future()
                         except RuntimeError:
-                            self._wait_in_thread(bw, work, td)
+                            ops.wait_in_thread(bw, work, td)
                         else:
                             fut.add_done_callback(future_callback(work))
                     else:
-                        self._wait_in_thread(bw, work, td)
+                        ops.wait_in_thread(bw, work, td)
             if async_op:
                 return work
             work.wait()
             return None
         finally:
-            self._sync_work = None
+            ops.sync_work = None
             self._issue_lock.release()
-            if self._aborted is not None:  # aborted while issuing (or before): what was launched goes to the grave
+            if ops.aborted is not None:  # aborted while issuing (or before): what was launched goes to the grave
                 self._left_issue(backend_works, time.perf_counter() + timeout_s)
             backend_works = ()  # a raised exception keeps this frame in its traceback: no backend Work in it
-
-    def _wait_in_thread(self, backend_work: Any, work: Work, td: timedelta | None) -> None:
-        if self._waiter is None:
-            self._waiter = CompletionWaiter(self._name)
-        self._waiter.put(backend_work, work, td)
 
     def _reduce_args(self, op_name: str, op: object, dtype: torch.dtype) -> tuple[ReduceOp, Any, bool]:
         """(ReduceOp, c10d op to pass, whether to divide by size on completion)."""

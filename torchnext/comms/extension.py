@@ -1,8 +1,10 @@
 """Extensions of the Communicator: how subsystems built on the core attach to it without the core importing them.
 
-The core (:mod:`torchnext.comms.communicator` and what it imports) knows no extension by module. Its two
-user-facing doors to extensions dispatch through this registry, which the extension packages fill when
-:mod:`torchnext.comms` is imported (it imports them to re-export their names):
+The core (:mod:`torchnext.comms.communicator` and what it imports) knows no extension by module, and importing it
+loads none of them. Its user-facing doors to extensions dispatch through this registry, which an extension package
+fills when it is imported; a built-in entry asked for before its package was imported imports that package then
+(:data:`_PROVIDERS`: the one place the core names them, as strings), so ``Communicator(..., flight_recorder=True)``
+works on a process that imported only the core:
 
 * ``Communicator(..., flight_recorder=value)`` -> ``option("flight_recorder")``, and ``check_collectives=value`` ->
   ``option("check_collectives")``: an :class:`OptionHandler` whose ``check(value)`` runs before the communicator
@@ -16,10 +18,12 @@ its life through the core's hooks: ``register_split_hook`` (every child a split 
 
     register_option(name, handler); option(name) is handler        # KeyError-free: unknown -> RuntimeError
     register_factory(name, fn);     factory(name) is fn
+    option("flight_recorder")  # not registered yet: import torchnext.comms.flight_recorder (it registers), then look
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -43,7 +47,8 @@ _OPTIONS: dict[str, OptionHandler] = {}
 _FACTORIES: dict[str, Callable[..., Any]] = {}
 _PROVIDERS = {"flight_recorder": "torchnext.comms.flight_recorder", "new_window": "torchnext.comms.window",
               "as_process_group": "torchnext.comms.process_group", "check_collectives": "torchnext.comms.consistency"}
-"""Which package provides the built-in entries (for the error message only: nothing is imported from here)."""
+"""Which package provides each built-in entry: imported on the first lookup of an entry not yet registered (the
+core imports none of them eagerly)."""
 
 
 def register_option(name: str, handler: OptionHandler) -> None:
@@ -61,17 +66,32 @@ def _missing(kind: str, name: str) -> RuntimeError:
     return RuntimeError(f"communicator {kind} {name!r} is not registered: import {provider}")
 
 
+def _load_provider(name: str) -> None:
+    """Import the package that provides built-in entry ``name`` (it registers the entry on import)."""
+    provider = _PROVIDERS.get(name)
+    if provider is not None:
+        importlib.import_module(provider)
+
+
 def option(name: str) -> OptionHandler:
-    """The handler of constructor option ``name``; ``RuntimeError`` naming the package to import when none is."""
+    """The handler of constructor option ``name`` (its provider imported on first use); ``RuntimeError`` naming the
+    package to import when none is registered."""
     handler = _OPTIONS.get(name)
     if handler is None:
-        raise _missing("option", name)
+        _load_provider(name)
+        handler = _OPTIONS.get(name)
+        if handler is None:
+            raise _missing("option", name)
     return handler
 
 
 def factory(name: str) -> Callable[..., Any]:
-    """The function behind the Communicator method ``name``; ``RuntimeError`` when none is registered."""
+    """The function behind the Communicator method ``name`` (its provider imported on first use); ``RuntimeError``
+    when none is registered."""
     fn = _FACTORIES.get(name)
     if fn is None:
-        raise _missing("method", name)
+        _load_provider(name)
+        fn = _FACTORIES.get(name)
+        if fn is None:
+            raise _missing("method", name)
     return fn

@@ -25,7 +25,6 @@ from __future__ import annotations
 import _thread
 import enum
 import logging
-import queue
 import threading
 import time
 import weakref
@@ -108,6 +107,7 @@ class Work:
         "_source",
         "_t0",
         "_t_end",
+        "_table",
         "info",
         "op",
         "op_id",
@@ -126,7 +126,8 @@ class Work:
         peer: int | None,
         needs_lock: bool,
     ) -> None:
-        self._comm = comm
+        self._comm = comm  # kept alive by its ops; the op state is reached through its table alone
+        self._table = comm._ops
         self.op = op
         self.op_id = op_id
         self.info = info
@@ -185,7 +186,7 @@ class Work:
         were added; one that raises is logged (``torchnext.comms``) and does not stop the others."""
         if not callable(fn):
             raise TypeError(f"add_done_callback: fn must be callable, got {fn!r}")
-        with self._comm._lock:
+        with self._table.lock:
             if self.status is _IP or self.status is _NS:
                 if self._callbacks is None:
                     self._callbacks = []
@@ -253,16 +254,15 @@ class Work:
         raise _fresh(self._exc)
 
     def _time_out(self) -> None:
-        comm = self._comm
         exc = CommTimeout(
             f"did not complete within its timeout of {self._deadline - self._t0:.3f}s (the communicator is now errored)",
-            **comm._error_context(self.op, self.op_id),
+            **self._table.error_context(self.op, self.op_id),
         )
         self._finish(WorkStatus.TIMED_OUT, exc)
 
     def _wrap_backend_error(self, exc: BaseException) -> CommError:
         cls = classify_backend_error(exc)
-        ctx: dict[str, Any] = self._comm._error_context(self.op, self.op_id)
+        ctx: dict[str, Any] = self._table.error_context(self.op, self.op_id)
         if cls is PeerFailure:
             wrapped: CommError = PeerFailure(str(exc), peer=self.peer, **ctx)
         else:
@@ -300,7 +300,7 @@ class Work:
         if self._pending != 1 or (self._racy and self._finalize is not None):
             # composite (batch_p2p): the last part finishes; two observers of an op with a finalizer: the first
             # runs it. (Two observers of any other op both reach _finish, whose status check lets the first win.)
-            with self._comm._lock:
+            with self._table.lock:
                 self._pending -= 1
                 if self._pending:
                     return
@@ -317,16 +317,16 @@ class Work:
 
         A failure (ERROR/TIMED_OUT) makes the communicator errored unless ``breaks_comm`` is False (the backend
         refused the op's arguments before issuing it)."""
-        comm = self._comm
+        table = self._table
         if breaks_comm and isinstance(exc, CommTimeout) and self.status is _IP:
-            report = comm._reported_peer_failure()  # a peer died elsewhere in the group: say so, not "timeout"
+            report = table.reported_peer_failure()  # a peer died elsewhere in the group: say so, not "timeout"
             if report is not None:
                 failure = PeerFailure(f"a member reported a peer failure ({report}); this op could not complete",
-                                      **comm._error_context(self.op, self.op_id))
+                                      **table.error_context(self.op, self.op_id))
                 failure.__cause__ = exc
                 exc = failure
         publish = False
-        with comm._lock:
+        with table.lock:
             if self.status is not _IP and self.status is not _NS:
                 return False
             self.status = status
@@ -334,30 +334,28 @@ class Work:
             self._t_end = time.perf_counter()
             self._bw = self._fut = None  # no backend object outlives the op here (their destruction order matters)
             launched, self._launched = self._launched, None
-            if launched and status is not _COMPLETED:  # a failed op's backend Works may still run: the communicator
-                comm._orphans.extend(launched)  # buried with its backend (done ones cost nothing)
-                if self._deadline > comm._orphans_until:  # ... until its deadline at the latest (the backend's own)
-                    comm._orphans_until = self._deadline
-            comm._in_flight.pop(self.op_id, None)
+            if launched and status is not _COMPLETED:  # a failed op's backend Works may still run: buried with the
+                table.add_orphans(launched, self._deadline)  # backend, until its deadline at the latest (its own)
+            table.in_flight.pop(self.op_id, None)
             if status is WorkStatus.ERROR or status is WorkStatus.TIMED_OUT:
-                if breaks_comm and comm._error is None and isinstance(exc, CommError):
-                    comm._error = exc
+                if breaks_comm and table.error is None and isinstance(exc, CommError):
+                    table.error = exc
                     # an original peer failure (not one learnt from another member's report)
                     publish = isinstance(exc, PeerFailure) and not isinstance(exc.__cause__, CommTimeout)
         if publish:
             assert isinstance(exc, PeerFailure)
-            comm._publish_peer_failure(exc)
+            table.publish_peer_failure(exc)
         info = self.info
-        if info is not None and comm._post_hooks.snapshot:
+        if info is not None and table.post_hooks.snapshot:
             args = _new_tuple(PostHookArgs, (info, self, status, self._t_end - self._t0, exc))  # = PostHookArgs(...)
-            self._hook_error = comm._post_hooks.run(args, stop_on_error=False)
+            self._hook_error = table.post_hooks.run(args, stop_on_error=False)
         if self._done is not None:
             try:
                 self._done.release()
             except RuntimeError:  # a sync op's lock, already released by its backend's callback
                 pass
         if self._callbacks is not None:
-            with comm._lock:
+            with table.lock:
                 callbacks, self._callbacks = self._callbacks, None
             for fn in callbacks or ():
                 _run_callback(fn, self)
@@ -374,7 +372,7 @@ class Work:
             try:
                 fut = backend_work.get_future()
             except RuntimeError:  # a Gloo Work without a future (reduce_scatter): the waiter thread watches it
-                self._comm._wait_in_thread(backend_work, self, None)
+                self._table.wait_in_thread(backend_work, self, None)
             else:
                 fut.add_done_callback(future_callback(self))
 
@@ -457,16 +455,16 @@ class Work:
     def _complete_sync(self) -> None:
         """``_finish(COMPLETED, None)`` for a sliced sync op (never in ``_in_flight``, no ``_done`` lock): the hot
         path, so the failure-only branches of ``_finish`` are left out."""
-        comm = self._comm
-        with comm._lock:
+        table = self._table
+        with table.lock:
             if self.status is not _IP:  # abort() finished it first
                 return
             self.status = _COMPLETED
             self._t_end = t_end = time.perf_counter()
         info = self.info
-        if info is not None and comm._post_hooks.snapshot:
+        if info is not None and table.post_hooks.snapshot:
             args = _new_tuple(PostHookArgs, (info, self, _COMPLETED, t_end - self._t0, None))
-            self._hook_error = comm._post_hooks.run(args, stop_on_error=False)
+            self._hook_error = table.post_hooks.run(args, stop_on_error=False)
 
 
 def _run_callback(fn: Callable[[Work], object], work: Work) -> None:
@@ -607,40 +605,3 @@ def _watch_all(works: list[Work]) -> None:
     for work in works:
         if work.status is _IP or work.status is _NS:
             work._watch()
-
-
-class CompletionWaiter:
-    """One daemon thread per communicator that waits on backend Works lacking a future (Gloo send/recv).
-
-    Works are waited on in issue order; a later op that finishes first is observed when the earlier one does
-    (completion is never missed, only its observation may be late). After an abort the thread may stay blocked in
-    the abandoned backend until that backend's own timeout; it is a daemon and holds nothing else.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, Work, timedelta | None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"torchnext-comms-waiter[{name}]", daemon=True)
-        self._thread.start()
-
-    def put(self, backend_work: Any, work: Work, timeout: timedelta | None) -> None:
-        self._queue.put((backend_work, work, timeout))
-
-    def close(self) -> None:
-        self._queue.put(None)
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            backend_work, work, timeout = item
-            try:
-                if timeout is None:
-                    backend_work.wait()
-                else:
-                    backend_work.wait(timeout)
-            except Exception as exc:
-                work._part_done(exc)
-            else:
-                work._part_done(None)
-            del item, backend_work, work  # hold no reference while idle (it would keep the communicator alive)

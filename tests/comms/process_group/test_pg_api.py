@@ -63,7 +63,8 @@ def test_as_process_group_wraps_an_existing_communicator() -> None:
 
 
 # ------------------------------------------------------------------------------------------------- errors
-def errors_body(ctx: RankContext) -> dict[str, str]:
+def errors_body(ctx: RankContext, native: str) -> dict[str, str]:
+    os.environ["TORCHNEXT_NATIVE_PG"] = native
     dist.init_process_group("torchnext", store=ctx.store, rank=ctx.rank, world_size=ctx.world_size)
     cases = {
         "meta": lambda: dist.all_reduce(torch.ones(2, device="meta")),
@@ -84,9 +85,16 @@ def errors_body(ctx: RankContext) -> dict[str, str]:
     return out
 
 
-def test_bad_input_raises_before_issue_and_names_the_problem() -> None:
-    out = run_ranks(errors_body, 2, timeout=120)[0]
-    assert out["meta"].startswith("ValueError") and "meta" in out["meta"] and "cpu" in out["meta"]
+@pytest.mark.parametrize("native", ["0", "1"], ids=["python-path", "native-path"])
+def test_bad_input_raises_before_issue_and_names_the_problem(native: str) -> None:
+    """The same errors on both data paths (the native one sends these ops to the Python path's validation), except
+    ``meta`` tensors: torch's dispatcher runs its own meta kernel for c10d ops on the native path, a no-op as with
+    torch's own groups (docs/comms.md, "Known differences between the two paths")."""
+    out = run_ranks(errors_body, 2, args=(native,), timeout=120)[0]
+    if native == "0":
+        assert out["meta"].startswith("ValueError") and "meta" in out["meta"] and "cpu" in out["meta"]
+    else:
+        assert out["meta"] == "no error"
     assert out["premul_int"].startswith("TypeError") and "PREMUL_SUM" in out["premul_int"]
     assert out["band_float"].startswith("TypeError") and "BAND" in out["band_float"]
     assert out["avg_int"].startswith("TypeError") and "AVG" in out["avg_int"]
@@ -215,9 +223,10 @@ def test_invalid_values_per_dtype() -> None:
 
 
 # ------------------------------------------------------------------------------------------ profiler records
-def profiled_body(ctx: RankContext) -> dict[str, Any]:
+def profiled_body(ctx: RankContext, native: str) -> dict[str, Any]:
     from torchnext.comms.process_group.profiling import annotate
 
+    os.environ["TORCHNEXT_NATIVE_PG"] = native
     comm = Communicator(ctx.store, ctx.rank, ctx.world_size, name="prof")
     pg = comm.as_process_group()
     t = torch.ones(4)
@@ -233,15 +242,26 @@ def profiled_body(ctx: RankContext) -> dict[str, Any]:
     # ours on the issuing thread (as the dispatcher's c10d:: record of torch's groups), Gloo's on its worker thread
     # running the op, each begun after an issue of ours
     nested = len({o[1] for o in ours}) == 1 and all(any(o[2] <= i[2] for o in ours) for i in inner)
+    on_native = bool(pg.native)
     comm.shutdown()
     return {"names": sorted({e[0] for e in events}), "ours": len(ours), "inner": len(inner), "nested": nested,
-            "quiet_is_shared": quiet is annotate("broadcast")}
+            "quiet_is_shared": quiet is annotate("broadcast"), "native": on_native}
 
 
 def test_python_path_ops_are_named_in_profiler_traces() -> None:
     """torch's own groups show ``c10d::allreduce_`` (the dispatcher) and ``gloo:all_reduce``; an op of a torchnext
     group on the Python path shows ``torchnext:all_reduce`` on the issuing thread, and the inner backend's record."""
-    for r in run_ranks(profiled_body, 2, timeout=120):
+    for r in run_ranks(profiled_body, 2, args=("0",), timeout=120):
+        assert r["native"] is False
         assert {"torchnext:all_reduce", "torchnext:broadcast"} <= set(r["names"]), r["names"]
         assert r["ours"] == 2 and r["inner"] >= 1 and r["nested"], r
         assert r["quiet_is_shared"]
+
+
+def test_native_path_ops_show_torchs_own_records_in_profiler_traces() -> None:
+    """On the native path a torchnext group's op is what a torch group's is to the profiler: the dispatcher's
+    ``c10d::allreduce_`` and the inner backend's ``gloo:all_reduce`` (no Python record of ours)."""
+    for r in run_ranks(profiled_body, 2, args=("1",), timeout=120):
+        assert r["native"] is True
+        assert {"c10d::allreduce_", "c10d::broadcast_", "gloo:all_reduce"} <= set(r["names"]), r["names"]
+        assert r["ours"] == 0

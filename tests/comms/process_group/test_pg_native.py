@@ -194,6 +194,51 @@ def test_abort_unblocks_every_waiter_within_100_ms() -> None:
     assert "refused" in res["next_call"]
 
 
+# ------------------------------------------------------------------------------------- the synchronous path
+def sync_path_body(ctx: RankContext) -> dict[str, Any]:
+    """``opts.asyncOp=False`` (``async_op=False``): the op is waited for inside the call, which returns a finished
+    Work; ``asyncOp=True`` returns at once. Rank 1 joins each op 0.4 s late."""
+    pg = _init(ctx)
+    out: dict[str, Any] = {}
+    for async_op in (False, True):
+        dist.barrier(group=pg)
+        if ctx.rank == 1:
+            time.sleep(0.4)
+        opts = dist.AllreduceOptions()
+        opts.asyncOp = async_op
+        t = torch.full((4,), float(ctx.rank + 1))
+        t0 = time.monotonic()
+        work = pg.allreduce([t], opts)
+        call_s = time.monotonic() - t0
+        done_on_return = work.is_completed()
+        work.wait()
+        out[f"async={async_op}"] = (call_s, done_on_return, t.tolist())
+    if ctx.rank == 0:  # abort() ends a synchronous op it cannot see a waiter of: the call itself returns
+        opts = dist.AllreduceOptions()
+        opts.asyncOp = False
+        threading.Timer(0.3, pg.abort).start()
+        t0 = time.monotonic()
+        work = pg.allreduce([torch.ones(4)], opts)  # rank 1 never joins it
+        out["aborted_call_s"] = time.monotonic() - t0
+        try:
+            work.wait()
+        except CommAborted as exc:
+            out["aborted_raised"] = type(exc).__name__
+        ctx.store.set("rank0_done", "1")
+    else:
+        ctx.store.wait(["rank0_done"], timedelta(seconds=60))
+    return out
+
+
+def test_async_op_false_waits_inside_the_call_and_abort_ends_it() -> None:
+    res = run_ranks(sync_path_body, 2, timeout=120)[0]
+    call_s, done, value = res["async=False"]
+    assert call_s > 0.3 and done is True and value == [3.0] * 4, res  # waited for rank 1 inside the call
+    call_s, done, value = res["async=True"]
+    assert call_s < 0.2 and done is False and value == [3.0] * 4, res  # returned before rank 1 joined
+    assert 0.25 < res["aborted_call_s"] < 0.4 + 0.1 and res["aborted_raised"] == "CommAborted", res
+
+
 # ----------------------------------------------------------------------------------------------------- timeout
 def timeout_body(ctx: RankContext) -> dict[str, Any]:
     _init(ctx, timeout_s=1.0)
@@ -308,6 +353,21 @@ def test_the_build_is_cached() -> None:
     res = _build.build()
     assert res.built is False and time.perf_counter() - t0 < 10.0
     assert (res.folder / "build.json").exists() and res.folder == _build.cache_folder()
+
+
+def test_a_built_extension_loads_without_a_compiler_or_ninja() -> None:
+    """A fresh process imports the cached build straight from its folder: no compiler check, no ninja run."""
+    code = ("import time, torch; t0 = time.perf_counter()\n"
+            "from torchnext.comms import native\n"
+            "st = native.status()\n"
+            "print('RESULT', st.available, st.reason.split(' at ')[0], round(time.perf_counter() - t0, 3))\n")
+    env = {**os.environ, "PATH": "/nonexistent", "TORCHNEXT_CXX": "/nonexistent/c++"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
+    _, available, rest = line.split(" ", 2)
+    how = rest.rsplit(" ", 1)[0]
+    assert (available, how) == ("True", "from the cache"), proc.stdout + proc.stderr
 
 
 def test_the_cache_key_follows_torchs_version(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,12 +4,12 @@ What it is (``csrc/native.cpp``): a backend that wraps the group's inner c10d ba
 virtual ``c10d::Backend`` interface only, and per op forwards the op, returns a Work whose status is one atomic
 state machine (``IN_PROGRESS -> COMPLETED | FAILED | ABORTED``, exactly one) with a condition variable and the op's
 deadline, and records a Flight Recorder entry in a C++ ring. :mod:`torchnext.comms.process_group` decides when a
-group runs on it (``TORCHNEXT_NATIVE_PG=1`` and nothing asks for Python per op).
+group runs on it (``TORCHNEXT_NATIVE_PG=1``, the default, and nothing asks for Python per op).
 
 Meaning of :func:`status` (memoized per process; the first call in a fresh cache compiles for about a minute)::
 
-    if no C++ compiler (or no ninja):     unavailable "no C++ compiler ..." (one warning; the Python path runs)
-    elif the cached extension exists:     load it
+    if the cached extension exists:       import it straight from its folder (milliseconds: no ninja, no lock)
+    elif no C++ compiler (or no ninja):   unavailable "no C++ compiler ..." (one warning; the Python path runs)
     else:                                 build it under a file lock (one rank builds, the others wait), load it
     a failing build or load is reported as  unavailable "<why>" -- never raised
 
@@ -29,7 +29,7 @@ __all__ = ["ABI_VERSION", "NativeStatus", "NativeUnavailable", "module", "status
 
 log = logging.getLogger("torchnext.comms.native")
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 """Must equal ``kAbiVersion`` in csrc/native.cpp (the loader refuses another extension)."""
 
 
@@ -55,6 +55,13 @@ _LOCK = threading.Lock()
 
 
 def _load() -> NativeStatus:
+    try:
+        cached = _build.load_cached()  # the common case: built before, imported in milliseconds
+    except Exception as exc:  # a damaged cache entry: build it again below
+        log.warning("torchnext native process-group path: cached build unusable (%s); rebuilding", exc)
+        cached = None
+    if cached is not None:
+        return _accept(cached)
     missing = _build.missing_tools()
     if missing is not None:
         log.warning("torchnext native process-group path unavailable (%s); process groups use the Python path",
@@ -65,6 +72,10 @@ def _load() -> NativeStatus:
     except Exception as exc:  # any build problem means "use the Python path", with the reason kept
         log.warning("torchnext native process-group path: build failed, using the Python path: %s", exc)
         return NativeStatus(available=False, reason=f"build failed: {exc}")
+    return _accept(res)
+
+
+def _accept(res: _build.BuildResult) -> NativeStatus:
     version = int(res.module.abi_version())
     if version != ABI_VERSION:
         return NativeStatus(available=False, reason=f"extension ABI {version} != expected {ABI_VERSION}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -31,7 +32,7 @@ import torch
 from torchnext import _build as common
 from torchnext._config import env_config
 
-__all__ = ["BuildResult", "build", "cache_folder", "compile_here", "missing_tools"]
+__all__ = ["BuildResult", "build", "cache_folder", "compile_here", "load_cached", "missing_tools"]
 
 NAME = "torchnext_native"
 CSRC = Path(__file__).with_name("csrc")
@@ -91,6 +92,24 @@ def _load(folder: Path) -> Any:
 
     return cpp_extension.load(name=f"{NAME}_{cache_key()}", sources=[str(CSRC / s) for s in SOURCES],
                               extra_cflags=list(FLAGS), build_directory=str(folder), verbose=False)
+
+
+def load_cached() -> BuildResult | None:
+    """The extension this environment already built, imported straight from its cache folder -- no compiler
+    check, no ninja, no lock (a finished build is never written again: its key names its sources, flags and torch)
+    -- or None when there is none yet (then :func:`build`)."""
+    folder = cache_folder()
+    name = f"{NAME}_{cache_key()}"
+    path = folder / f"{name}.so"
+    if not (folder / common.BUILD_MARKER).exists() or not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    common.touch(folder)
+    return BuildResult(module=module, folder=folder, built=False, seconds=0.0)
 
 
 def compile_here() -> None:

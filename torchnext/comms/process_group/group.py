@@ -222,7 +222,7 @@ class TorchnextProcessGroup(dist.ProcessGroup):
         """The Communicator for ``t``'s device (``t=None``: the group's main one), refusing once it is errored."""
         if isinstance(t, torch.Tensor) and t.is_cpu:  # the hot path: a CPU tensor, a healthy CPU communicator
             cpu = self._cpu
-            if cpu is not None and cpu._error is None and cpu._aborted is None:
+            if cpu is not None and cpu.errored() is None:
                 return cpu
         if t is None:
             comm: Communicator | None = self._main

@@ -230,7 +230,7 @@ class _Native:
             cls = classify_backend_error(RuntimeError(message))
             exc = (PeerFailure(message, peer=peer if peer >= 0 else None, **ctx) if cls is PeerFailure
                    else cls(message, **ctx))
-        first = comm._error is None and comm._aborted is None
+        first = comm.errored() is None
         exc = comm._fail_from_outside(exc)
         self._told = True
         if first and self._rec is not None:

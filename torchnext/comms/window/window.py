@@ -471,16 +471,14 @@ class Window:
         window's sequence, ``peer`` the target rank), after the pre hooks ran (a raising one: ``HookError``, the op
         is not issued). Without hooks: None (nothing else to pay)."""
         comm = self._comm
-        if not (comm._pre_hooks.snapshot or comm._post_hooks.snapshot):
+        if not comm.has_op_hooks():
             return None
         with self._lock:
             self._op_seq += 1
             seq = self._op_seq
         info = OpInfo(f"window.{op}", seq, comm.name, tuple(comm.ranks), comm.rank, comm.size, async_op, None, peer,
                       None, tuple(inputs), tuple(outputs), timedelta(seconds=self._timeout_s))
-        error = comm._pre_hooks.run(info, stop_on_error=True)
-        if error is not None:
-            raise error
+        comm.run_pre_hooks(info)
         return info
 
     def _tracked(self, info: OpInfo, outputs: Sequence[torch.Tensor], body: Callable[[], Any]) -> Any:

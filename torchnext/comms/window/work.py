@@ -21,16 +21,15 @@ class WindowWork(Work):
 
     def _finish(self, status: WorkStatus, exc: BaseException | None, *, breaks_comm: bool = True) -> bool:
         comm = self._comm
-        with comm._lock:
+        with self._table.lock:
             if self.status in _TERMINAL:
                 return False
             self.status = status
             self._exc = exc
             self._t_end = time.perf_counter()
         info = self.info
-        if info is not None and comm._post_hooks.snapshot:
-            args = PostHookArgs(info, self, status, self._t_end - self._t0, exc)
-            self._hook_error = comm._post_hooks.run(args, stop_on_error=False)
+        if info is not None:
+            self._hook_error = comm.run_post_hooks(PostHookArgs(info, self, status, self._t_end - self._t0, exc))
         if self._done is not None:
             self._done.release()
         return True

@@ -22,7 +22,9 @@ unedited: ``torchnext run --nproc-per-node 2 -m torchtitan.train --module ... --
 
 Fault tolerance: :class:`FaultTolerantTrainer` is torchtitan's trainer on :mod:`torchnext.ft` (replica groups, one
 ``torchnext run`` job each, FT-HSDP over ``ft.device_mesh``, healing), reached as ``--config
-llama3_debugmodel_torchnext_ft``; see :mod:`torchnext.integrations.torchtitan.ft`.
+llama3_debugmodel_torchnext_ft``; or semi-synchronous, DiLoCo / LocalSGD across the groups
+(``--fault_tolerance.semi_sync_method diloco|local_sgd``, ``--config llama3_debugmodel_torchnext_diloco``:
+:mod:`torchnext.integrations.torchtitan.semi_sync`); see :mod:`torchnext.integrations.torchtitan.ft`.
 """
 
 from torchnext.integrations.torchtitan.converter import TorchnextLowpConverter as TorchnextLowpConverter

@@ -11,6 +11,7 @@ from torchtitan.models.llama3.config_registry import llama3_debugmodel
 from torchnext.integrations.torchtitan.converter import TorchnextLowpConverter
 
 __all__ = [
+    "llama3_debugmodel_torchnext_diloco",
     "llama3_debugmodel_torchnext_ft",
     "llama3_debugmodel_torchnext_ft_mxfp8",
     "llama3_debugmodel_torchnext_mxfp8",
@@ -51,4 +52,13 @@ def llama3_debugmodel_torchnext_ft_mxfp8() -> Any:
     """:func:`llama3_debugmodel_torchnext_ft` with every Linear in MXFP8 training (FT-HSDP + MXFP8)."""
     config = llama3_debugmodel_torchnext_ft()
     config.model_spec = model_registry("debugmodel", converters=[TorchnextLowpConverter.Config(recipe="mxfp8")])
+    return config
+
+
+def llama3_debugmodel_torchnext_diloco() -> Any:
+    """:func:`llama3_debugmodel_torchnext_ft` trained semi-synchronously: DiLoCo (``--fault_tolerance.semi_sync_method
+    diloco``), an outer synchronization every 5 steps (``--fault_tolerance.sync_steps``), FSDP inside each replica
+    group only."""
+    config = llama3_debugmodel_torchnext_ft()
+    config.fault_tolerance.semi_sync_method = "diloco"
     return config

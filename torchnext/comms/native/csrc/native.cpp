@@ -48,7 +48,7 @@ namespace py = pybind11;
 
 namespace torchnext_native {
 
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 
 using Clock = std::chrono::steady_clock;
 using c10d::OpType;
@@ -476,6 +476,19 @@ class NativeWork : public Work {
       kind = kind_;
     }
     raise_python(*core_, kind, op_, op_id_, msg, peer_);
+  }
+
+  // Block until terminal without raising (the synchronous path): the op's deadline times it out, abort() ends it.
+  // The caller holds no GIL.
+  void settle() {
+    if (done_.load(std::memory_order_acquire)) return;
+    {
+      std::unique_lock<std::mutex> lk(mutex_);
+      if (cv_.wait_until(lk, deadline_, [&] { return done_.load(std::memory_order_acquire); })) return;
+    }
+    time_out();
+    std::unique_lock<std::mutex> lk(mutex_);  // another thread may be finishing it: wait for its bookkeeping
+    cv_.wait(lk, [&] { return done_.load(std::memory_order_acquire); });
   }
 
   void time_out() {
@@ -1039,12 +1052,26 @@ class NativeBackend : public c10d::Backend {
     return c10::make_intrusive<PyPathWork>(std::move(work));
   }
 
+  // Issue one op on the fast path. `async` false (`opts.asyncOp`, torch's `async_op=False`): the synchronous path
+  // -- the op is waited for here, in C++ with no GIL and no issue lock held, and returned terminal; torch's Python
+  // wrapper then calls wait() on a finished Work (it raises a failed op's exception: see NativeWork::wait).
   template <class Launch>
   c10::intrusive_ptr<Work> issue(const char* op, OpType type, const std::vector<at::Tensor>& ins,
                                  const std::vector<at::Tensor>& outs, int64_t root, int64_t peer, int64_t tag,
                                  const char* rop, std::chrono::milliseconds timeout, bool async, Launch&& launch,
                                  std::function<void()> finalize = nullptr) {
     NoGil nogil;  // see NoGil
+    c10::intrusive_ptr<NativeWork> work = hand_over(op, type, ins, outs, root, peer, tag, rop, timeout, async,
+                                                    std::forward<Launch>(launch), std::move(finalize));
+    if (!async) work->settle();
+    return work;
+  }
+
+  template <class Launch>
+  c10::intrusive_ptr<NativeWork> hand_over(const char* op, OpType type, const std::vector<at::Tensor>& ins,
+                                           const std::vector<at::Tensor>& outs, int64_t root, int64_t peer,
+                                           int64_t tag, const char* rop, std::chrono::milliseconds timeout,
+                                           bool async, Launch&& launch, std::function<void()> finalize) {
     std::lock_guard<std::mutex> order(issue_mu_);  // one op handed over at a time (see issue_mu_)
     auto td = op_timeout(timeout);
     int64_t op_id = ++op_counter_;
@@ -1152,4 +1179,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fr_counters", [](const BackendPtr& b) { return native(b).ring().counters(); });
   m.def("fr_set_counters", [](const BackendPtr& b, const std::vector<int64_t>& c) { native(b).ring().set_counters(c); });
   m.def("fr_recorded", [](const BackendPtr& b) { return native(b).ring().recorded(); });
+  // A measurement, for benchmarks/comms/bench_flight_recorder.py: nanoseconds per op of what the ring does for one
+  // op of the fast path -- record() at issue and complete() at the end, one input and one output tensor of `numel`
+  // elements -- over `n` ops into a fresh ring of `capacity` entries (0: the ring off, the cost of the check).
+  m.def(
+      "fr_record_cost",
+      [](int64_t capacity, int64_t n, int64_t numel) {
+        Ring ring(capacity);
+        std::vector<at::Tensor> ts{at::zeros({numel}, at::kFloat)};
+        auto t0 = std::chrono::steady_clock::now();
+        for (int64_t i = 0; i < n; ++i) {
+          int64_t rid = ring.record("all_reduce", false, i + 1, -1, 0, -1, "sum", ts, ts, 30000, true);
+          ring.complete(rid, kCompleted, kNone, std::string());
+        }
+        auto dt = std::chrono::steady_clock::now() - t0;
+        return std::chrono::duration<double, std::nano>(dt).count() / static_cast<double>(n > 0 ? n : 1);
+      },
+      py::arg("capacity"), py::arg("n"), py::arg("numel") = 1, py::call_guard<py::gil_scoped_release>());
 }
