@@ -69,7 +69,12 @@ class EnvConfig:
 
     ft_leader_address: str | None = None
     """``TORCHNEXT_FT_LEADER_ADDRESS``: ``host:port`` where rank 0 of this process's replica group holds the group's
-    session (``FaultTolerantConfig.leader_address``; unset: every rank connects to the coordinator itself)."""
+    session (``FaultTolerantConfig.leader_address``; unset: derived through the replica group's store)."""
+
+    ft_group_session: bool = True
+    """``TORCHNEXT_FT_GROUP_SESSION``: ``1`` (default) -- a replica group of more than one rank holds one group
+    session (its rank 0 speaks to the coordinator for it, ``FaultTolerantConfig.group_session``); ``0`` -- every
+    rank connects to the coordinator itself (flat)."""
 
     huge_pages: int = 1
     """``TORCHNEXT_HUGE_PAGES``: ``1`` asks Linux for transparent huge pages on the large CPU outputs torchnext
@@ -133,6 +138,7 @@ ENV_VARS = {
     "ft_token": "TORCHNEXT_FT_TOKEN",
     "ft_replica_group": "TORCHNEXT_FT_REPLICA_GROUP",
     "ft_leader_address": "TORCHNEXT_FT_LEADER_ADDRESS",
+    "ft_group_session": "TORCHNEXT_FT_GROUP_SESSION",
     "huge_pages": "TORCHNEXT_HUGE_PAGES",
     "cpu_kernels": "TORCHNEXT_CPU_KERNELS",
     "kernel_cache": "TORCHNEXT_KERNEL_CACHE",

@@ -44,6 +44,8 @@ def test_hsdp_kill_one_rank_its_group_leaves_the_other_trains_on(tmp_path: Path)
     # rank 2 = rank 0 of replica group 1: killed; its sibling (member 3) was removed with it; group 0 finished
     assert summary["final_members"] == [0, 1] and summary["final_groups"] == [0]
     assert summary["removed_members"] == [3]
+    # by default each replica group held one group session: its rank 0 spoke to the coordinator for rank 1
+    assert summary["sessions"] == {"0": "leader", "1": "follower", "2": "leader", "3": "follower"}, summary["sessions"]
     (failure,) = summary["failures"]
     _check_failure(failure, "kill", 2, 1, 10)
     sizes = [(h["size"], h["ranks"]) for h in summary["world_size_history"]]
@@ -79,6 +81,8 @@ def test_hsdp_rejoin_the_restarted_group_heals_shard_by_shard(tmp_path: Path) ->
     assert summary["steps_completed"] == 30
     # group 1 came back as members 6, 7 (slot + 4 * incarnation 1) and finished with group 0
     assert summary["final_members"] == [0, 1, 6, 7] and summary["final_groups"] == [0, 1]
+    assert {m: summary["sessions"].get(m) for m in ("0", "1", "6", "7")} == {
+        "0": "leader", "1": "follower", "6": "leader", "7": "follower"}, summary["sessions"]  # the restarted group too
     d = summary["digests"]
     assert d["6"] == d["0"] and d["7"] == d["1"], d  # parameters + AdamW state, bitwise, shard by shard
     assert d["0"] != d["1"]
@@ -104,6 +108,7 @@ def test_ddp_two_faults_a_kill_then_a_hang(tmp_path: Path) -> None:
                     "--no-rejoin"], out, timeout=220)
     assert summary["parallel"] == "ddp" and summary["steps_completed"] == 16
     assert summary["final_members"] == [0, 2]
+    assert set(summary["sessions"].values()) == {"flat"}, summary["sessions"]  # every DDP rank its own group
     assert summary["removed_members"] == [3]  # resumed after its removal, it was told so and left
     kill, hang = summary["failures"]
     _check_failure(kill, "kill", 1, 1, 4)
@@ -122,6 +127,8 @@ def test_diloco_kill_and_rejoin_groups_end_on_the_same_global_copy(tmp_path: Pat
     assert summary["parallel"] == "diloco" and summary["steps_completed"] == 30
     assert summary["removed_members"] == [2]  # rank 3's sibling: its inner FSDP2 collective failed
     assert summary["final_members"] == [0, 1, 6, 7]
+    assert {m: summary["sessions"].get(m) for m in ("0", "1", "6", "7")} == {
+        "0": "leader", "1": "follower", "6": "leader", "7": "follower"}, summary["sessions"]
     d = summary["digests"]  # parameters, global copy, outer optimizer: shard by shard after the last sync
     assert d["6"] == d["0"] and d["7"] == d["1"] and d["0"] != d["1"], d
     assert summary["params_equal_across_ranks"] is True

@@ -7,6 +7,7 @@ thread with the sockets left open (only its silence tells)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -338,3 +339,89 @@ def test_group_sessions_finish_in_any_order(leader_first: bool) -> None:
         assert coord.finished_step == 4 and coord.generation == 1
         events = [h["event"] for h in coord.history()]
         assert "failure" not in events and "group_failure" not in events, events
+
+
+def _leader_path_counts(coord: Coordinator) -> dict[str, int]:
+    """What the leader path holds in this process: relay and heartbeat threads, coordinator sessions, fds."""
+    names = [t.name for t in threading.enumerate()]
+    return {"relays": sum(n.startswith("torchnext-group-relay") for n in names),
+            "heartbeats": sum(n.startswith("torchnext-heartbeat") for n in names),
+            "sessions": _sessions(coord), "fds": len(os.listdir("/proc/self/fd"))}
+
+
+def test_restarted_groups_leave_no_session_behind() -> None:
+    """The 1,000th fault on the leader path, at CI size: replica group 1 is started 6 times; each time its follower
+    crashes after two commits, its leader reports it and is removed with it, and the next incarnation joins and
+    heals -- while group 0 trains on throughout. A dead session releases everything: after each restart the
+    process holds one relay thread (group 0's leader's), two heartbeat threads, one coordinator session, and no more
+    fds than after the first restart (the reaper releases superseded backends asynchronously: a bounded wait)."""
+    cycles, slack = 6, 4
+    with Coordinator(CoordinatorConfig(membership=MembershipConfig(min_size=1, initial_size=2))) as coord:
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def train(ft: FaultTolerant, w: torch.Tensor, until: Any) -> None:
+            while not until():
+                with ft.step() as st:
+                    grad = torch.ones(1)
+                    ft.all_reduce(grad, ReduceOp.AVG)
+                    if st.commit():
+                        w += grad
+                time.sleep(0.005)
+
+        def member(g: int, r: int, port: int, crash_after: int | None) -> None:
+            w = torch.zeros(1)
+            ft = None
+            try:
+                ft = FaultTolerant(FaultTolerantConfig(coordinator=coord.address, token=coord.token,
+                                                       replica_group=g, group_rank=r, group_size=SIZE,
+                                                       leader_address=f"127.0.0.1:{port}", timeout_s=30.0),
+                                   state_dict=lambda: {"w": w}, load_state_dict=lambda s: w.copy_(s["w"]))
+                start = ft.step_count
+                if crash_after is None:
+                    train(ft, w, stop.is_set)
+                else:
+                    train(ft, w, lambda: ft is not None and ft.step_count >= start + crash_after)
+                    _stop_client(ft, crash=True)
+            except RemovedFromGroup:
+                pass  # group 1's leader: its follower crashed
+            except BaseException as exc:  # reported to the test
+                errors.append(exc)
+            finally:
+                if ft is not None:
+                    ft.close()
+
+        def start(g: int, crash_after: int | None) -> list[threading.Thread]:
+            port = _free_port()
+            ths = [threading.Thread(target=member, args=(g, r, port, crash_after if r == 1 else None), daemon=True)
+                   for r in range(SIZE)]
+            for th in ths:
+                th.start()
+            return ths
+
+        survivors = start(0, None)
+        samples: list[dict[str, int]] = []
+        try:
+            for _ in range(cycles):
+                for th in start(1, 2):
+                    th.join(60)
+                    assert not th.is_alive(), f"group 1 did not end: {coord.members}; errors {errors}"
+                assert not errors, errors
+                # back to group 0 alone, committing: then the dead session's resources must be gone
+                assert coord.wait_until(lambda c: len(c.members) == SIZE, 30), coord.members
+                deadline = time.monotonic() + 15
+                while True:
+                    got = _leader_path_counts(coord)
+                    want = {"relays": 1, "heartbeats": 2, "sessions": 1}
+                    flat = {k: got[k] for k in want} == want and (not samples or got["fds"] <= samples[0]["fds"] + slack)
+                    if flat or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.1)
+                samples.append(got)
+                assert flat, samples
+        finally:
+            stop.set()
+            for th in survivors:
+                th.join(30)
+        assert not errors, errors
+        assert len(samples) == cycles and coord.generation >= 2 * cycles, (samples, coord.generation)

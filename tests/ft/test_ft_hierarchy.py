@@ -205,6 +205,11 @@ def test_heartbeat_levels_are_validated() -> None:
         MembershipConfig(group_heartbeat_interval_s=0.5, group_heartbeat_timeout_s=0.6)
     with pytest.raises(ValueError, match="group_heartbeat_interval_s"):
         MembershipConfig(group_heartbeat_interval_s=0.0)
+    # unset, the local level follows the coordinator's: a job that raised its heartbeat timeout (the demo: 2 s on an
+    # oversubscribed machine) does not lose a group to a shorter stall of a follower
+    slow = MembershipConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0)
+    assert (slow.group_heartbeat_interval_s, slow.group_heartbeat_timeout_s) == (0.25, 2.0)
+    assert MembershipConfig(heartbeat_timeout_s=2.0, group_heartbeat_timeout_s=0.6).group_heartbeat_timeout_s == 0.6
     cfg = FaultTolerantConfig(coordinator="127.0.0.1:1", token="t", timeout_s=5.0, coordinator_timeout_s=2.0)
     base = {"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 0.6, "quorum_timeout_s": None,
             "grow_timeout_s": None}

@@ -6,7 +6,6 @@ equality -- rank r of every live replica group holds bitwise the same parameter 
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 from torchnext.ft import Coordinator, CoordinatorConfig, MembershipConfig
 from torchnext.testing.faults import Fault, FaultKind, FaultPoint
-from torchnext.testing.ft_parallel import ParallelSpec, hsdp_reference, run_parallel
+from torchnext.testing.ft_parallel import ParallelSpec, check_sessions, hsdp_reference, run_parallel
 from torchnext.testing.ft_workload import FTJob
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
@@ -26,26 +25,17 @@ def _coordinator(groups: int) -> Coordinator:
     return Coordinator(CoordinatorConfig(membership=MembershipConfig(min_size=1, initial_size=groups)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 SESSIONS = pytest.mark.parametrize("sessions", [False, True], ids=["flat", "group-sessions"])
-"""Every rank its own coordinator connection, or one per replica group (protocol 4: ``leader_address``)."""
+"""Every rank its own coordinator connection (switched off: ``group_session=False``), or the default -- one group
+session per replica group (protocol 4), its leader's address derived through the group's store."""
 
 
-def _spec(coord: Coordinator, group: int, rank: int, steps: int, *, incarnation: int = 0, sessions: bool = False,
-          ports: dict[tuple[int, int], int] | None = None, **kw: Any) -> ParallelSpec:
+def _spec(coord: Coordinator, group: int, rank: int, steps: int, *, incarnation: int = 0, sessions: bool = True,
+          **kw: Any) -> ParallelSpec:
     member = 2 * group + rank + 100 * incarnation
-    if sessions:
-        assert ports is not None
-        port = ports.setdefault((group, incarnation), _free_port())
-        kw["leader_address"] = f"127.0.0.1:{port}"
     return ParallelSpec(coordinator=coord.address, token=coord.token, store_port=coord.store_port, member_id=member,
                         steps=steps, parallel="hsdp", group=group, group_rank=rank, group_size=2,
-                        incarnation=incarnation, **kw)
+                        incarnation=incarnation, group_session=None if sessions else False, **kw)
 
 
 def _full(shards: list[list[Any]]) -> list[torch.Tensor]:
@@ -56,13 +46,13 @@ def _full(shards: list[list[Any]]) -> list[torch.Tensor]:
 @SESSIONS
 def test_no_fault_matches_plain_data_parallel(sessions: bool) -> None:
     steps = 4
-    ports: dict[tuple[int, int], int] = {}
     with _coordinator(2) as coord, FTJob() as job:
         for g in range(2):
             for r in range(2):
-                job.launch(_spec(coord, g, r, steps, sessions=sessions, ports=ports), run_parallel)
+                job.launch(_spec(coord, g, r, steps, sessions=sessions), run_parallel)
         reports = job.wait([0, 1, 2, 3], timeout=150)
     assert all(r["error"] is None and r["step"] == steps for r in reports.values()), reports
+    check_sessions(reports, sessions)
     assert reports[0]["digest"] == reports[2]["digest"] and reports[1]["digest"] == reports[3]["digest"]
     assert reports[0]["digest"] != reports[1]["digest"]  # the two shards of one group differ
     got = _full([reports[0]["params"], reports[1]["params"]])
@@ -79,8 +69,7 @@ def test_kill_one_rank_then_the_group_rejoins_and_heals(tmp_path: Any, sessions:
     Adam state of its counterpart."""
     stop = tmp_path / "stop"
     faults = [Fault(kind=KILL, member=3, step=3, where=COLL)]
-    kw: dict[str, Any] = {"stop_file": str(stop), "step_sleep_s": 0.02, "faults": faults, "sessions": sessions,
-                          "ports": {}}
+    kw: dict[str, Any] = {"stop_file": str(stop), "step_sleep_s": 0.02, "faults": faults, "sessions": sessions}
     with _coordinator(2) as coord, FTJob() as job:
         for g in range(2):
             for r in range(2):
@@ -98,6 +87,7 @@ def test_kill_one_rank_then_the_group_rejoins_and_heals(tmp_path: Any, sessions:
     # group sessions: member 3's death was seen and reported by its group's leader (member 2), not by the coordinator
     assert ("lost by its leader 2" in failures[0]["why"]) == sessions, failures[0]
     assert sorted(reports) == [0, 1, 2, 102, 103], sorted(reports)
+    check_sessions(reports, sessions)
     assert "removed" in (reports[2]["error"] or ""), reports[2]["error"]  # shared fate with member 3
     for m in (0, 1, 102, 103):
         assert reports[m]["error"] is None and reports[m]["step"] == target, (m, reports[m]["error"])

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import time
 from typing import Any
 
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 from torchnext.ft import Coordinator, CoordinatorConfig, MembershipConfig
-from torchnext.testing.ft_parallel import ParallelSpec, ddp_expected_weights, run_parallel
+from torchnext.testing.ft_parallel import ParallelSpec, check_sessions, ddp_expected_weights, run_parallel
 from torchnext.testing.ft_workload import FTJob
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
@@ -101,10 +100,10 @@ def test_ddp_chaos_10_schedules(tmp_path: Any) -> None:
 
 @pytest.mark.parametrize("sessions", [False, True], ids=["flat", "group-sessions"])
 def test_hsdp_chaos_10_schedules(tmp_path: Any, sessions: bool) -> None:
-    """10 seeded faults on 2 replica groups of 2 FSDP2 ranks; with ``sessions`` each group holds one coordinator
-    connection, its leader's (protocol 4), so a follower's death is seen and reported by its leader."""
+    """10 seeded faults on 2 replica groups of 2 FSDP2 ranks; with ``sessions`` (the default) each group holds one
+    coordinator connection, its leader's (protocol 4: the address derived through the group's store), so a
+    follower's death is seen and reported by its leader; without, every rank is flat (``group_session=False``)."""
     rng = random.Random(14)
-    ports: dict[tuple[int, int], int] = {}
     stop = tmp_path / "stop"
     kw: dict[str, Any] = {"stop_file": str(stop), "signal_kills": True, "step_sleep_s": 0.005, "parallel": "hsdp",
                           "group_size": 2}
@@ -115,16 +114,10 @@ def test_hsdp_chaos_10_schedules(tmp_path: Any, sessions: bool) -> None:
             return [2 * g + r + 100 * incarnation[g] for r in range(2)]
 
         def launch(g: int) -> None:
-            leader = None
-            if sessions:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    ports[(g, incarnation[g])] = s.getsockname()[1]
-                leader = f"127.0.0.1:{ports[(g, incarnation[g])]}"
             for r, m in enumerate(ids(g)):
                 job.launch(ParallelSpec(coordinator=coord.address, token=coord.token, store_port=coord.store_port,
                                         member_id=m, steps=0, group=g, group_rank=r, incarnation=incarnation[g],
-                                        leader_address=leader, **kw), run_parallel)
+                                        group_session=None if sessions else False, **kw), run_parallel)
 
         for g in range(2):
             launch(g)
@@ -148,6 +141,7 @@ def test_hsdp_chaos_10_schedules(tmp_path: Any, sessions: bool) -> None:
         reports = job.wait(sorted(job.procs), timeout=120)
     final = {m: r for m, r in reports.items() if r["error"] is None}
     assert sorted(final) == sorted(ids(0) + ids(1)), {m: r["error"] for m, r in reports.items()}
+    check_sessions(reports, sessions)
     errors = {m: r["error"] for m, r in reports.items() if r["error"]}
     assert all("removed" in e for e in errors.values()), errors  # a victim's sibling, or a resumed SIGSTOP victim
     for r in range(2):

@@ -184,6 +184,11 @@ def test_soak_100_faults() -> None:
                "failed": {k: c for k, c in result.checks.items() if not c["ok"]}, "seconds": round(result.seconds)}
     assert result.checks, summary
     assert result.ok, json.dumps(summary, indent=1, default=str)[:8000]
+    # the HSDP job ran on group sessions (the default: its survivor, whose resources were checked flat, is group 0's
+    # leader); every DDP member is a replica group of one rank
+    hsdp, ddp = result.jobs["hsdp"]["sessions"], result.jobs["ddp"]["sessions"]
+    assert set(hsdp) == {"leader", "follower"}, hsdp  # (counts differ: a SIGKILLed rank leaves no report)
+    assert set(ddp) == {"flat"}, ddp
 
 
 def test_a_spare_builds_at_sched_idle_and_every_thread_returns_when_its_go_file_appears(tmp_path) -> None:

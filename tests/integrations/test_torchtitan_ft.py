@@ -119,6 +119,9 @@ def test_fault_free_groups_commit_every_step_and_end_equal(runs: dict[str, dict[
         res = clean["results"][f"clean-g{g}"]
         _check_exit(res)
         assert _committed(res.log, g) == [s for s in range(1, STEPS + 1) for _ in (0, 1)]  # both ranks log each
+        # by default the group holds one group session (torchrun's process group is the replica group)
+        for rank, role in ((0, "leader"), (1, "follower")):
+            assert f"replica group {g} rank {rank} membership session: {role} " in res.log, (g, rank, role)
     _assert_same_state(_final_state(clean["root"] / "g0"), _final_state(clean["root"] / "g1"))
     print(f"fault-free: {clean['wall_s']:.0f} s")
 

@@ -218,6 +218,8 @@ class _Rank:
     started: float
     state: str = "running"  # standby | running | killed | hung | partitioned | removed | done | failed
     joined: bool = False
+    session: str | None = None
+    """Its membership session once joined (``FaultTolerant.session``: leader / follower / flat)."""
     warm: bool = False
     """A standby process that reported it is ready (built, warmed up, waiting for the wake-up)."""
     first_step: tuple[int, int, int] | None = None
@@ -462,6 +464,7 @@ def run_demo(cfg: DemoConfig, on_event: Callable[[dict[str, Any]], None] | None 
             rank = launcher.ranks[member]
             if kind == "joined":
                 rank.joined = True
+                rank.session = ev.get("session")
                 for inj in launcher.injected:
                     if inj.recovered_at is None and inj.standby and all(launcher.ranks[m].joined for m in inj.standby):
                         inj.recovered_at = float(ev["_t"])
@@ -703,6 +706,9 @@ def _summarize(cfg: DemoConfig, launcher: _Launcher, faults: Sequence[Fault], hi
         "final_groups": final_groups,
         "replica_groups_compared": len(final_groups),  # < 2: nothing to compare (params_equal_across_ranks null)
         "removed_members": sorted(launcher.removed),
+        # how each process that joined held its membership: by default a replica group of several ranks holds one
+        # group session (its rank 0 "leader" speaks to the coordinator for its "follower"s); a DDP rank is "flat"
+        "sessions": {str(m): r.session for m, r in sorted(launcher.ranks.items()) if r.session is not None},
         "chaos": cfg.chaos,
         "faults_scheduled": [str(f) for f in faults],
         "faults_injected": len(launcher.injected),

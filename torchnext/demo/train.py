@@ -281,7 +281,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         else:
             ft.join()
         first = ft.reconfigurations[-1] if ft.reconfigurations else None
-        _emit("joined", member=ft.member_id, group=ft.replica_group, group_rank=group_rank,
+        _emit("joined", member=ft.member_id, group=ft.replica_group, group_rank=group_rank, session=ft.session,
               generation=ft.generation, size=ft.size, step=loop.step_no(outer), pid=os.getpid(),
               healed=None if first is None or first.healed is None else asdict(first.healed))
         t_start = time.monotonic()

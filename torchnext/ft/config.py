@@ -67,14 +67,23 @@ class FaultTolerantConfig:
     """Ranks per replica group, the same for every group (None: torchrun's ``WORLD_SIZE`` when ``replica_group`` is
     set, else 1)."""
 
+    group_session: bool | None = None
+    """Hold a group session (protocol 4, docs/fault_tolerance.md "Membership hierarchy") when this replica group has
+    more than one rank: rank 0 (the leader) holds the group's one connection to the coordinator and relays for the
+    others over an authenticated local channel; the coordinator's load then grows with replica groups, not ranks.
+    None (the default): ``TORCHNEXT_FT_GROUP_SESSION`` (unset: on); False: every rank connects to the coordinator
+    itself (flat), as before protocol 4. A group of one rank is always its own session."""
     leader_address: str | None = None
-    """A group session (protocol 4, docs/fault_tolerance.md "Membership hierarchy"): ``host:port`` where rank 0 of
-    this replica group listens for its other ranks (the same for every rank of the group; a free port on the group's
-    host). Rank 0 then holds the group's one connection to the coordinator and relays for the others; None (the
-    default; ``TORCHNEXT_FT_LEADER_ADDRESS`` when set): every rank connects to the coordinator itself (flat). Ignored
-    for a group of one rank."""
+    """``host:port`` where rank 0 of this replica group listens for its other ranks in a group session (the same
+    for every rank of the group; ``TORCHNEXT_FT_LEADER_ADDRESS`` when unset). None: derived -- rank 0 binds a free
+    port and publishes the address in the store of the default process group, when that group is exactly this
+    replica group (``init_process_group(rank=group_rank, world_size=group_size)`` before ``FaultTolerant``, as
+    FSDP2/HSDP, DiLoCo and torchtitan do); without such a store the member connects flat (logged, and
+    :attr:`FaultTolerant.session` says why). Ignored for a group of one rank or with ``group_session=False``."""
 
     def __post_init__(self) -> None:
+        if self.group_session is not None and not isinstance(self.group_session, bool):
+            raise ValueError(f"FaultTolerantConfig.group_session must be None or a bool, got {self.group_session!r}")
         if self.leader_address is not None:
             host, _, port = str(self.leader_address).rpartition(":")
             if not isinstance(self.leader_address, str) or not host or not port.isdigit() or not 0 <= int(port) < 65536:

@@ -219,10 +219,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s, help="seconds")
     parser.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s, help="seconds")
     parser.add_argument("--quorum-timeout", type=float, default=d.quorum_timeout_s, help="seconds")
-    parser.add_argument("--group-heartbeat-interval", type=float, default=d.group_heartbeat_interval_s,
-                        help="seconds: a follower's heartbeats to its group's leader (group sessions)")
-    parser.add_argument("--group-heartbeat-timeout", type=float, default=d.group_heartbeat_timeout_s,
-                        help="seconds: a leader declares a silent follower failed after this")
+    parser.add_argument("--group-heartbeat-interval", type=float, default=None,
+                        help="seconds: a follower's heartbeats to its group's leader (group sessions; default: "
+                             "--heartbeat-interval)")
+    parser.add_argument("--group-heartbeat-timeout", type=float, default=None,
+                        help="seconds: a leader declares a silent follower failed after this (default: "
+                             "--heartbeat-timeout)")
     parser.add_argument("--standby", action="store_true",
                         help="start as a standby: take office only when members that lost their coordinator report "
                              "to it (needs TORCHNEXT_FT_TOKEN, the job's token)")

@@ -66,10 +66,11 @@ from torchnext.comms.hooks import HookList, PostHookArgs, RemovableHandle
 from torchnext.comms.work import WorkStatus
 from torchnext.ft.config import FaultTolerantConfig, Reconfiguration
 from torchnext.ft.errors import quiet_abort
-from torchnext.ft.group_session import GroupFollowerClient, GroupLeaderClient
 from torchnext.ft.healing import HealStats, recv_state, send_state
 from torchnext.ft.member import ARRIVED_AFTER, MemberClient
 from torchnext.ft.membership import JobFinished, QuorumLost, RemovedFromGroup
+from torchnext.ft.session import connect as connect_session
+from torchnext.ft.session import plan as plan_session
 from torchnext.ft.step import Step, _FailedAttempts
 
 __all__ = ["COMMITS_KEPT", "RECONFIGURATIONS_KEPT", "TRAIL_KEPT", "FaultTolerant"]
@@ -160,19 +161,14 @@ class FaultTolerant:
             coordinator_timeout_s=cfg.coordinator_timeout_s, on_interrupt=self._on_interrupt,
             failover_timeout_s=cfg.failover_timeout_s, report=self._member_report,
         )
-        self._client: MemberClient
-        leader_address = cfg.leader_address or env.ft_leader_address
-        if leader_address is not None and self.group_size > 1 and self.replica_group is not None:
-            if self.group_rank == 0:  # the group's leader: one coordinator session for the whole group
-                self._client = GroupLeaderClient(address, token, leader_address=leader_address,
-                                                 replica_group=self.replica_group, group_size=self.group_size,
-                                                 **common)
-            else:
-                self._client = GroupFollowerClient(leader_address, token, replica_group=self.replica_group,
-                                                   group_rank=self.group_rank, group_size=self.group_size, **common)
-        else:
-            self._client = MemberClient(address, token, replica_group=self.replica_group, group_rank=self.group_rank,
-                                        group_size=self.group_size, **common)
+        session = plan_session(cfg, replica_group=self.replica_group, group_rank=self.group_rank,
+                               group_size=self.group_size)
+        self.session = session.role
+        """``"leader"`` / ``"follower"``: this member is in its replica group's group session (protocol 4: the
+        leader holds the group's one coordinator connection); ``"flat"``: its own connection (``session_why``)."""
+        self.session_why = session.why
+        self._client: MemberClient = connect_session(session, cfg, address, token, replica_group=self.replica_group,
+                                                     group_rank=self.group_rank, group_size=self.group_size, **common)
         self._joined = False
         try:
             cfg.check_timeouts(heartbeat_interval_s=self._client.heartbeat_interval_s,

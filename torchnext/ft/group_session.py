@@ -49,7 +49,7 @@ from torchnext.ft._wire import (
     tune_socket,
     verify,
 )
-from torchnext.ft.member import MemberClient, fatal_code, parse_address
+from torchnext.ft.member import MemberClient, fatal_code, parse_address, parse_addresses
 from torchnext.ft.membership import CoordinatorLost, MembershipError, RemovedFromGroup
 
 __all__ = ["GroupFollowerClient", "GroupLeaderClient"]
@@ -89,7 +89,7 @@ class _Relay:
 
     def __init__(self, address: str, token: str, group: int, size: int, send_up: Callable[[dict[str, Any]], None],
                  name: str) -> None:
-        host, port = parse_address(address)
+        host, port = parse_address(address, any_port=True)
         self._listener = socket.create_server((host, port), backlog=max(8, size))
         self._token = token
         self.group, self.size = group, size
@@ -358,18 +358,23 @@ def _close(sock: socket.socket) -> None:
 
 class GroupLeaderClient(MemberClient):
     """Rank 0 of a replica group in a group session: a :class:`MemberClient` that first collects its followers at
-    ``leader_address`` (within ``connect_timeout_s``), then joins the coordinator for the whole group, votes for it
-    once every rank voted, relays the coordinator's messages to the followers and reports their deaths."""
+    ``leader_address`` (within ``gather_timeout_s``, default ``connect_timeout_s``; port 0: a free one, then
+    ``on_listening(host:port)`` is called before the wait), then joins the coordinator for the whole group, votes for
+    it once every rank voted, relays the coordinator's messages to the followers and reports their deaths."""
 
     def __init__(self, address: str | Sequence[str], token: str, *, leader_address: str, replica_group: int,
-                 group_size: int, connect_timeout_s: float, **kw: Any) -> None:
+                 group_size: int, connect_timeout_s: float, on_listening: Callable[[str], object] | None = None,
+                 gather_timeout_s: float | None = None, **kw: Any) -> None:
         if group_size < 2:
             raise ValueError(f"a group session needs at least 2 ranks, got group_size={group_size}")
         self._followers: list[_Follower] = []
         self._relay = _Relay(leader_address, token, replica_group, group_size, self._send_up,
                              f"group {replica_group}")
         try:
-            self._followers = self._relay.await_followers(connect_timeout_s)
+            if on_listening is not None:  # e.g. publish the bound address where the followers look for it
+                on_listening(self._relay.address)
+            self._followers = self._relay.await_followers(
+                connect_timeout_s if gather_timeout_s is None else gather_timeout_s)
             super().__init__(address, token, replica_group=replica_group, group_rank=0, group_size=group_size,
                              connect_timeout_s=connect_timeout_s, **kw)
         except BaseException:
@@ -451,9 +456,21 @@ class GroupFollowerClient(MemberClient):
 
     _schemas = LEADER_MESSAGES
 
-    def __init__(self, leader_address: str, token: str, **kw: Any) -> None:
+    def __init__(self, leader_address: str, token: str, *, resolve: Callable[[], str] | None = None,
+                 **kw: Any) -> None:
+        """``resolve``: where the leader listens now (read again before each attempt of the first join: an address
+        published by a previous incarnation of the group names a leader that is gone)."""
         self._finished_seen = False
+        self._resolve = resolve
         super().__init__(leader_address, token, **kw)
+
+    def _before_join_pass(self) -> None:
+        if self._resolve is None:
+            return
+        try:
+            self.addresses = parse_addresses(self._resolve())
+        except (MembershipError, ValueError) as exc:  # keep the address known; the join's deadline bounds it
+            _LOG.debug("torchnext group follower: reading its leader's address again failed: %s", exc)
 
     def _failover(self, why: str) -> bool:
         if self._closed.is_set():

@@ -69,8 +69,9 @@ _TRY_NEXT = frozenset({"standby", "not_resumable", "stale_coordinator", "auth", 
 """Refusals after which a failing-over member tries the next address (this coordinator cannot take it)."""
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)``; ``ValueError`` naming the problem otherwise."""
+def parse_address(address: str, *, any_port: bool = False) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)``; ``ValueError`` naming the problem otherwise.
+    ``any_port``: port 0 is accepted (an address to bind: a free port)."""
     if not isinstance(address, str) or ":" not in address:
         raise ValueError(f"coordinator address must be 'host:port', got {address!r}")
     host, _, port = address.strip().rpartition(":")
@@ -78,8 +79,8 @@ def parse_address(address: str) -> tuple[str, int]:
         p = int(port)
     except ValueError:
         raise ValueError(f"coordinator address {address!r}: port {port!r} is not an int") from None
-    if not host or not 0 < p < 65536:
-        raise ValueError(f"coordinator address {address!r}: expected host:port with 0 < port < 65536")
+    if not host or not (0 if any_port else 1) <= p < 65536:
+        raise ValueError(f"coordinator address {address!r}: expected host:port with {0 if any_port else 1} <= port < 65536")
     return host.strip("[]"), p
 
 
@@ -199,6 +200,7 @@ class MemberClient:
         problems: dict[str, str] = {}
         refusal: Rejected | None = None
         while True:
+            self._before_join_pass()
             for addr in self.addresses:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -268,6 +270,10 @@ class MemberClient:
         except BaseException:
             sock.close()
             raise
+
+    def _before_join_pass(self) -> None:
+        """Called before each pass over the addresses of the first join (a group follower reads its leader's
+        address again)."""
 
     def _hello_extra(self, report: dict[str, Any] | None) -> dict[str, Any]:
         """Fields added to every hello (a group session's leader: its ``followers``)."""

@@ -138,13 +138,21 @@ class MembershipConfig:
     """Survivors below ``min_size`` wait this long for joiners before every member gets ``QuorumLost``."""
     fence_linger_s: float = 60.0
     """A removed (hung) member's connection is kept this long so that, if it resumes, it reads "you were removed"."""
-    group_heartbeat_interval_s: float = 0.1
+    group_heartbeat_interval_s: float | None = None
     """The local level of a group session (protocol 4): a follower heartbeats its leader this often (sent to the
-    leader in its welcome). ``heartbeat_interval_s`` is the coordinator's level: leaders and flat members."""
-    group_heartbeat_timeout_s: float = 0.6
-    """A follower silent this long on its local channel is declared failed by its leader (reported with ``lost``)."""
+    leader in its welcome). ``heartbeat_interval_s`` is the coordinator's level: leaders and flat members. None:
+    the same as ``heartbeat_interval_s``."""
+    group_heartbeat_timeout_s: float | None = None
+    """A follower silent this long on its local channel is declared failed by its leader (reported with ``lost``).
+    None: the same as ``heartbeat_timeout_s`` -- a rank is judged by one rule whichever level watches it (a job that
+    raised ``heartbeat_timeout_s`` for an oversubscribed machine does not lose a group to a 0.6 s stall of a
+    follower)."""
 
     def __post_init__(self) -> None:
+        if self.group_heartbeat_interval_s is None:
+            self.group_heartbeat_interval_s = self.heartbeat_interval_s
+        if self.group_heartbeat_timeout_s is None:
+            self.group_heartbeat_timeout_s = self.heartbeat_timeout_s
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "grow_timeout_s", "quorum_timeout_s",
                      "group_heartbeat_interval_s", "group_heartbeat_timeout_s"):
             value = getattr(self, name)
@@ -157,7 +165,7 @@ class MembershipConfig:
                 f"MembershipConfig.heartbeat_timeout_s={self.heartbeat_timeout_s} must be at least twice "
                 f"heartbeat_interval_s={self.heartbeat_interval_s} (one late heartbeat must not remove a member)"
             )
-        if self.group_heartbeat_timeout_s < 2 * self.group_heartbeat_interval_s:
+        if float(self.group_heartbeat_timeout_s) < 2 * float(self.group_heartbeat_interval_s):
             raise ValueError(
                 f"MembershipConfig.group_heartbeat_timeout_s={self.group_heartbeat_timeout_s} must be at least twice "
                 f"group_heartbeat_interval_s={self.group_heartbeat_interval_s} (one late heartbeat on a group's local "

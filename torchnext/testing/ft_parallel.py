@@ -43,8 +43,8 @@ import torch
 
 from torchnext.testing.faults import Fault, FaultInjector, FaultKind, FaultPoint
 
-__all__ = ["STACKS_SIGNAL", "ParallelSpec", "ddp_expected_weights", "ddp_gradient", "hsdp_model", "hsdp_reference",
-           "run_parallel"]
+__all__ = ["STACKS_SIGNAL", "ParallelSpec", "check_sessions", "ddp_expected_weights", "ddp_gradient", "hsdp_model",
+           "hsdp_reference", "run_parallel"]
 
 STACKS_SIGNAL = signal.SIGRTMIN + 2
 """The signal on which a member with ``ParallelSpec.stacks_file`` dumps its stacks (SIGUSR1/2 and SIGRTMIN are
@@ -111,7 +111,9 @@ class ParallelSpec:
     """Run inside this network namespace (a host of a :class:`~torchnext.testing.netns.NetLab`)."""
     leader_address: str | None = None
     """HSDP: the replica group's session address (``FaultTolerantConfig.leader_address``: rank 0 holds the group's
-    one coordinator connection and relays for its sibling); None: every rank connects itself."""
+    one coordinator connection and relays for its sibling); None: derived through the group's store (the default)."""
+    group_session: bool | None = None
+    """HSDP: ``FaultTolerantConfig.group_session`` (None: the default, a group session; False: every rank flat)."""
     stacks_file: str | None = None
     """If set: :data:`STACKS_SIGNAL` appends every thread's Python stack to this file (``faulthandler``) -- a harness
     whose bounded wait ran out asks every live process where it is."""
@@ -237,12 +239,14 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
                                 timeout_s=spec.timeout_s, replica_group=spec.group if hsdp else None,
                                 group_rank=spec.group_rank if hsdp else None,
                                 group_size=spec.group_size if hsdp else None,
-                                leader_address=spec.leader_address if hsdp else None),
+                                leader_address=spec.leader_address if hsdp else None,
+                                group_session=spec.group_session if hsdp else None),
             state_dict=lambda: sharded_state(model, *([opt] if opt is not None else [])),
             load_state_dict=lambda s: load_sharded_state(s, model, *([opt] if opt is not None else [])),
             join=False,
         )
         ft.on_reconfigure(record.reconfigurations.append)
+        report["session"] = ft.session
         if hsdp:
             from torch.distributed.fsdp import fully_shard
 
@@ -291,6 +295,16 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
         if hsdp and dist.is_initialized():
             dist.destroy_process_group()
     return report
+
+
+def check_sessions(reports: dict[int, dict[str, Any]], sessions: bool) -> None:
+    """Each HSDP report's membership session (``FaultTolerant.session``): with ``sessions`` (the default) rank 0 of
+    a group leads and the others follow; without (``group_session=False``), every rank is flat. AssertionError
+    naming the member otherwise."""
+    for m, r in reports.items():
+        want = ("leader" if r["group_rank"] == 0 else "follower") if sessions else "flat"
+        if r.get("session") != want:
+            raise AssertionError(f"member {m}: session {r.get('session')!r}, expected {want!r}")
 
 
 def _group_store(spec: ParallelSpec) -> Any:

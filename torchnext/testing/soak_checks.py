@@ -146,7 +146,17 @@ def check_job(kind: str, reports: dict[int, dict[str, Any]], events: Sequence[di
             "survivor_reconfigurations": [{k: r.get(k) for k in ("gen", "step", "joiners", "reason", "timings", "healed")}
                                           for r in surv.get("reconfigurations", [])] if surv else [],
             "reports": len(reports),
+            "sessions": _sessions(ran),
             "ended": ended, "sigkilled": len(expected_kill)}
+
+
+def _sessions(ran: dict[int, dict[str, Any]]) -> dict[str, int]:
+    """How many members held each kind of membership session (``FaultTolerant.session``: leader, follower, flat)."""
+    out: dict[str, int] = {}
+    for r in ran.values():
+        key = str(r.get("session"))
+        out[key] = out.get(key, 0) + 1
+    return out
 
 
 def resources_flat(base: dict[str, Any] | None, end: dict[str, Any] | None, rss_tolerance: float,

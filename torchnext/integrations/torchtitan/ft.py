@@ -221,6 +221,8 @@ class FaultTolerantTrainer(Trainer):
             FaultTolerantConfig(min_size=ftc.min_replica_groups, timeout_s=ftc.timeout_s,
                                 join_timeout_s=ftc.join_timeout_s, replica_group=self.replica_group),
             join=False, state_dict=self._ft_state, load_state_dict=self._ft_load)
+        _LOG.info("torchnext ft: replica group %d rank %d membership session: %s (%s)", self.replica_group,
+                  self.ft.group_rank, self.ft.session, self.ft.session_why)
         if semi:
             # inner steps stay inside the group: torchtitan's own FSDP mesh over this launch's ranks; its group
             # keeps the ranks in lockstep at each synchronization and is aborted if the group is removed
