@@ -32,7 +32,7 @@ import torch
 
 from torchnext.testing import CoordinatorProcess
 from torchnext.testing.torchtitan_cpu import CPU_FLAGS, read_scalars, write_tiny_assets
-from torchnext.testing.torchtitan_jobs import TitanJob, run_jobs
+from torchnext.testing.torchtitan_jobs import TitanJob, replica_group_env, run_jobs
 
 TIME_TAG = "time_metrics/end_to_end(s)"
 WARMUP = 5
@@ -79,8 +79,8 @@ def run_hsdp(root: Path, backend: str, tag: str, tok: str, data: str, steps: int
               "--fault_tolerance.replica_groups", "2"]
     with CoordinatorProcess(token, initial_size=2, heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0) as coord:
         _launch([TitanJob(name=f"{tag}-g{g}", launcher="torchnext", runs=[["--dump_folder", str(root / tag / f"g{g}")]],
-                          common=common, env={**_env(root), "TORCHNEXT_FT_COORDINATOR": coord.address,
-                                              "TORCHNEXT_FT_TOKEN": token, "TORCHNEXT_FT_REPLICA_GROUP": str(g)})
+                          common=common,
+                          env=replica_group_env(coord.address, token, g, root / "autotune.json"))
                  for g in (0, 1)], root)
     return _step_times(root / tag / "g0")
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from torchnext.testing import CoordinatorProcess
 from torchnext.testing.torchtitan_cpu import CPU_FLAGS, write_tiny_assets
-from torchnext.testing.torchtitan_jobs import TitanJob, run_jobs, worker_pids
+from torchnext.testing.torchtitan_jobs import TitanJob, replica_group_env, run_jobs, worker_pids
 
 
 def main() -> int:
@@ -55,9 +55,7 @@ def main() -> int:
                   "--fault_tolerance.replica_groups", str(args.groups), "--metrics.enable_tensorboard"]
         jobs = [TitanJob(name=f"group{g}", launcher="torchnext", nproc=args.ranks, common=common,
                          runs=[["--dump_folder", str(out / f"group{g}")]], launcher_args=["--max-restarts", "1"],
-                         env={"TORCHNEXT_FT_COORDINATOR": coordinator.address, "TORCHNEXT_FT_TOKEN": token,
-                              "TORCHNEXT_FT_REPLICA_GROUP": str(g), "HF_DATASETS_OFFLINE": "1",
-                              "HF_HUB_OFFLINE": "1"})
+                         env=replica_group_env(coordinator.address, token, g))
                 for g in range(args.groups)]
 
         def watch(launchers: dict[str, int]) -> None:

@@ -28,7 +28,7 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip insta
 
 from torchnext.testing import CoordinatorProcess  # noqa: E402
 from torchnext.testing.torchtitan_cpu import CPU_FLAGS, write_tiny_assets  # noqa: E402
-from torchnext.testing.torchtitan_jobs import TitanJob, run_jobs, worker_pids  # noqa: E402
+from torchnext.testing.torchtitan_jobs import TitanJob, replica_group_env, run_jobs, worker_pids  # noqa: E402
 
 NPROC, STEPS, H, HOLD_AT = 2, 12, 3, 4
 METHODS = ("diloco", "local_sgd") if os.environ.get("TORCHNEXT_LONG", "") not in ("", "0") else ("diloco",)
@@ -64,9 +64,7 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         jobs = [TitanJob(name=f"g{g}", launcher="torchnext", common=common, nproc=NPROC,
                          runs=[["--dump_folder", str(root / f"g{g}"), *(hold if g == 0 else [])]],
                          launcher_args=["--max-restarts", "1"] if g == 1 else [],
-                         env={"TORCHNEXT_FT_COORDINATOR": coord.address, "TORCHNEXT_FT_TOKEN": TOKEN,
-                              "TORCHNEXT_FT_REPLICA_GROUP": str(g), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-                              "TORCHNEXT_AUTOTUNE_CACHE": str(root / "autotune.json")})
+                         env=replica_group_env(coord.address, TOKEN, g, root / "autotune.json"))
                 for g in (0, 1)]
 
         def watch(launchers: dict[str, int]) -> None:

@@ -24,7 +24,7 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip insta
 
 from torchnext.testing import CoordinatorProcess  # noqa: E402
 from torchnext.testing.torchtitan_cpu import CPU_FLAGS, LOSS_TAG, read_scalars, write_tiny_assets  # noqa: E402
-from torchnext.testing.torchtitan_jobs import TitanJob, TitanResult, run_jobs, worker_pids  # noqa: E402
+from torchnext.testing.torchtitan_jobs import TitanJob, TitanResult, replica_group_env, run_jobs, worker_pids  # noqa: E402
 
 STEPS, KILL_AFTER = 20, 5
 TOKEN = "titan-ft-test-token"
@@ -54,9 +54,7 @@ def _run(root: Path, name: str, tok: str, data: str, *, kill: bool) -> dict[str,
         jobs = [TitanJob(name=f"{name}-g{g}", launcher="torchnext", common=common,
                          runs=[["--dump_folder", str(root / name / f"g{g}")]],
                          launcher_args=["--max-restarts", "1"] if g == 1 else [],
-                         env={"TORCHNEXT_FT_COORDINATOR": coord.address, "TORCHNEXT_FT_TOKEN": TOKEN,
-                              "TORCHNEXT_FT_REPLICA_GROUP": str(g), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-                              "TORCHNEXT_AUTOTUNE_CACHE": str(root / "autotune.json")})
+                         env=replica_group_env(coord.address, TOKEN, g, root / "autotune.json"))
                 for g in (0, 1)]
 
         def watch(launchers: dict[str, int]) -> None:

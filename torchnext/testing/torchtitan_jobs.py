@@ -28,7 +28,7 @@ from pathlib import Path
 
 from torchnext.testing.procfs import stat_fields
 
-__all__ = ["LAUNCHERS", "TitanJob", "TitanResult", "run_jobs", "worker_pids"]
+__all__ = ["LAUNCHERS", "TitanJob", "TitanResult", "replica_group_env", "run_jobs", "worker_pids"]
 
 LAUNCHERS: dict[str, list[str]] = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run"],
@@ -77,6 +77,18 @@ class TitanResult:
             tail = "\n".join(self.log.splitlines()[-60:])
             raise AssertionError(f"torchtitan job {self.job.name!r}: exit {self.returncode}, leftover processes "
                                  f"{self.leftover}, {self.wall_s:.0f} s; log tail:\n{tail}")
+
+
+def replica_group_env(coordinator: str, token: str, group: int,
+                      autotune_cache: Path | None = None) -> dict[str, str]:
+    """The environment of one replica group's launch of a fault-tolerant torchtitan job on local CPU ranks: the
+    coordinator's address and token, the group's index, Hugging Face offline (the tiny assets are local), and a
+    shared autotune cache when given."""
+    env = {"TORCHNEXT_FT_COORDINATOR": coordinator, "TORCHNEXT_FT_TOKEN": token,
+           "TORCHNEXT_FT_REPLICA_GROUP": str(group), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    if autotune_cache is not None:
+        env["TORCHNEXT_AUTOTUNE_CACHE"] = str(autotune_cache)
+    return env
 
 
 def _children_map() -> dict[int, list[int]]:
