@@ -7,6 +7,7 @@ TCPStore on a free port), every wait bounded."""
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -353,6 +354,25 @@ def test_the_build_is_cached() -> None:
     res = _build.build()
     assert res.built is False and time.perf_counter() - t0 < 10.0
     assert (res.folder / "build.json").exists() and res.folder == _build.cache_folder()
+
+
+def test_a_checkout_at_another_path_uses_the_finished_build(tmp_path: Path) -> None:
+    """CI runs a copy of the tree at another path: ``build()`` must import the finished build, never hand it to
+    ninja (whose build file names the old source paths, so it recompiled -- 30 s, the .so rewritten under a
+    process that has it loaded). No compiler or ninja on PATH: any recompile fails."""
+    pkg = Path(_build.__file__).resolve().parents[3] / "torchnext"
+    shutil.copytree(pkg, tmp_path / "torchnext", ignore=shutil.ignore_patterns("__pycache__"))
+    code = ("import time; t0 = time.perf_counter()\n"
+            "import torchnext; from torchnext.comms.native import _build\n"
+            "res = _build.build()\n"
+            "print('RESULT', torchnext.__file__, res.built, res.folder, round(time.perf_counter() - t0, 3))\n")
+    env = {**os.environ, "PATH": "/nonexistent", "TORCHNEXT_CXX": "/nonexistent/c++", "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
+    _, where, built, folder, _seconds = line.split(" ")
+    assert where.startswith(str(tmp_path)) and built == "False" and folder == str(_build.cache_folder())
 
 
 def test_a_built_extension_loads_without_a_compiler_or_ninja() -> None:

@@ -103,11 +103,14 @@ def load_cached() -> BuildResult | None:
     path = folder / f"{name}.so"
     if not (folder / common.BUILD_MARKER).exists() or not path.is_file():
         return None
+    if name in sys.modules:  # already imported in this process
+        return BuildResult(module=sys.modules[name], folder=folder, built=False, seconds=0.0)
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         return None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    sys.modules[name] = module
     common.touch(folder)
     return BuildResult(module=module, folder=folder, built=False, seconds=0.0)
 
@@ -131,6 +134,9 @@ def build() -> BuildResult:
 
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this torch build")
+    cached = load_cached()
+    if cached is not None:  # never through ninja: a checkout at another path would recompile the finished build
+        return cached
     cfg = env_config()
     folder = cache_folder()
     folder.mkdir(parents=True, exist_ok=True)
@@ -156,7 +162,9 @@ def build() -> BuildResult:
             built = True
         else:
             common.touch(folder)
-        module = _load(folder)
+        # the build is finished: import it from its folder (what a crashed earlier load left, ``_load`` repairs)
+        cached = load_cached()
+        module = cached.module if cached is not None else _load(folder)
     if built:
         common.prune(folder.parent, keep=folder, days=cfg.kernel_cache_keep_days)
     return BuildResult(module=module, folder=folder, built=built, seconds=seconds)
