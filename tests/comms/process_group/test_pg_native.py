@@ -7,8 +7,8 @@ TCPStore on a free port), every wait bounded."""
 from __future__ import annotations
 
 import json
-import shutil
 import os
+import shutil
 import subprocess
 import sys
 import threading
