@@ -234,6 +234,10 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         superseded (the op is then recorded as failed, not issued). Bad arguments raise."""
         ft = self._ft
         comm = ft._comm
+        if ft._early_vote is not None:
+            raise RuntimeError(f"{op} on the fault-tolerant process group after this step's vote was sent "
+                               "(DistributedDataParallel(vote_early=True) votes when backward's last bucket is "
+                               "reduced): no fault-tolerant collective may follow backward in the step")
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{op}: expected a torch.Tensor, got {type(t).__name__}")
