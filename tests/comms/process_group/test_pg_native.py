@@ -320,6 +320,47 @@ def test_native_entries_are_in_the_dumps(tmp_path: Path) -> None:
 
 
 # -------------------------------------------------------------------------------------- switching paths
+def rendered_dump_body(ctx: RankContext, dump_dir: str) -> dict[str, Any]:
+    pg = _init(ctx)
+    comm = pg.communicator()
+    dist.all_reduce(torch.ones(3, 2))  # native (the C++ ring renders it)
+    handle = comm.register_pre_hook(lambda info: None)
+    dist.broadcast(torch.ones(2, dtype=torch.int64), 0)  # Python path: a slot of the Python recorder
+    handle.remove()
+    # a thread name JSON must escape (quote, backslash, newline, non-ASCII, beyond the BMP)
+    issued, dumped = threading.Event(), threading.Event()
+
+    def work() -> None:  # alive until the dump: the dump names live threads only
+        dist.all_reduce(torch.ones(5), op=dist.ReduceOp.MAX)
+        issued.set()
+        dumped.wait(60)
+
+    worker = threading.Thread(target=work, name='w\u00f6rker "q" \\ \n \U0001f600')
+    worker.start()
+    issued.wait(60)
+    dist.all_gather_single(torch.empty(4), torch.ones(2))
+    rec = comm.flight_recorder
+    try:
+        path = rec.dump(dump_dir + os.sep + f"r{ctx.rank}.json", format="json")
+        reference = rec.entries()
+    finally:
+        dumped.set()
+        worker.join(60)
+    return {"dump": json.loads(Path(path).read_text())["entries"], "reference": reference,
+            "native_sources": sum(hasattr(src, "render") for _, src in rec._sources)}
+
+
+def test_the_json_dump_of_native_entries_is_rendered_in_cpp_and_equals_the_reference(tmp_path: Path) -> None:
+    """The JSON dump writes the C++ ring's entries in C++ (``fr_render``), merged with the Python recorder's by
+    creation time: parsed, it equals the reference formatter's ``entries()`` on the same records, field for field."""
+    for r in run_ranks(rendered_dump_body, 2, args=(str(tmp_path),), timeout=120):
+        assert r["native_sources"] >= 1
+        assert [e["op"] for e in r["dump"]] == ["all_reduce", "broadcast", "all_reduce", "all_gather_single"]
+        assert r["dump"] == r["reference"]
+        assert r["dump"][2]["thread_name"] == 'w\u00f6rker "q" \\ \n \U0001f600'
+        assert r["dump"][2]["reduce_op"] == "max" and r["dump"][1]["input_dtypes"] == ["Long"]
+
+
 def switch_body(ctx: RankContext) -> dict[str, Any]:
     pg = _init(ctx)
     comm = pg.communicator()

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Sequence
 from types import CodeType
 from typing import Any, Protocol
 
 from torchnext.comms.flight_recorder.format import dtype_name
 
-__all__ = ["P2P_OPS", "WINDOW_OPS", "entries_json", "format_entries"]
+__all__ = ["P2P_OPS", "WINDOW_OPS", "Rendered", "entries_json", "format_entries", "group_fields"]
 
 WINDOW_OPS = frozenset(
     {"window.put", "window.get", "window.get_rows", "window.accumulate", "window.signal", "window.wait_signal"}
@@ -162,8 +163,41 @@ def _n(x: int | None) -> str:
     return "null" if x is None else str(int(x))
 
 
-def entries_json(live: list[list[Any]], groups: list[Any], global_rank: int) -> str:
-    """Slots -> the JSON text of ``format_entries(live, groups, global_rank, torch_compat=False)`` (fast path)."""
+def group_fields(g: Any, op: str, peer: int | None, global_rank: int) -> str:
+    """The group-dependent fields of one JSON entry, ``"pg_id"`` to ``"peer_global"`` (also what a pre-rendering
+    source -- the native data path's C++ ring -- is given per ``(op, peer)``)."""
+    return (f'"pg_id":{g.pg_id},"process_group":{_j([g.key, g.desc])},'
+            f'"profiling_name":{_j(_profiling_name(g, op, peer, False))},"op":{_j(op)},'
+            f'"backend":{_j(g.backend)},"rank":{g.rank},"global_rank":{global_rank},"peer":{_n(peer)},'
+            f'"peer_global":{_n(g.ranks[peer] if peer is not None and 0 <= peer < len(g.ranks) else None)}')
+
+
+Rendered = tuple[int, int, str]
+"""An entry a source rendered itself: ``(time_created_ns, record id, text)``, the text being the entry's JSON after
+``{"record_id":N,`` (see :func:`group_fields` and ``csrc/native.cpp``'s ``Ring::render``)."""
+
+
+def entries_json(live: list[list[Any]], groups: list[Any], global_rank: int,
+                 rendered: Sequence[Rendered] = ()) -> str:
+    """Slots -> the JSON text of ``format_entries(live, groups, global_rank, torch_compat=False)`` (fast path).
+
+    ``rendered``: entries of other sources, already JSON (:data:`Rendered`): merged with the slots by creation time
+    and the whole numbered anew (``record_id`` 0, 1, ...), as :meth:`FlightRecorder.entries` numbers merged slots::
+
+        no rendered: [{"record_id": slot.rid, ...} for slot in live]
+        else:        [{"record_id": i, ...} for i, entry in enumerate(sorted(live + rendered, key=(t_created, rid)))]
+    """
+    tails = _tails(live, groups, global_rank)
+    if not rendered:
+        return "[" + ",".join(f'{{"record_id":{e[_RID]},{t}' for e, t in zip(live, tails, strict=True)) + "]"
+    merged = [(e[_TCREATED], e[_RID], t) for e, t in zip(live, tails, strict=True)]
+    merged.extend(rendered)
+    merged.sort(key=lambda x: (x[0], x[1]))
+    return "[" + ",".join(f'{{"record_id":{i},{m[2]}' for i, m in enumerate(merged)) + "]"
+
+
+def _tails(live: list[list[Any]], groups: list[Any], global_rank: int) -> list[str]:
+    """Each slot's JSON entry after ``{"record_id":N,``."""
     thread_names = {t.ident: t.name for t in threading.enumerate()}
     cache: dict[Any, str] = {}
 
@@ -179,16 +213,7 @@ def entries_json(live: list[list[Any]], groups: list[Any], global_rank: int) -> 
         g = groups[e[_PG]]
         op, peer = e[_OP], e[_PEER]
         t0, t1, state, tid, root = e[_TCREATED], e[_TDONE], e[_STATE], e[_TID], e[_ROOT]
-        group_text = cached(
-            "g",
-            (g.pg_id, op, peer),
-            lambda g=g, op=op, peer=peer: (
-                f'"pg_id":{g.pg_id},"process_group":{_j([g.key, g.desc])},'
-                f'"profiling_name":{_j(_profiling_name(g, op, peer, False))},"op":{_j(op)},'
-                f'"backend":{_j(g.backend)},"rank":{g.rank},"global_rank":{global_rank},"peer":{_n(peer)},'
-                f'"peer_global":{_n(g.ranks[peer] if peer is not None and 0 <= peer < len(g.ranks) else None)}'
-            ),
-        )
+        group_text = cached("g", (g.pg_id, op, peer), lambda g=g, op=op, peer=peer: group_fields(g, op, peer, global_rank))
         ins = cached("s", e[_INSHAPES], lambda e=e: _j([list(x) for x in e[_INSHAPES]]))
         outs = cached("s", e[_OUTSHAPES], lambda e=e: _j([list(x) for x in e[_OUTSHAPES]]))
         ind = cached("d", e[_INDTYPES], lambda e=e: _j([dtype_name(x) for x in e[_INDTYPES]]))
@@ -196,7 +221,7 @@ def entries_json(live: list[list[Any]], groups: list[Any], global_rank: int) -> 
         frames = cached("f", e[_FRAMES], lambda e=e: _j(_frames(e[_FRAMES])))
         thread = cached("t", tid, lambda tid=tid: f'"thread_name":{_j(thread_names.get(tid, "unknown"))},"thread_id":"{tid}"')
         parts.append(
-            f'{{"record_id":{e[_RID]},{group_text},"collective_seq_id":{e[_CSEQ]},"p2p_seq_id":{e[_PSEQ]},'
+            f'{group_text},"collective_seq_id":{e[_CSEQ]},"p2p_seq_id":{e[_PSEQ]},'
             f'"op_id":{e[_OPID]},"time_created_ns":{t0},"time_discovered_started_ns":{_n(e[_TSTARTED])},'
             f'"time_discovered_completed_ns":{_n(t1)},'
             f'"duration_ms":{"null" if t1 is None else repr((t1 - t0) / 1e6)},"state":{_STATE_JSON.get(state) or _j(state)},'
@@ -208,4 +233,4 @@ def entries_json(live: list[list[Any]], groups: list[Any], global_rank: int) -> 
             f'"root":{_n(root)},"root_global":{_n(g.ranks[root] if root is not None and 0 <= root < len(g.ranks) else None)},'
             f'"reduce_op":{"null" if e[_ROP] is None else _j(e[_ROP])}}}'
         )
-    return "[" + ",".join(parts) + "]"
+    return parts

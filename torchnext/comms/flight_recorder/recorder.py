@@ -59,6 +59,7 @@ from torchnext.comms.flight_recorder.entries import (
     _TDONE,
     _TSTARTED,
     P2P_OPS,
+    Rendered,
     entries_json,
     format_entries,
 )
@@ -85,6 +86,14 @@ class RecordSource(Protocol):
 
     def counters(self) -> list[int]:
         """The group's 8 sequence counters as the source sees them (see ``groups.py``)."""
+        ...
+
+
+class RenderingSource(RecordSource, Protocol):
+    """A source that also writes its entries' JSON itself (the native ring, in C++): the JSON dump's fast path."""
+
+    def render(self, group: Group, global_rank: int, thread_names: dict[int, str]) -> list[Rendered]:
+        """The live records as :data:`~torchnext.comms.flight_recorder.entries.Rendered`, oldest first."""
         ...
 
 
@@ -583,6 +592,30 @@ class FlightRecorder:
             e[_RID] = i
         return merged
 
+    def _entries_json(self) -> str:
+        """The dump's ``entries`` as JSON text: what :meth:`entries` returns, with the entries of rendering sources
+        (:class:`RenderingSource`) written by the source itself (the native ring: in C++, no slot lists)."""
+        if not self.capacity:
+            return "[]"
+        rendering = [(pg_id, src) for pg_id, src in self._sources if hasattr(src, "render")]
+        if not rendering:
+            return entries_json(self._live(), self._groups, self.rank)
+        others = [(pg_id, src) for pg_id, src in self._sources if not hasattr(src, "render")]
+        live = [e for e in list(self._ring) if e is not None]
+        for pg_id, src in others:
+            for slot in src.slots():
+                slot[_PG] = pg_id
+                if slot[_GEN] is None:
+                    slot[_GEN] = self._groups[pg_id].generation
+                live.append(slot)
+        thread_names = {t.ident: t.name for t in threading.enumerate() if t.ident is not None}
+        rendered: list[Rendered] = []
+        for pg_id, src in rendering:
+            rendered.extend(src.render(self._groups[pg_id], self.rank, thread_names))
+        if not rendered:  # nothing to merge from the renderers: _live() numbers as entries() does
+            return entries_json(self._live(), self._groups, self.rank)
+        return entries_json(live, self._groups, self.rank, rendered)
+
     def entries(self) -> list[dict[str, Any]]:
         """The live records, oldest first, in the dump's entry schema (see :mod:`torchnext.comms.flight_recorder.format`)."""
         return format_entries(self._live(), self._groups, self.rank, torch_compat=False)
@@ -649,9 +682,8 @@ class FlightRecorder:
             target = target / dump_file_name(self.rank, format)
         with self._lock:
             if format == "json":
-                live = self._live()
                 header = json.dumps(self._header(reason), separators=(",", ":"), default=str)
-                data = (header[:-1] + ',"entries":' + entries_json(live, self._groups, self.rank) + "}").encode()
+                data = (header[:-1] + ',"entries":' + self._entries_json() + "}").encode()
             else:
                 data = pickle.dumps(self.snapshot(reason=reason, as_tuple=True), protocol=4)
             atomic_write(target, data, fsync=fsync)

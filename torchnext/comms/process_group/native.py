@@ -41,6 +41,7 @@ from torchnext._config import env_config
 from torchnext.comms import native as _native_ext
 from torchnext.comms.communicator import Communicator
 from torchnext.comms.errors import CommAborted, CommError, CommTimeout, PeerFailure, classify_backend_error
+from torchnext.comms.flight_recorder.entries import group_fields
 from torchnext.comms.hooks import AbortHookArgs, mirrored_natively
 
 if TYPE_CHECKING:
@@ -115,6 +116,13 @@ class _FrSource:
 
     def counters(self) -> list[int]:
         return list(self._mod.fr_counters(self._backend))
+
+    def render(self, group: Any, global_rank: int, thread_names: dict[int, str]) -> list[Any]:
+        """The ring's entries as JSON, written in C++ (``RenderingSource``): the group's fields once per
+        ``(op, peer)`` here, the rest per entry there."""
+        texts = {(op, peer): group_fields(group, op, peer, global_rank) for op, peer in self._mod.fr_keys(self._backend)}
+        return list(self._mod.fr_render(self._backend, texts, int(group.generation), [int(r) for r in group.ranks],
+                                        thread_names))
 
 
 class _Native:

@@ -32,6 +32,8 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <charconv>
+#include <map>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -206,6 +208,84 @@ class Ring {
     return out;
   }
 
+  // The distinct (op, peer) pairs of the live entries (peer -1: none): what render() needs a group text for.
+  std::vector<std::pair<std::string, int64_t>> keys() {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::vector<std::pair<std::string, int64_t>> out;
+    int64_t n = static_cast<int64_t>(slots_.size());
+    for (int64_t rid = std::max<int64_t>(0, next_ - n); rid < next_; ++rid) {
+      const Entry& e = slots_[rid % n];
+      std::pair<std::string, int64_t> k(e.op, e.peer);
+      if (std::find(out.begin(), out.end(), k) == out.end()) out.push_back(std::move(k));
+    }
+    return out;
+  }
+
+  // The live entries, oldest first, as (time_created_ns, record id, JSON text) where the text is one entry of the
+  // dump (flight_recorder/entries.py: entries_json) from "record_id":N, on -- the caller numbers the merged entries:
+  // {"record_id":N,<text>. group_texts: (op, peer) -> the group's fields ("pg_id" ... "peer_global"), as Python
+  // writes them; generation and ranks: the group's (root_global = ranks[root]); thread_names: ident -> name.
+  struct Rendered {
+    int64_t t_created, rid;
+    std::string text;
+  };
+  std::vector<Rendered> render(const std::map<std::pair<std::string, int64_t>, std::string>& group_texts,
+                               int64_t generation, const std::vector<int64_t>& ranks,
+                               const std::unordered_map<uint64_t, std::string>& thread_names) {
+    std::vector<Entry> copy;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      int64_t n = static_cast<int64_t>(slots_.size());
+      copy.reserve(slots_.size());
+      for (int64_t rid = std::max<int64_t>(0, next_ - n); rid < next_; ++rid) copy.push_back(slots_[rid % n]);
+    }
+    std::vector<Rendered> out;
+    out.reserve(copy.size());
+    std::string unknown = "unknown";
+    for (const Entry& e : copy) {
+      std::string t;
+      t.reserve(640);
+      auto g = group_texts.find({e.op, e.peer});
+      if (g != group_texts.end()) t += g->second;
+      t += ",\"collective_seq_id\":"; num(t, e.cseq);
+      t += ",\"p2p_seq_id\":"; num(t, e.pseq);
+      t += ",\"op_id\":"; num(t, e.op_id);
+      t += ",\"time_created_ns\":"; num(t, e.t_created);
+      t += ",\"time_discovered_started_ns\":"; num(t, e.t_started);
+      t += ",\"time_discovered_completed_ns\":";
+      if (e.t_done) num(t, e.t_done); else t += "null";
+      t += ",\"duration_ms\":";
+      if (e.t_done) real(t, static_cast<double>(e.t_done - e.t_created) / 1e6); else t += "null";
+      const char* st = state_name(e.state, e.kind);
+      t += ",\"state\":\""; t += st; t += '"';
+      t += ",\"input_sizes\":"; sizes(t, e.in_shapes);
+      t += ",\"output_sizes\":"; sizes(t, e.out_shapes);
+      t += ",\"input_dtypes\":"; dtype_list(t, e.in_dtypes);
+      t += ",\"output_dtypes\":"; dtype_list(t, e.out_dtypes);
+      t += ",\"timeout_ms\":"; num(t, e.timeout_ms);
+      t += e.p2p ? ",\"is_p2p\":true" : ",\"is_p2p\":false";
+      t += e.state != kInProgress ? ",\"retired\":true" : ",\"retired\":false";
+      t += ",\"frames\":[],\"thread_name\":";
+      auto tn = thread_names.find(e.tid);
+      quoted(t, tn != thread_names.end() ? tn->second : unknown);
+      t += ",\"thread_id\":\""; t += std::to_string(e.tid); t += '"';
+      t += ",\"generation\":"; num(t, generation);
+      t += ",\"tag\":"; num(t, e.tag);
+      t += e.async ? ",\"async_op\":true" : ",\"async_op\":false";
+      t += ",\"error\":";
+      if (e.error.empty()) t += "null"; else quoted(t, e.error);
+      t += ",\"root\":";
+      if (e.root < 0) t += "null"; else num(t, e.root);
+      t += ",\"root_global\":";
+      if (e.root >= 0 && e.root < static_cast<int64_t>(ranks.size())) num(t, ranks[e.root]); else t += "null";
+      t += ",\"reduce_op\":";
+      if (e.reduce_op) quoted(t, e.reduce_op); else t += "null";
+      t += '}';
+      out.push_back({e.t_created, e.rid, std::move(t)});
+    }
+    return out;
+  }
+
   std::vector<int64_t> counters() {
     std::lock_guard<std::mutex> lk(mu_);
     return std::vector<int64_t>(counters_, counters_ + 8);
@@ -222,6 +302,92 @@ class Ring {
   }
 
  private:
+  static void num(std::string& t, int64_t v) {
+    char buf[24];
+    auto r = std::to_chars(buf, buf + sizeof(buf), v);
+    t.append(buf, r.ptr);
+  }
+  // A double as JSON: the shortest text that reads back to the same value (Python's repr may spell it otherwise,
+  // "12.0" for "12"; json readers get the same number).
+  static void real(std::string& t, double v) {
+    char buf[32];
+    auto r = std::to_chars(buf, buf + sizeof(buf), v);
+    t.append(buf, r.ptr);
+  }
+  // A JSON string, ASCII only as Python's json.dumps writes it: quote, backslash and control characters escaped,
+  // every non-ASCII code point as \uXXXX (surrogate pairs above U+FFFF); a malformed UTF-8 byte as U+FFFD.
+  static void quoted(std::string& t, const std::string& s) {
+    static const char* hex = "0123456789abcdef";
+    auto u = [&](uint32_t c) {
+      t += "\\u";
+      for (int sh = 12; sh >= 0; sh -= 4) t += hex[(c >> sh) & 0xF];
+    };
+    t += '"';
+    size_t i = 0, n = s.size();
+    while (i < n) {
+      auto b = static_cast<unsigned char>(s[i]);
+      if (b < 0x80) {
+        switch (b) {
+          case '"': t += "\\\""; break;
+          case '\\': t += "\\\\"; break;
+          case '\n': t += "\\n"; break;
+          case '\r': t += "\\r"; break;
+          case '\t': t += "\\t"; break;
+          case '\b': t += "\\b"; break;
+          case '\f': t += "\\f"; break;
+          default:
+            if (b < 0x20 || b == 0x7f) u(b); else t += static_cast<char>(b);
+        }
+        ++i;
+        continue;
+      }
+      int len = b >= 0xF0 ? 4 : b >= 0xE0 ? 3 : b >= 0xC0 ? 2 : 0;
+      uint32_t cp = len == 4 ? b & 0x07 : len == 3 ? b & 0x0F : b & 0x1F;
+      bool ok = len > 0 && i + len <= n;
+      for (int k = 1; ok && k < len; ++k) {
+        auto c = static_cast<unsigned char>(s[i + k]);
+        ok = (c & 0xC0) == 0x80;
+        cp = (cp << 6) | (c & 0x3F);
+      }
+      if (!ok) {
+        u(0xFFFD);
+        ++i;
+        continue;
+      }
+      if (cp >= 0x10000) {
+        cp -= 0x10000;
+        u(0xD800 + (cp >> 10));
+        u(0xDC00 + (cp & 0x3FF));
+      } else {
+        u(cp);
+      }
+      i += len;
+    }
+    t += '"';
+  }
+  static void sizes(std::string& t, const std::vector<std::vector<int64_t>>& s) {
+    t += '[';
+    for (size_t i = 0; i < s.size(); ++i) {
+      if (i) t += ',';
+      t += '[';
+      for (size_t j = 0; j < s[i].size(); ++j) {
+        if (j) t += ',';
+        num(t, s[i][j]);
+      }
+      t += ']';
+    }
+    t += ']';
+  }
+  static void dtype_list(std::string& t, const std::vector<c10::ScalarType>& d) {
+    t += '[';
+    for (size_t i = 0; i < d.size(); ++i) {
+      if (i) t += ',';
+      t += '"';
+      t += c10::toString(d[i]);
+      t += '"';
+    }
+    t += ']';
+  }
   static void fill(std::vector<std::vector<int64_t>>& shapes, std::vector<c10::ScalarType>& dtypes,
                    const std::vector<at::Tensor>& ts) {
     shapes.resize(ts.size());
@@ -1177,6 +1343,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("in_flight", [](const BackendPtr& b) { return native(b).in_flight(); });
   m.def("fr_slots", [](const BackendPtr& b) { return native(b).ring().slots(); });
   m.def("fr_counters", [](const BackendPtr& b) { return native(b).ring().counters(); });
+  m.def("fr_keys", [](const BackendPtr& b) {
+    py::list out;
+    for (auto& [op, peer] : native(b).ring().keys())
+      out.append(py::make_tuple(op, peer < 0 ? py::object(py::none()) : py::object(py::int_(peer))));
+    return out;
+  });
+  // The ring's entries as JSON texts (Ring::render): [(time_created_ns, record id, text)], oldest first.
+  m.def("fr_render", [](const BackendPtr& b, const py::dict& group_texts, int64_t generation,
+                        const std::vector<int64_t>& ranks, const py::dict& thread_names) {
+    std::map<std::pair<std::string, int64_t>, std::string> texts;
+    for (auto item : group_texts) {
+      auto key = item.first.cast<py::tuple>();
+      int64_t peer = key[1].is_none() ? -1 : key[1].cast<int64_t>();
+      texts[{key[0].cast<std::string>(), peer}] = item.second.cast<std::string>();
+    }
+    std::unordered_map<uint64_t, std::string> names;
+    for (auto item : thread_names) names[item.first.cast<uint64_t>()] = item.second.cast<std::string>();
+    std::vector<Ring::Rendered> rendered;
+    {
+      py::gil_scoped_release nogil;
+      rendered = native(b).ring().render(texts, generation, ranks, names);
+    }
+    py::list out;
+    for (auto& r : rendered) out.append(py::make_tuple(r.t_created, r.rid, py::str(r.text)));
+    return out;
+  });
   m.def("fr_set_counters", [](const BackendPtr& b, const std::vector<int64_t>& c) { native(b).ring().set_counters(c); });
   m.def("fr_recorded", [](const BackendPtr& b) { return native(b).ring().recorded(); });
   // A measurement, for benchmarks/comms/bench_flight_recorder.py: nanoseconds per op of what the ring does for one
