@@ -361,6 +361,43 @@ def test_the_json_dump_of_native_entries_is_rendered_in_cpp_and_equals_the_refer
         assert r["dump"][2]["reduce_op"] == "max" and r["dump"][1]["input_dtypes"] == ["Long"]
 
 
+def premul_body(ctx: RankContext) -> dict[str, Any]:
+    pg = _init(ctx)
+    n, r = ctx.world_size, ctx.rank
+    out: dict[str, Any] = {}
+    for name, factor in (("double", 0.25), ("tensor", torch.tensor([0.125]))):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.arange(4 * n, dtype=torch.float32) * (r + 1) + 0.3).to(dtype)
+            before = x.clone()
+            got = torch.empty(4, dtype=dtype)
+            lst = torch.empty(4, dtype=dtype)
+            records = _native_records(pg)
+            dist.reduce_scatter_tensor(got, x, op=dist._make_nccl_premul_sum(factor))
+            dist.reduce_scatter(lst, list(x.chunk(n)), op=dist._make_nccl_premul_sum(factor))
+            native_ops = _native_records(pg) - records
+            # the reference: each rank's input times the factor in its own dtype (torch's mul), then the SUM
+            f = factor.reshape(()) if isinstance(factor, torch.Tensor) else factor
+            want = sum(torch.mul((torch.arange(4 * n, dtype=torch.float32) * (q + 1) + 0.3).to(dtype), f).to(dtype)
+                       for q in range(n)).chunk(n)[r]
+            out[f"{name}/{dtype}"] = (torch.equal(got, want), torch.equal(lst, want), torch.equal(x, before), native_ops)
+    entry = pg.communicator().flight_recorder.entries()[-1]
+    out["recorded"] = (entry["op"], entry["reduce_op"])
+    with pytest.raises(TypeError, match="PREMUL_SUM needs a floating dtype"):  # the Python path's validation
+        dist.reduce_scatter_tensor(torch.empty(4, dtype=torch.int64), torch.ones(4 * n, dtype=torch.int64),
+                                   op=dist._make_nccl_premul_sum(0.5))
+    return out
+
+
+def test_premul_sum_reduce_scatters_run_natively_and_equal_the_reference() -> None:
+    """FSDP2's gradient reduce-scatter (``PREMUL_SUM``, a double or a one-element tensor factor) stays on the C++
+    path: SUM of each rank's ``input * factor`` in the input's dtype, the caller's input untouched; recorded as the
+    Python path records it (a SUM); integer inputs go to the Python path, which raises."""
+    for r in run_ranks(premul_body, 2, timeout=120):
+        for key in ("double/torch.float32", "double/torch.bfloat16", "tensor/torch.float32", "tensor/torch.bfloat16"):
+            assert r[key] == (True, True, True, 2), (key, r[key])
+        assert r["recorded"] == ("reduce_scatter", "sum")
+
+
 def switch_body(ctx: RankContext) -> dict[str, Any]:
     pg = _init(ctx)
     comm = pg.communicator()

@@ -16,7 +16,8 @@ methods are torch's C++ ones, so pybind's trampoline never calls Python) or ``To
 the op counter and the Flight Recorder's sequence counters are carried over, so op ids and ``collective_seq_id``
 continue across the switch.
 
-On the native path, an op the C++ side does not take on its fast path (PREMUL_SUM, several tensors, a non-CPU,
+On the native path, an op the C++ side does not take on its fast path (PREMUL_SUM other than a reduce-scatter's --
+FSDP2's gradient reduce-scatters stay in C++ --, several tensors, a non-CPU,
 non-contiguous or sparse tensor, a dtype or size mismatch, an errored or aborted group) runs on the Python path
 for that op: the same validation, the same errors (``TypeError``/``ValueError`` naming the op) and, once the group
 failed, the same refusals (``PeerFailure``/``CommTimeout``/``CommAborted`` "refused: ..."). A failed native op

@@ -11,7 +11,7 @@
 //   * record a Flight Recorder entry in a C++ ring whose fields are those of the Python recorder's slots
 //     (torchnext/comms/flight_recorder/entries.py); Python merges the ring into its dumps.
 //
-// Anything unusual (PREMUL_SUM, several tensors, non-CPU / non-contiguous / sparse tensors, dtype or size
+// Anything unusual (PREMUL_SUM except on reduce-scatters, several tensors, non-CPU / non-contiguous / sparse tensors, dtype or size
 // mismatches, an errored or aborted group, a group switched to the Python path) goes to the Python path
 // (`python_path(name, *args)`), which validates, raises the Python path's own errors or runs the op there.
 // Failures raise the Python exception the Python side builds (`make_error(...)`: CommTimeout, PeerFailure,
@@ -911,6 +911,24 @@ const char* reduce_name(const c10d::ReduceOp& op, c10::ScalarType dtype) {
   }
 }
 
+// PREMUL_SUM on the fast path, as the Python path runs it (process_group/group.py: _premul): SUM of each rank's
+// input multiplied by the factor -- `in * factor` in a new tensor of in's dtype (a double factor, or the one-element
+// factor tensor as a 0-dim tensor on in's device), the caller's input untouched. False: not here (no factor, a
+// factor or input that is not floating: the Python path validates and raises).
+bool premul_input(const c10d::ReduceOp& op, const at::Tensor& in, at::Tensor& scaled) {
+  if (op.op_ != c10d::ReduceOp::PREMUL_SUM) return false;
+  auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+  if (sup == nullptr || !(c10::isFloatingType(in.scalar_type()) || c10::isComplexType(in.scalar_type()))) return false;
+  if (sup->tensor_factor.defined()) {
+    const at::Tensor& f = sup->tensor_factor;
+    if (f.numel() != 1 || !(c10::isFloatingType(f.scalar_type()) || c10::isComplexType(f.scalar_type()))) return false;
+    scaled = at::mul(in, f.reshape({}).to(in.device())).to(in.scalar_type());
+  } else {
+    scaled = at::mul(in, at::Scalar(sup->double_factor));
+  }
+  return true;
+}
+
 class NativeBackend : public c10d::Backend {
  public:
   NativeBackend(c10::intrusive_ptr<c10d::Backend> inner, int rank, int size, std::chrono::milliseconds timeout,
@@ -1037,9 +1055,20 @@ class NativeBackend : public c10d::Backend {
     if (ok)
       for (const auto& t : ins[0]) ok = ok && t.sizes() == outs[0].sizes();
     const char* rop = ok ? reduce_name(opts.reduceOp, outs[0].scalar_type()) : nullptr;
+    std::vector<std::vector<at::Tensor>> scaled;
+    c10d::ReduceScatterOptions sum = opts;
+    if (ok && rop == nullptr && opts.reduceOp.op_ == c10d::ReduceOp::PREMUL_SUM) {
+      scaled.emplace_back(ins[0].size());
+      for (size_t i = 0; ok && i < ins[0].size(); ++i) ok = premul_input(opts.reduceOp, ins[0][i], scaled[0][i]);
+      if (ok) {
+        rop = "sum";  // what the Python path records: the SUM of the pre-multiplied inputs
+        sum.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+      }
+    }
     if (rop == nullptr) return python_op("reduce_scatter", [&] { return py::make_tuple(py::cast(outs), py::cast(ins), py::cast(opts, py::return_value_policy::copy)); });
+    auto& src = scaled.empty() ? ins : scaled;
     return issue("reduce_scatter", OpType::REDUCE_SCATTER, ins[0], outs, -1, -1, 0, rop, opts.timeout, opts.asyncOp,
-                 [&](c10d::Backend& b) { return b.reduce_scatter(outs, ins, opts); });
+                 [&](c10d::Backend& b) { return b.reduce_scatter(outs, src, sum); });
   }
 
   c10::intrusive_ptr<Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
@@ -1047,11 +1076,17 @@ class NativeBackend : public c10d::Backend {
     bool ok = fast() && plain(out) && plain(in) && in.scalar_type() == out.scalar_type() &&
               in.numel() == out.numel() * getSize();
     const char* rop = ok ? reduce_name(opts.reduceOp, out.scalar_type()) : nullptr;
+    at::Tensor scaled;
+    c10d::ReduceScatterOptions sum = opts;
+    if (ok && rop == nullptr && premul_input(opts.reduceOp, in, scaled)) {  // FSDP2's gradient reduce-scatter
+      rop = "sum";  // what the Python path records: the SUM of the pre-multiplied inputs
+      sum.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+    }
     if (rop == nullptr) return python_op("_reduce_scatter_base", [&] { return py::make_tuple(py::cast(out), py::cast(in), py::cast(opts, py::return_value_policy::copy)); });
     // flat views, as the Python path passes them (Gloo checks chunk shapes against the input's shape)
-    at::Tensor fo = out.view({-1}), fi = in.view({-1});
+    at::Tensor fo = out.view({-1}), fi = (scaled.defined() ? scaled : in).view({-1});
     return issue("reduce_scatter_single", OpType::_REDUCE_SCATTER_BASE, {in}, {out}, -1, -1, 0, rop, opts.timeout,
-                 opts.asyncOp, [&](c10d::Backend& b) { return b._reduce_scatter_base(fo, fi, opts); });
+                 opts.asyncOp, [&](c10d::Backend& b) { return b._reduce_scatter_base(fo, fi, sum); });
   }
 
   // ------------------------------------------------------------------------------------------- data movement
