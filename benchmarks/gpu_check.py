@@ -22,8 +22,10 @@ Sections (a failing section is reported and the next one runs; exit status 1 if 
                  the fp32 step, and the step timed against a bf16 ``nn.Linear`` step.
 6. ``comms``     a one-rank NCCL ``Communicator`` (one GPU: NCCL cannot put two ranks on one device) — every
                  collective against torch.distributed's result, then all_reduce latency vs the raw NCCL group.
-6. ``process_group`` a one-rank ``backend="torchnext"`` group (its CUDA Communicator is NCCL): a DDP step on it
-                 vs the same step on a plain NCCL group — gradients equal, step times interleaved.
+7. ``process_group`` a one-rank ``backend="torchnext"`` group (its CUDA Communicator is NCCL): a DDP step on it
+                 vs the same step on a plain NCCL group — gradients equal, step times interleaved; then issue #25's
+                 comparison over NCCL: all_reduce of 4 B, 1 MiB and 16 MiB on both groups, interleaved (added µs
+                 and ratio; whether the native path carried it -- on CUDA it does not yet: the Python path).
 
 Timing: CUDA events around each call, warm-up first, median of ``--reps``; the peers are timed interleaved.
 ``--cpu-smoke`` runs every section's plumbing on CPU with tiny shapes and CPU stand-ins (eager backend instead of
@@ -404,8 +406,23 @@ def section_process_group(dev: torch.device, smoke: bool, reps: int) -> Result:
         checks["ddp_grads_equal"] = all(torch.equal(a, b) for a, b in zip(grads["torchnext"], grads["plain"], strict=True))
         t = timed({"torchnext_ddp_step": steps["torchnext"], "plain_ddp_step": steps["plain"]}, dev, reps)
         print(f"  checks {checks}; " + "  ".join(f"{k} {v:.3f} ms" for k, v in t.items()))
+        # issue #25's comparison over NCCL: all_reduce on the torchnext group vs the plain group, interleaved (a
+        # CUDA event pair around each call: the host's work before the kernel is enqueued counts)
+        sizes = {"4B": 1, "1MiB": 1 << 18, "16MiB": 1 << 22}
+        ar: dict[str, Any] = {"native_path": bool(getattr(ours, "native", False))}
+        for label, numel in sizes.items():
+            buf = torch.ones(numel, device=dev)
+            ta = timed({"torchnext": lambda b=buf: dist.all_reduce(b, group=ours),
+                        "plain": lambda b=buf: dist.all_reduce(b, group=plain)}, dev, reps * 4 if numel == 1 else reps)
+            ar[label] = {"torchnext_ms": ta["torchnext"], "plain_ms": ta["plain"],
+                         "added_us": (ta["torchnext"] - ta["plain"]) * 1e3, "ratio": ta["plain"] / ta["torchnext"]}
+        probe = torch.full((4,), 2.0, device=dev)
+        dist.all_reduce(probe, group=ours)
+        checks["all_reduce_value"] = bool(torch.equal(probe.cpu(), torch.full((4,), 2.0)))  # one rank: unchanged
+        print("  all_reduce " + "  ".join(f"{k}: +{v['added_us']:.1f} us ({v['ratio']:.3f})" for k, v in ar.items()
+                                          if isinstance(v, dict)) + f"  (native path: {ar['native_path']})")
         return {"ok": all(checks.values()), "checks": checks, **{f"{k}_ms": v for k, v in t.items()},
-                "ratio": t["plain_ddp_step"] / t["torchnext_ddp_step"]}
+                "ratio": t["plain_ddp_step"] / t["torchnext_ddp_step"], "all_reduce": ar}
     finally:
         # DDP's reducers before their groups: torch's teardown in the other order aborted the process at exit
         # ("terminate called without an active exception": once in 7 runs)
