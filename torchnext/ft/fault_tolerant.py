@@ -311,6 +311,8 @@ class FaultTolerant:
         Raises ``RemovedFromGroup``/``CoordinatorLost``/``QuorumLost`` when membership ended.
         """
         self._raise_fatal()
+        if self._process_group is not None:
+            self._process_group._drain_native()  # a failed op of its native path that nobody waited on
         recorded = self._step_error
         if recorded is not None:
             raise recorded  # a deterministic error ft.process_group recorded: the step cannot succeed on retry

@@ -46,7 +46,7 @@ from torchnext.comms.hooks import AbortHookArgs, mirrored_natively
 if TYPE_CHECKING:
     from torchnext.comms.process_group.group import TorchnextProcessGroup
 
-__all__ = ["NATIVE_OPS", "attach", "native_class", "python_needed"]
+__all__ = ["NATIVE_OPS", "attach", "attach_generation", "native_class", "python_needed"]
 
 _LOG = logging.getLogger("torchnext.comms")
 
@@ -79,12 +79,13 @@ def native_class(base: type[TorchnextProcessGroup]) -> type[TorchnextProcessGrou
     return cls
 
 
-def python_needed(comm: Communicator) -> str | None:
-    """Why ``comm``'s group must run its ops on the Python path, or None (see the module docstring)."""
+def python_needed(comm: Communicator, covered: tuple[object, ...] = ()) -> str | None:
+    """Why ``comm``'s group must run its ops on the Python path, or None (see the module docstring). ``covered``:
+    hooks whose work the group's native path does itself (a staged group: the fault-tolerant quarantine hook)."""
     if comm._check_hooks.snapshot:
         return "check hooks (consistency mode)"
     for fn in (*comm._pre_hooks.snapshot, *comm._post_hooks.snapshot):
-        if not mirrored_natively(fn):
+        if not mirrored_natively(fn) and fn not in covered:
             return f"hook {getattr(fn, '__qualname__', fn)!r}"
     return None
 
@@ -104,6 +105,26 @@ def attach(pg: TorchnextProcessGroup) -> _Native | None:
     return _Native(pg, pg._cpu)
 
 
+def attach_generation(pg: TorchnextProcessGroup, comm: Communicator, switch: Any, *,
+                      on_failure: Callable[[str, CommError], None], covered: tuple[object, ...] = ()) -> _Native | None:
+    """Put a staged group (a :class:`~torchnext.ft.FaultTolerantProcessGroup`) on the native path for ``comm``,
+    one generation's Communicator, if the flag asks for it and the extension is available (else None).
+
+    The native backend of the generation runs in staged never-raise mode (see the module docstring);
+    ``on_failure(op, exc)`` is told of every failed op (on its waiter's thread, or at :meth:`_Native.sync_failure`).
+    ``switch``: the group's :class:`SwitchBackend <_Switch>`, or None for its first native generation: then the
+    switch is made and registered with the group for CPU tensors (``_Native.switch``)."""
+    if not enabled() or comm.backend != "gloo" or comm.device.type != "cpu":
+        return None
+    if not _native_ext.status().available:
+        return None
+    return _Native(pg, comm, switch=switch if switch is not None else _NEW_SWITCH, on_failure=on_failure,
+                   covered=covered)
+
+
+_NEW_SWITCH = object()
+
+
 class _FrSource:
     """The C++ ring as a :class:`~torchnext.comms.flight_recorder.recorder.RecordSource`."""
 
@@ -120,26 +141,32 @@ class _FrSource:
 class _Native:
     """The native backend of one group and the switches between its two paths."""
 
-    def __init__(self, pg: TorchnextProcessGroup, comm: Communicator) -> None:
+    def __init__(self, pg: TorchnextProcessGroup, comm: Communicator, *, switch: Any = None,
+                 on_failure: Callable[[str, CommError], None] | None = None, covered: tuple[object, ...] = ()) -> None:
         mod = _native_ext.module()
         self._mod = mod
         self._comm = comm
         self._pg_ref = weakref.ref(pg)
-        self._base = type(pg)
-        self._native_cls = native_class(type(pg))
+        base = type(pg)
+        self._base: type[TorchnextProcessGroup] = getattr(base, "_native_twin_of", base)
+        self._native_cls = native_class(self._base)
         self._told = False
+        self._retired = False
+        self._on_failure = on_failure
+        self._covered = covered
         rec = comm.flight_recorder
         self._rec = rec
         self._pg_id = rec.pg_id_of(comm) if rec is not None else None
         capacity = rec.capacity if rec is not None and self._pg_id is not None else 0
         ref = self._pg_ref
         base = self._base
+        me = weakref.ref(self)  # the backend holds these callbacks: no strong reference back to this object
 
         def python_path(name: str, *args: Any) -> Any:
             group = ref()
             if group is None:
                 raise RuntimeError(f"{name}: the torchnext process group was destroyed")
-            native = group._native
+            native = me()
             if native is not None:
                 native.to_python_counters()
             try:
@@ -148,27 +175,50 @@ class _Native:
                 if native is not None:
                     native.to_native_counters()
 
+        def make_error(kind: int, op: str, op_id: int, message: str, peer: int) -> CommError:
+            native = me()
+            if native is None:
+                return CommError(message, op=op, op_id=op_id)
+            return native.make_error(kind, op, op_id, message, peer)
+
         self.backend = mod.create(comm.backend_handle.pg, comm.rank, comm.size, comm.timeout, capacity, python_path,
-                                  self.make_error)
+                                  make_error)
         self._undo: list[Callable[[], None]] = []
         if rec is not None and self._pg_id is not None:
             self._undo.append(rec.add_source(self._pg_id, _FrSource(mod, self.backend)))
-        for device in pg._comms:
-            pg._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, self.backend)
+        self.switch: Any = None
+        """A staged group's switch backend (registered with the group once; its current generation's backend)."""
+        if switch is None:
+            for device in pg._comms:
+                pg._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, self.backend)
+        else:
+            def swallowed(kind: int, op: str, op_id: int, message: str, peer: int) -> None:
+                native = me()
+                if native is not None:
+                    native.swallowed(kind, op, op_id, message, peer)
+
+            mod.set_staged(self.backend, swallowed)
+            if switch is _NEW_SWITCH:
+                self.switch = mod.create_switch(self.backend)
+                pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, self.switch)
+            else:
+                self.switch = switch
+                mod.switch_to(switch, self.backend)
         self._undo.append(comm.register_abort_hook(self._on_abort).remove)
         self._undo.append(comm.register_shutdown_hook(self._on_shutdown).remove)
-        for hooks in (comm._pre_hooks, comm._post_hooks, comm._check_hooks):
-            self._undo.append(hooks.watch(self.update))
-        self.on_native = False
+        self._watches = [hooks.watch(self.update) for hooks in (comm._pre_hooks, comm._post_hooks, comm._check_hooks)]
+        self.on_native = type(pg) is self._native_cls  # a staged group: as its previous generation left it
+        if self.on_native:
+            self.to_native_counters()  # ops its Communicator ran before (healing) keep their ids
         self.update()
 
     # ------------------------------------------------------------------------------------------------ switching
     def update(self) -> None:
         """Put the group on the path its hooks call for (called whenever a hook list changes)."""
         pg = self._pg_ref()
-        if pg is None:
+        if pg is None or self._retired:
             return
-        why = python_needed(self._comm)
+        why = python_needed(self._comm, self._covered)
         if why is None and not self.on_native:
             self.to_native_counters()
             self._mod.set_python_mode(self.backend, False)
@@ -181,6 +231,19 @@ class _Native:
             self.on_native = False
             self.to_python_counters()
             _LOG.debug("torchnext group %r: Python path (%s)", pg._group_name, why)
+
+    @property
+    def comm(self) -> Communicator:
+        """The Communicator whose backend this one wraps."""
+        return self._comm
+
+    def retire(self) -> None:
+        """A staged group's generation was superseded: stop following its hooks (the next generation's
+        ``_Native`` decides the path now). Its backend stays until its ops are done; its ring stays in the dumps."""
+        self._retired = True
+        watches, self._watches = self._watches, []
+        for undo in watches:
+            undo()
 
     def to_python_counters(self) -> None:
         """Carry the native op counter, sequence counters and first failure over to the Python side."""
@@ -214,7 +277,16 @@ class _Native:
         self._told = True
         kind, op, op_id, message, peer = first
         if kind != _KIND_ABORT:
-            self.make_error(kind, op, op_id, message, peer)
+            exc = self.make_error(kind, op, op_id, message, peer)
+            if self._on_failure is not None:
+                self._on_failure(op, exc)
+
+    def swallowed(self, kind: int, op: str, op_id: int, message: str, peer: int) -> None:
+        """A staged backend's op failed and its waiter was not raised to (called by the C++ side, on the waiting
+        thread): the failure as :meth:`make_error` builds it goes to ``on_failure``."""
+        exc = self.make_error(kind, op, op_id, message, peer)
+        if self._on_failure is not None:
+            self._on_failure(op, exc)
 
     def make_error(self, kind: int, op: str, op_id: int, message: str, peer: int) -> CommError:
         """The exception a failed native op raises (called by the C++ side under the GIL): the Python path's class
@@ -246,9 +318,9 @@ class _Native:
 
     def _on_shutdown(self, comm: Communicator) -> None:
         self._mod.release(self.backend)
-        for undo in self._undo:
+        for undo in (*self._undo, *self._watches):
             undo()
-        self._undo = []
+        self._undo, self._watches = [], []
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._mod.set_timeout(self.backend, timeout)
