@@ -23,6 +23,16 @@ tensors only when the op succeeded; the buffer of a failed op is never reused (t
 
     staged = pool.take_like(t); staged.copy_(t)     # reused across ops while they succeed
     op(staged) -> ok ? t.copy_(staged); pool.put(staged) : t.fill_(nan)   # a failed op's buffer is dropped
+
+**Data path.** With ``TORCHNEXT_NATIVE_PG=1`` (the default) and a Gloo (CPU) Communicator, every generation runs on
+the native data path unless something asks for Python per op (a user hook or ``check_collectives`` on that
+generation's Communicator): a new native backend wraps the generation's Gloo, in staged never-raise mode, behind
+the group's one switch backend (:mod:`torchnext.comms.process_group.native`, "A staged group"). ``all_reduce``,
+``broadcast`` and ``reduce`` then run in C++ with the same staging and the same never-raise semantics; every other
+op, and every op once the generation is broken, runs on this module's Python methods. A native failure is recorded
+as a Python one is (:meth:`FaultTolerantProcessGroup._note_native_failure`): on the waiting thread, or -- a future
+nobody waited on -- before ``ft.should_commit()`` votes (:meth:`FaultTolerantProcessGroup._drain_native`). With
+``TORCHNEXT_NATIVE_PG=0``, no compiler, or a CUDA Communicator: the Python path for every op, as before.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The native data path of a :class:`~torchnext.comms.process_group.group.TorchnextProcessGroup` (opt-in:
+"""The native data path of a :class:`~torchnext.comms.process_group.group.TorchnextProcessGroup` (the default:
 ``TORCHNEXT_NATIVE_PG=1``): its CPU ops run in C++ (:mod:`torchnext.comms.native`), Python runs per op only when
 something asked for it.
 
@@ -6,7 +6,7 @@ How a group runs its ops::
 
     python_needed = (check hooks (consistency mode)                         # check_collectives
                      or any pre/post hook not marked native_equivalent     # user hooks (the Flight Recorder's are)
-                     or the group is a FaultTolerantProcessGroup)          # fault-tolerant staging: never native
+                        and not covered by the group's native path)        # ft's quarantine hook: staging covers it
     if python_needed: the Python path (TorchnextProcessGroup's own methods, as without the flag)
     else:             torch's C++ ProcessGroup methods -> c10d dispatcher -> the native backend -> Gloo
 
@@ -24,6 +24,25 @@ raises the exception :func:`_Native.make_error` builds: the class the Python pat
 its op id, the group and the rank; the communicator becomes errored with it (``Communicator._fail_from_outside``)
 and the Flight Recorder dumps as after a failure on the Python path. ``abort()`` (the communicator's abort hook)
 finishes every native op in flight as ABORTED at once; their waiters raise ``CommAborted``.
+
+**A staged group** (:func:`attach_generation`: ``ft.process_group``, whose Communicator changes per generation)
+keeps the fault-tolerant group's semantics on the native path. Per generation it gets a new native backend over
+that generation's Gloo, in staged never-raise mode, and the group's one *switch* backend (registered for CPU once,
+with the first native generation) forwards every op to the current one; an op keeps the backend -- inner Gloo,
+op counter, ring -- of the generation it was issued in, and a new generation numbers its ops from its
+Communicator's counter, as the Python path does (one Flight Recorder group per generation's Communicator)::
+
+    all_reduce / broadcast / reduce (fast path):
+        staged = pool.take_like(t); staged.copy_(t)      # C++ pool keyed by shape and dtype, per generation
+        op(staged) -> ok ? t.copy_(staged); pool.put(staged)
+                         : mark_invalid(t)                # the buffer dropped; Gloo's own Work keeps it alive
+    every other op: the Python path (the group's methods; out-of-place outputs are quarantined there)
+    a failed op: wait() returns True, the future completes with the (invalid) outputs -- never raises;
+                 waited on: on_failure(op, make_error(...)) on the waiting thread;
+                 never waited on (DDP's futures): found by sync_failure() before ft's commit vote
+
+``on_failure`` is the group's: it records a deterministic error on ``ft`` and aborts the op's generation
+otherwise, as the Python path does for a failed op.
 """
 
 from __future__ import annotations
@@ -112,8 +131,9 @@ def attach_generation(pg: TorchnextProcessGroup, comm: Communicator, switch: Any
 
     The native backend of the generation runs in staged never-raise mode (see the module docstring);
     ``on_failure(op, exc)`` is told of every failed op (on its waiter's thread, or at :meth:`_Native.sync_failure`).
-    ``switch``: the group's :class:`SwitchBackend <_Switch>`, or None for its first native generation: then the
-    switch is made and registered with the group for CPU tensors (``_Native.switch``)."""
+    ``switch``: the group's switch backend (``_Native.switch`` of its previous native generation), or None for its
+    first one: the switch is then made and registered with the group for CPU tensors. ``covered``: as in
+    :func:`python_needed`."""
     if not enabled() or comm.backend != "gloo" or comm.device.type != "cpu":
         return None
     if not _native_ext.status().available:
