@@ -204,8 +204,10 @@ class _Native:
         self.backend = mod.create(comm.backend_handle.pg, comm.rank, comm.size, comm.timeout, capacity, python_path,
                                   make_error)
         self._undo: list[Callable[[], None]] = []
+        self._fr_undo: Callable[[], None] | None = None
         if rec is not None and self._pg_id is not None:
-            self._undo.append(rec.add_source(self._pg_id, _FrSource(mod, self.backend)))
+            self._fr_undo = rec.add_source(self._pg_id, _FrSource(mod, self.backend))
+            self._undo.append(self._fr_undo)
         self.switch: Any = None
         """A staged group's switch backend (registered with the group once; its current generation's backend)."""
         if switch is None:
@@ -258,12 +260,15 @@ class _Native:
         return self._comm
 
     def retire(self) -> None:
-        """A staged group's generation was superseded: stop following its hooks (the next generation's
-        ``_Native`` decides the path now). Its backend stays until its ops are done; its ring stays in the dumps."""
+        """A staged group's generation was superseded (its Communicator aborted): stop following its hooks (the
+        next generation's ``_Native`` decides the path now) and freeze what its ring recorded -- the dumps keep it,
+        the recorder no longer holds the backend."""
         self._retired = True
         watches, self._watches = self._watches, []
         for undo in watches:
             undo()
+        if self._fr_undo is not None:
+            self._fr_undo()
 
     def to_python_counters(self) -> None:
         """Carry the native op counter, sequence counters and first failure over to the Python side."""
