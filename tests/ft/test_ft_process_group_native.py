@@ -241,13 +241,42 @@ class _Member:
 
 
 def test_an_abandoned_ops_late_write_never_reaches_the_caller_and_the_next_generation_runs_native() -> None:
-    """Member 0's all_reduce is abandoned (the native backend's abort: the first thing a generation's abort does)
-    while member 1 never joined it; member 1 then completes it late on its own Gloo, so member 0's Gloo writes the
-    result (1 + 100) into the op's staging buffer -- never into the caller's tensor. The next generation's native
-    backend (behind the same switch) numbers its ops from 1 and runs all_reduce and broadcast."""
+    """Member 0 issues an in-place op member 1 does not join; the op is abandoned (the native backend's abort: the
+    first thing a generation's abort does) and member 1 then completes it late on its own Gloo, so member 0's Gloo
+    writes into the op's buffer -- the staging buffer, never the caller's tensor. Generation 1: a broadcast from
+    member 1 (100 would land in the caller's tensor); generation 2: an all_reduce (member 1 gets 1 + 100: member 0's
+    Gloo read the staged 1s, not the caller's tensor, NaN by then). Generation 3 runs on a new native backend behind
+    the same switch, numbering its ops from 1."""
     store = dist.HashStore()
     members = [_Member(store, r) for r in range(2)]
     sync = threading.Barrier(2, timeout=60)
+
+    def abandon(r: int, m: _Member, comm: Communicator, op: str, out: dict[str, Any]) -> None:
+        pg = m.pg
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 1
+        if r == 0:
+            a = torch.ones(4)
+            work = pg.broadcast([a], opts) if op == "broadcast" else pg.allreduce([a])
+            time.sleep(0.3)
+            out[f"{op}_pending"] = not work.is_completed()
+            native = pg._native
+            native._mod.abort(native.backend, "superseded (test)")
+            out[f"{op}_future_is_caller"] = work.get_future().wait()[0] is a
+            out[f"{op}_nan"] = bool(torch.isnan(a).all())
+        sync.wait()
+        if r == 1:  # late: member 1 completes the abandoned op on its own Gloo, directly
+            x = torch.full((4,), 100.0)
+            gloo = comm.backend_handle.pg
+            (gloo.broadcast([x], opts) if op == "broadcast" else gloo.allreduce([x])).wait(timedelta(seconds=20))
+            out[f"{op}_late"] = x.tolist()
+        sync.wait()
+        if r == 0:
+            time.sleep(0.2)  # member 0's Gloo thread writes what it received
+            out[f"{op}_after"] = a.tolist()
+            out[f"{op}_wait"] = work.wait()  # recorded, not raised: told to the group, which aborts the generation
+            out[f"{op}_errored"] = comm.errored() is not None
+        sync.wait()
 
     def run(r: int) -> dict[str, Any]:
         m = members[r]
@@ -259,33 +288,16 @@ def test_an_abandoned_ops_late_write_never_reaches_the_caller_and_the_next_gener
         pg.allreduce([t]).wait()
         out["g1_sum"] = t.tolist()
         sync.wait()
-        if r == 0:  # an op member 1 does not join (yet); then generation 1 is abandoned
-            a = torch.ones(4)
-            work = pg.allreduce([a])
-            time.sleep(0.3)
-            out["pending"] = not work.is_completed()
-            native = pg._native
-            native._mod.abort(native.backend, "superseded (test)")
-            out["future_is_caller"] = work.get_future().wait()[0] is a
-            out["a_nan"] = bool(torch.isnan(a).all())
-        sync.wait()
-        if r == 1:  # late: member 1 completes the abandoned op on its own Gloo, directly
-            x = torch.full((4,), 100.0)
-            g1.backend_handle.pg.allreduce([x]).wait(timedelta(seconds=20))
-            out["late"] = x.tolist()
-        sync.wait()
-        if r == 0:
-            time.sleep(0.1)
-            out["a_after"] = bool(torch.isnan(a).all())
-            out["wait"] = work.wait()  # recorded, not raised: the failure is told to the group, which aborts g1
-            out["g1_errored"] = g1.errored() is not None
-        sync.wait()
-        m.enter(2)  # the next generation: a new native backend behind the same switch
+        abandon(r, m, g1, "broadcast", out)
+        g2 = m.enter(2)
         out["g2_native"] = _on_native(pg)
+        abandon(r, m, g2, "all_reduce", out)
+        m.enter(3)
+        out["g3_native"] = _on_native(pg)
         b = torch.full((4,), 10.0 * (r + 1))
         pg.allreduce([b]).wait()
         out["b"] = b.tolist()
-        out["g2_op_ids"] = _native_ops(pg)
+        out["g3_op_ids"] = _native_ops(pg)
         c = torch.full((4,), 1.0)
         pg.allreduce([c]).wait()  # its staging buffer: b's, back in the pool
         out["c"] = c.tolist()
@@ -294,8 +306,8 @@ def test_an_abandoned_ops_late_write_never_reaches_the_caller_and_the_next_gener
         d = torch.full((3,), float(r))
         pg.broadcast([d], opts).wait()
         out["d"] = d.tolist()
-        out["g2_op_ids_end"] = _native_ops(pg)
-        out["py_ops_g2"] = int(m.comms[-1]._op_counter)
+        out["g3_op_ids_end"] = _native_ops(pg)
+        out["py_ops_g3"] = int(m.comms[-1]._op_counter)
         return out
 
     try:
@@ -307,12 +319,14 @@ def test_an_abandoned_ops_late_write_never_reaches_the_caller_and_the_next_gener
     assert not any(isinstance(o, BaseException) for o in out.values()), out
     for r in range(2):
         o = out[r]
-        assert o["g1_native"] and o["g2_native"]
+        assert o["g1_native"] and o["g2_native"] and o["g3_native"]
         assert o["g1_sum"] == [3.0] * 4 and o["b"] == [30.0] * 4 and o["c"] == [2.0] * 4 and o["d"] == [1.0] * 3
-        assert o["g2_op_ids"] == 1 and o["g2_op_ids_end"] == 3, "a new generation numbers its ops from 1"
-        assert o["py_ops_g2"] == 0
+        assert o["g3_op_ids"] == 1 and o["g3_op_ids_end"] == 3, "a new generation numbers its ops from 1"
+        assert o["py_ops_g3"] == 0
     o0 = out[0]
-    assert o0["pending"] and o0["future_is_caller"] and o0["a_nan"]
-    assert out[1]["late"] == [101.0] * 4, "the abandoned op did finish late (it wrote 1 + 100 into its buffer)"
-    assert o0["a_after"], "the late write reached the caller's tensor of the abandoned op"
-    assert o0["wait"] is True and o0["g1_errored"]
+    for op in ("broadcast", "all_reduce"):
+        assert o0[f"{op}_pending"] and o0[f"{op}_future_is_caller"] and o0[f"{op}_nan"], (op, o0)
+        assert o0[f"{op}_wait"] is True and o0[f"{op}_errored"], (op, o0)
+    assert out[1]["all_reduce_late"] == [101.0] * 4, "member 0's Gloo read the caller's tensor, not a staged copy"
+    assert all(v != v for v in o0["broadcast_after"]), f"the late broadcast reached the caller: {o0}"
+    assert all(v != v for v in o0["all_reduce_after"]), f"the late all_reduce reached the caller: {o0}"
