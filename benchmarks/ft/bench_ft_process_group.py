@@ -2,9 +2,11 @@
 
 Every rank (a process) is a member of two fault-tolerant jobs at once -- two coordinators, one replica group per
 rank -- the first joined with ``TORCHNEXT_NATIVE_PG=1`` (its ``ft.process_group`` on the native path: staging
-buffers and never-raise in C++), the second with ``TORCHNEXT_NATIVE_PG=0`` (the Python path). A plain
-``ProcessGroupGloo`` over the same ranks is the floor. Each sample times ``--ops`` back-to-back
-``pg.allreduce([t]).wait()`` (SUM) of one group; the three groups alternate A B C C B A sample by sample with a
+buffers and never-raise in C++), the second with ``TORCHNEXT_NATIVE_PG=0`` (the Python path). Two references over
+the same ranks: ``plain``, a torchnext process group on the native path without fault tolerance (torch's
+dispatcher and the native backend, no staging: what staging and the switch add is ``native - plain``), and
+``gloo``, a bare ``ProcessGroupGloo`` (its methods called directly: no dispatcher). Each sample times ``--ops`` back-to-back
+``pg.allreduce([t]).wait()`` (SUM) of one group; the four groups alternate A B C D D C B A sample by sample with a
 barrier before each sample, and the figure is the median per op::
 
     per_op[group][size] = median over samples of (time of `ops` all_reduces) / ops
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-GROUPS = ("native", "python", "gloo")
+GROUPS = ("native", "python", "plain", "gloo")
 
 
 def _rank(ctx: Any, jobs: list[tuple[str, str]], p: dict[str, Any]) -> dict[str, Any]:
@@ -36,8 +38,11 @@ def _rank(ctx: Any, jobs: list[tuple[str, str]], p: dict[str, Any]) -> dict[str,
     torch.set_num_threads(1)
     store = ctx.store
     raw = dist.ProcessGroupGloo(dist.PrefixStore("bench-raw", store), ctx.rank, ctx.world_size)
+    os.environ["TORCHNEXT_NATIVE_PG"] = "1"
+    dist.init_process_group("torchnext", store=dist.PrefixStore("bench-plain", store), rank=ctx.rank,
+                            world_size=ctx.world_size)
     fts = []
-    pgs: dict[str, Any] = {"gloo": raw}
+    pgs: dict[str, Any] = {"gloo": raw, "plain": dist.group.WORLD}
     for name, (addr, token) in zip(("native", "python"), jobs, strict=True):
         os.environ["TORCHNEXT_NATIVE_PG"] = "1" if name == "native" else "0"
         ft = FaultTolerant(FaultTolerantConfig(coordinator=addr, token=token, member_id=ctx.rank,
@@ -45,8 +50,8 @@ def _rank(ctx: Any, jobs: list[tuple[str, str]], p: dict[str, Any]) -> dict[str,
         ft.join()
         fts.append(ft)
         pgs[name] = ft.process_group
-    paths = {name: bool(getattr(pgs[name], "native", False)) for name in ("native", "python")}
-    if not paths["native"] or paths["python"]:
+    paths = {name: bool(getattr(pgs[name], "native", False)) for name in ("native", "python", "plain")}
+    if not paths["native"] or paths["python"] or not paths["plain"]:
         raise RuntimeError(f"rank {ctx.rank}: the groups are not on the paths asked for: {paths}")
 
     def barrier() -> None:
@@ -70,6 +75,7 @@ def _rank(ctx: Any, jobs: list[tuple[str, str]], p: dict[str, Any]) -> dict[str,
         out["per_op"][size] = {g: statistics.median(v) for g, v in times.items()}
     for ft in fts:
         ft.finish()
+    dist.destroy_process_group()
     return out
 
 
@@ -102,9 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         reports = run_ranks(_rank, args.ranks, args=([(a.address, a.token), (b.address, b.token)], p),
                             timeout=args.timeout)
     load = os.getloadavg()
-    print(f"{args.ranks} ranks, {args.samples} samples per group and size, groups interleaved A B C C B A; "
+    print(f"{args.ranks} ranks, {args.samples} samples per group and size, groups interleaved A B C D D C B A; "
           f"load average after: {' '.join(f'{x:.2f}' for x in load)}")
-    print(f"{'size':>10} {'native us':>10} {'python us':>10} {'gloo us':>10} {'saved us':>9} {'py/native':>9}")
+    print(f"{'size':>10} {'native us':>10} {'python us':>10} {'plain us':>10} {'gloo us':>10} {'saved us':>9} "
+          f"{'py/native':>9}")
     rows = []
     for size in args.sizes:
         # the slowest rank's median (an all_reduce ends on every rank at about the same time)
@@ -112,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {"bytes": size, **{f"{g}_us": med[g] for g in GROUPS}, "saved_us": med["python"] - med["native"],
                "ratio": med["python"] / med["native"]}
         rows.append(row)
-        print(f"{size:>10} {med['native']:>10.1f} {med['python']:>10.1f} {med['gloo']:>10.1f} "
+        print(f"{size:>10} {med['native']:>10.1f} {med['python']:>10.1f} {med['plain']:>10.1f} {med['gloo']:>10.1f} "
               f"{row['saved_us']:>9.1f} {row['ratio']:>9.2f}")
     if args.json:
         with open(args.json, "w") as f:
