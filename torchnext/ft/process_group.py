@@ -195,8 +195,13 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
             def failed(op: str, exc: CommError, comm: Communicator = comm) -> None:
                 self._note_native_failure(comm, op, exc)
 
-            native = _native.attach_generation(self, comm, self._switch, on_failure=failed,
-                                               covered=(_quarantine_cancelled,))
+            try:
+                native = _native.attach_generation(self, comm, self._switch, on_failure=failed,
+                                                   covered=(_quarantine_cancelled,))
+            except Exception as exc:  # never fail a reconfiguration over the data path: the Python one works
+                _LOG.warning("fault-tolerant group %r: generation %d on the Python path (native path failed: %s)",
+                             self._group_name, self._ft.generation, exc)
+                native = None
         if native is None:  # the Python path for this generation
             object.__setattr__(self, "__class__", getattr(type(self), "_native_twin_of", type(self)))
             return
