@@ -97,18 +97,23 @@ def _ddp_overhead_rank(ctx: Any, addr: str, token: str, p: dict[str, Any]) -> di
     plain = Communicator(dist.PrefixStore("bench.plain", ctx.store), r, n, name="bench-plain").as_process_group()
     ft = FaultTolerant(FaultTolerantConfig(coordinator=addr, token=token, member_id=r))
     kw = {"bucket_cap_mb": p["bucket_mb"]}
-    models = {name: W.model(p["hidden"]) for name in ("gloo", "plain", "ft")}
+    early = bool(p.get("vote_early"))
+    models = {name: W.model(p["hidden"]) for name in ("gloo", "plain", "ft", *(["ft_early"] if early else []))}
     wrapped = {
         "gloo": TorchDDP(models["gloo"], process_group=gloo, **kw),
         "plain": TorchDDP(models["plain"], process_group=plain, **kw),
         "ft": DistributedDataParallel(models["ft"], ft, **kw),
     }
+    if early:  # the same ft, its own DDP: the vote leaves when backward's last bucket is reduced
+        wrapped["ft_early"] = DistributedDataParallel(models["ft_early"], ft, vote_early=True, **kw)
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     phases = _Phases()
     compute = lambda ms: W.compute(ms, p["compute_kind"])  # noqa: E731
     batch = lambda step: W.batch(step, r)  # noqa: E731
     steps = {name: _plain_step(phases, name, wrapped[name], opts[name], batch, compute) for name in ("gloo", "plain")}
-    steps["ft"] = _ft_step(phases, ft, wrapped["ft"], opts["ft"], batch, compute)
+    for name in FT_VARIANTS:
+        if name in wrapped:
+            steps[name] = _ft_step(phases, ft, wrapped[name], opts[name], batch, compute, name=name)
     try:
         out = _timed_blocks(steps, p)
     finally:
@@ -144,25 +149,30 @@ def _plain_step(phases: _Phases, name: str, net: Any, opt: Any, batch: Any, comp
     return step
 
 
-def _ft_step(phases: _Phases, ft: Any, net: Any, opt: Any, batch: Any, compute: Any) -> Any:
+FT_VARIANTS = ("ft", "ft_early")
+"""The fault-tolerant variants: voting at ``commit()``, and (DDP, ``--vote-early``) voting when backward's last
+bucket is reduced (``DistributedDataParallel(vote_early=True)``)."""
+
+
+def _ft_step(phases: _Phases, ft: Any, net: Any, opt: Any, batch: Any, compute: Any, name: str = "ft") -> Any:
     """One timed fault-tolerant step (``phases``: entering ``ft.step()``, forward + backward, the commit, leaving)."""
 
     def step(ms: float) -> None:
         t = time.perf_counter()
         with ft.step() as st:
-            phases.add("ft", "enter", t)
+            phases.add(name, "enter", t)
             compute(ms)
             t = time.perf_counter()
             net(batch(ft.step_count)).square().mean().backward()
-            phases.add("ft", "fwd_bwd", t)
+            phases.add(name, "fwd_bwd", t)
             t = time.perf_counter()
             ok = st.commit()
-            phases.add("ft", "commit", t)
+            phases.add(name, "commit", t)
             if ok:
                 opt.step()
             opt.zero_grad()
             t = time.perf_counter()
-        phases.add("ft", "exit", t)
+        phases.add(name, "exit", t)
 
     return step
 
@@ -262,22 +272,28 @@ def print_overhead(res: dict[str, Any], p: dict[str, Any]) -> list[dict[str, Any
         if kind not in res:
             continue
         reports = res[kind]["reports"]
-        commit = _phase(reports, "ft.commit")
         diff = max(rep["max_abs_diff"] for rep in reports)
         equal = "bitwise" if diff == 0 else f"{diff:.1e}"
         for ms in p["compute_ms"]:
-            med = {v: W.median([x for rep in reports for x in rep["times"][str(ms)].get(v, [])]) * 1e3
-                   for v in ("gloo", base, "ft")}
-            ovh = (med["ft"] / med[base] - 1) * 100
-            spread = _round_overheads(reports, str(ms), base, p["block"])
-            raw = f"{med['gloo']:.2f}" if med["gloo"] == med["gloo"] else "-"
-            ok = "met" if ovh <= goal else f"**missed by {ovh - goal:.1f} pts**"
-            label = "FT-DDP" if kind == "ddp" else f"FT-HSDP {p['ranks'] // p['shard']}x{p['shard']}"
-            print(f"| {label} | {ms:g} ms | {raw} | {med[base]:.2f} | {med['ft']:.2f} | {ovh:+.1f} % | "
-                  f"{W.pct(spread, 25):+.1f} .. {W.pct(spread, 75):+.1f} % | <= {goal:g} % {ok} | {commit:.2f} | {equal} |")
-            rows.append({"parallelism": kind, "compute_ms": ms, "raw_gloo_ms": med["gloo"], "baseline_ms": med[base],
-                         "ft_ms": med["ft"], "overhead_pct": ovh, "round_overhead_p25": W.pct(spread, 25),
-                         "round_overhead_p75": W.pct(spread, 75), "commit_ms": commit})
+            for variant in FT_VARIANTS:
+                if not any(variant in rep["times"][str(ms)] for rep in reports):
+                    continue
+                med = {v: W.median([x for rep in reports for x in rep["times"][str(ms)].get(v, [])]) * 1e3
+                       for v in ("gloo", base, variant)}
+                ovh = (med[variant] / med[base] - 1) * 100
+                spread = _round_overheads(reports, str(ms), base, p["block"], variant)
+                raw = f"{med['gloo']:.2f}" if med["gloo"] == med["gloo"] else "-"
+                ok = "met" if ovh <= goal else f"**missed by {ovh - goal:.1f} pts**"
+                label = "FT-DDP" if kind == "ddp" else f"FT-HSDP {p['ranks'] // p['shard']}x{p['shard']}"
+                label += " (vote early)" if variant == "ft_early" else ""
+                vcommit = _phase(reports, f"{variant}.commit")
+                print(f"| {label} | {ms:g} ms | {raw} | {med[base]:.2f} | {med[variant]:.2f} | {ovh:+.1f} % | "
+                      f"{W.pct(spread, 25):+.1f} .. {W.pct(spread, 75):+.1f} % | <= {goal:g} % {ok} | {vcommit:.2f} | "
+                      f"{equal} |")
+                rows.append({"parallelism": kind, "variant": variant, "compute_ms": ms, "raw_gloo_ms": med["gloo"],
+                             "baseline_ms": med[base], "ft_ms": med[variant], "overhead_pct": ovh,
+                             "round_overhead_p25": W.pct(spread, 25), "round_overhead_p75": W.pct(spread, 75),
+                             "commit_ms": vcommit})
     print("\nbaseline = the same torch DDP / FSDP2 on plain torchnext groups (no fault tolerance); raw Gloo = torch's "
           "DDP on ProcessGroupGloo; 'max abs param diff': FT model vs baseline model "
           "at the end (DDP: torch's default hook divides each bucket by the size before a SUM, ours averages after it: "
@@ -288,22 +304,27 @@ def print_overhead(res: dict[str, Any], p: dict[str, Any]) -> list[dict[str, Any
           "\n|---|---|---|---|---|---|")
     for kind in res:
         reports = res[kind]["reports"]
-        label = "FT-DDP" if kind == "ddp" else "FT-HSDP"
-        print(f"| {label} | {_phase(reports, 'plain.fwd_bwd'):.2f} | {_phase(reports, 'ft.fwd_bwd'):.2f} | "
-              f"{_phase(reports, 'ft.enter'):.3f} | {_phase(reports, 'ft.commit'):.2f} | {_phase(reports, 'ft.exit'):.3f} |")
-        for row in rows:
-            if row["parallelism"] == kind:
-                row.update({f"phase_{k}_ms": _phase(reports, k) for k in ("plain.fwd_bwd", "ft.fwd_bwd", "ft.enter",
-                                                                           "ft.commit", "ft.exit")})
+        for v in FT_VARIANTS:
+            if not any(f"{v}.commit" in rep["phases"] for rep in reports):
+                continue
+            label = ("FT-DDP" if kind == "ddp" else "FT-HSDP") + (" (vote early)" if v == "ft_early" else "")
+            print(f"| {label} | {_phase(reports, 'plain.fwd_bwd'):.2f} | {_phase(reports, f'{v}.fwd_bwd'):.2f} | "
+                  f"{_phase(reports, f'{v}.enter'):.3f} | {_phase(reports, f'{v}.commit'):.2f} | "
+                  f"{_phase(reports, f'{v}.exit'):.3f} |")
+            for row in rows:
+                if row["parallelism"] == kind and row.get("variant", "ft") == v:
+                    row.update({f"phase_{k.replace(v, 'ft')}_ms": _phase(reports, k)
+                                for k in ("plain.fwd_bwd", f"{v}.fwd_bwd", f"{v}.enter", f"{v}.commit", f"{v}.exit")})
     return rows
 
 
-def _round_overheads(reports: list[dict[str, Any]], ms: str, base: str, block: int) -> list[float]:
+def _round_overheads(reports: list[dict[str, Any]], ms: str, base: str, block: int,
+                     variant: str = "ft") -> list[float]:
     """Per rank and palindromic round: median FT step / median baseline step of that round's blocks - 1 (%): the
     spread of the overhead across the run (rounds are minutes apart under a changing load)."""
     out: list[float] = []
     for rep in reports:
-        ft, bl = rep["times"][ms]["ft"], rep["times"][ms][base]
+        ft, bl = rep["times"][ms][variant], rep["times"][ms][base]
         for k in range(min(len(ft), len(bl)) // block):
             out.append((W.median(ft[k * block:(k + 1) * block]) / W.median(bl[k * block:(k + 1) * block]) - 1) * 100)
     return out
@@ -669,6 +690,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compute-kind", choices=["sleep", "busy"], default="sleep")
     ap.add_argument("--hidden", type=int, default=512, help="MLP width (~2*hidden^2 parameters)")
     ap.add_argument("--bucket-mb", type=float, default=1.0, help="DDP bucket size (MiB)")
+    ap.add_argument("--vote-early", action="store_true",
+                    help="FT-DDP: also time DistributedDataParallel(vote_early=True) in the same run")
     ap.add_argument("--trials", type=int, default=100, help="FT-DDP recovery trials")
     ap.add_argument("--hsdp-trials", type=int, default=30, help="FT-HSDP recovery trials")
     ap.add_argument("--recovery-compute-ms", type=float, default=5.0, help="sleep per step in the recovery jobs")
@@ -694,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({sum(x.numel() for x in W.model(args.hidden).parameters()):,} fp32 params), batch {W.BATCH}; "
           f"defaults: FaultTolerantConfig(), {MembershipConfig()}", flush=True)
     p: dict[str, Any] = {k: getattr(args, k) for k in ("parallel", "ranks", "shard", "steps", "block", "compute_ms", "compute_kind",
-                                                       "hidden", "bucket_mb", "timeout", "torchft_python",
+                                                       "hidden", "bucket_mb", "vote_early", "timeout", "torchft_python",
                                                        "torchft_trials", "torchft_timeout")}
     out: dict[str, Any] = {"argv": sys.argv[1:], "load_start": os.getloadavg()}
     rows: list[dict[str, Any]] = []

@@ -53,6 +53,9 @@ def test_no_fault_matches_plain_data_parallel(sessions: bool) -> None:
         reports = job.wait([0, 1, 2, 3], timeout=150)
     assert all(r["error"] is None and r["step"] == steps for r in reports.values()), reports
     check_sessions(reports, sessions)
+    # the replica group's agreement on the attempt's generation: one all_reduce per attempt with flat sessions;
+    # in a group session only before the first attempt (every later one follows a clean commit)
+    assert {r["lockstep_rounds"] for r in reports.values()} == ({1} if sessions else {steps}), reports
     assert reports[0]["digest"] == reports[2]["digest"] and reports[1]["digest"] == reports[3]["digest"]
     assert reports[0]["digest"] != reports[1]["digest"]  # the two shards of one group differ
     got = _full([reports[0]["params"], reports[1]["params"]])

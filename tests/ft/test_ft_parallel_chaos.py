@@ -55,10 +55,12 @@ def _gap_free(report: dict[str, Any]) -> None:
     assert steps == list(range(steps[0], steps[0] + len(steps))), f"member {report['member']}: {steps}"
 
 
-def test_ddp_chaos_10_schedules(tmp_path: Any) -> None:
+@pytest.mark.parametrize("vote_early", [False, True], ids=["vote-at-commit", "vote-early"])
+def test_ddp_chaos_10_schedules(tmp_path: Any, vote_early: bool) -> None:
     rng = random.Random(2026)
     stop = tmp_path / "stop"
-    kw: dict[str, Any] = {"stop_file": str(stop), "signal_kills": True, "step_sleep_s": 0.005, "parallel": "ddp"}
+    kw: dict[str, Any] = {"stop_file": str(stop), "signal_kills": True, "step_sleep_s": 0.005, "parallel": "ddp",
+                          "vote_early": vote_early}
     kinds = []
     with _coordinator(4) as coord, FTJob() as job:
         def launch(m: int) -> None:
@@ -93,6 +95,9 @@ def test_ddp_chaos_10_schedules(tmp_path: Any) -> None:
     assert all(r["digest"] == first["digest"] and r["step"] == first["step"] for r in ok.values())
     for r in ok.values():
         _gap_free(r)
+        # vote_early: most commits were voted from the completion of backward's last op (a joiner's first
+        # attempts and attempts of a broken generation vote at commit, or not at all)
+        assert (r["early_votes"] > len(r["commits"]) // 2) if vote_early else r["early_votes"] == 0, r["early_votes"]
     replay = ddp_expected_weights(_step_members(history, first["step"]))
     for got, want in zip(first["params"], replay, strict=True):
         assert torch.equal(torch.tensor(got, dtype=torch.float64), want), "differs from the exact replay"

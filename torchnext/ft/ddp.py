@@ -22,6 +22,7 @@ Semantics of one backward, per bucket ``b``::
 
 # No `from __future__ import annotations`: DDP checks the comm hook's annotations as objects.
 import itertools
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,17 +44,24 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     """torch's DDP across the live replica groups of ``ft`` (see the module docstring). ``kwargs`` go to torch's
     DDP (``process_group`` is not accepted: the group is ``ft.process_group``)."""
 
-    def __init__(self, module: nn.Module, ft: "FaultTolerant", **kwargs: Any) -> None:
+    def __init__(self, module: nn.Module, ft: "FaultTolerant", *, vote_early: bool = False, **kwargs: Any) -> None:
         if "process_group" in kwargs:
             raise ValueError("torchnext.ft.DistributedDataParallel: process_group is ft.process_group; do not pass one")
+        if not isinstance(vote_early, bool):
+            raise TypeError(f"torchnext.ft.DistributedDataParallel: vote_early must be a bool, got {vote_early!r}")
         kwargs.setdefault("find_unused_parameters", True)
         local = Communicator(dist.HashStore(), 0, 1, name=f"ft-ddp-local-{next(_LOCAL)}")
-        group = _DDPGroup(local, ft.process_group)
+        tracker = _Backward(ft, expect_used_map=bool(kwargs["find_unused_parameters"])) if vote_early else None
+        group = _DDPGroup(local, ft.process_group, tracker)
         super().__init__(module, process_group=group, **kwargs)
         group.constructed = True
         self._ft_local = local
         self._ft_group = ft.process_group
-        self.register_comm_hook(self._ft_group, _average_over_live_groups)
+        self.vote_early = vote_early
+        if tracker is None:
+            self.register_comm_hook(self._ft_group, _average_over_live_groups)
+        else:
+            self.register_comm_hook(tracker, _average_and_track)
 
 
 class _DDPGroup(TorchnextProcessGroup):
@@ -63,15 +71,60 @@ class _DDPGroup(TorchnextProcessGroup):
     bucket -- go to the live replica groups (``ft.process_group``: a failure there is recorded, not raised).
     Buckets never come here: the comm hook sends them to ``ft.process_group`` itself."""
 
-    def __init__(self, local: Communicator, ft_group: Any) -> None:
+    def __init__(self, local: Communicator, ft_group: Any, tracker: "_Backward | None" = None) -> None:
         super().__init__({local.device.type: local}, description=local.name)
         self._ft_group = ft_group
+        self._tracker = tracker
         self.constructed = False
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         if self.constructed:
-            return self._ft_group.allreduce(tensors, opts) if opts is not None else self._ft_group.allreduce(tensors)
+            work = self._ft_group.allreduce(tensors, opts) if opts is not None else self._ft_group.allreduce(tensors)
+            if self._tracker is not None:
+                self._tracker.add(work.get_future(), used_map=True)
+            return work
         return super().allreduce(tensors, opts)
+
+
+class _Backward:
+    """The early vote of ``DistributedDataParallel(vote_early=True)``: one backward's fault-tolerant ops (every
+    bucket's all_reduce, then the used-parameter map's when ``find_unused_parameters``) and, when the last of them
+    completed, ``ft``'s vote for the step -- sent by the thread that completed it, not when the training thread
+    reaches ``step.commit()``. Reference::
+
+        on each op issued: pending += 1          on each completion: pending -= 1
+        if the last bucket and (the used map, if expected) were issued and pending == 0: ft._vote_early()
+
+    Contract: no fault-tolerant collective follows backward in the step (``ft.process_group`` raises), and the
+    optimizer step is applied iff ``step.commit()``; a block that raises after the vote leaves the group if the
+    others committed (see :func:`torchnext.ft.step._voted_then_raised`)."""
+
+    def __init__(self, ft: "FaultTolerant", *, expect_used_map: bool) -> None:
+        self.ft = ft
+        self.group = ft.process_group
+        self._expect_used_map = expect_used_map
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._last_bucket = False
+        self._used_map = False
+
+    def add(self, fut: torch.futures.Future[Any], *, last_bucket: bool = False, used_map: bool = False) -> None:
+        with self._lock:
+            if last_bucket or used_map:  # the used map comes after the last bucket; a new backward starts over
+                self._last_bucket = self._last_bucket or last_bucket
+                self._used_map = self._used_map or used_map
+            self._pending += 1
+        fut.add_done_callback(self._done)
+
+    def _done(self, _fut: torch.futures.Future[Any]) -> None:
+        with self._lock:
+            self._pending -= 1
+            ready = (self._pending == 0 and self._last_bucket
+                     and (self._used_map or not self._expect_used_map))
+            if ready:
+                self._last_bucket = self._used_map = False
+        if ready:
+            self.ft._vote_early()
 
 
 _AVG = dist.AllreduceOptions()
@@ -82,3 +135,11 @@ def _average_over_live_groups(group: Any, bucket: dist.GradBucket) -> torch.futu
     """The comm hook (its state is ``ft.process_group``)."""
     work = group.allreduce([bucket.buffer()], _AVG)
     return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _average_and_track(tracker: _Backward, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The comm hook with ``vote_early`` (its state is the :class:`_Backward`)."""
+    work = tracker.group.allreduce([bucket.buffer()], _AVG)
+    fut = work.get_future()
+    tracker.add(fut, last_bucket=bucket.is_last())
+    return fut.then(lambda f: f.value()[0])

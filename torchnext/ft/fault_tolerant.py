@@ -155,6 +155,17 @@ class FaultTolerant:
         self._local_groups: list[Any] = []  # aborted when this member's group is removed (see register_local_group)
         self._process_group: Any = None
         self._vote: dict[str, int] | None = None  # a vote sent and not yet decided (reported on failover)
+        self._in_place = False  # the last attempt committed with no generation in its decision (see _begin_attempt)
+        self._vote_lock = threading.Lock()  # one vote per attempt: _vote_early (any thread) or should_commit
+        self._early_voted = False  # this attempt's vote was attempted: no early vote any more
+        self._early_vote: int | None = None  # the generation _vote_early voted in (ft.process_group refuses ops
+        # while it is set), for should_commit
+        self.early_votes = 0
+        """How many of this member's votes were sent before ``step.commit()`` (``DistributedDataParallel(
+        vote_early=True)``; diagnostics)."""
+        self.lockstep_rounds = 0
+        """How many replica-group agreement all_reduces this member ran (:meth:`_lockstep`; diagnostics): one per
+        attempt with ``group_session=False``, after the first and after failed attempts only in a group session."""
         _preload_gil_heavy_imports()
         common: dict[str, Any] = dict(
             member_id=cfg.member_id, step=step, connect_timeout_s=cfg.connect_timeout_s,
@@ -305,29 +316,18 @@ class FaultTolerant:
         Reference::
 
             if my communicator is broken or a new generation is pending: return False
-            send vote(generation, step_count); wait for the decision or a new generation
+            send vote(generation, step_count) unless vote() already sent it; wait for the decision or a new generation
             on commit: step_count += 1; return True        else: return False
 
         Raises ``RemovedFromGroup``/``CoordinatorLost``/``QuorumLost`` when membership ended.
         """
-        self._raise_fatal()
-        if self._process_group is not None:
-            self._process_group._drain_native()  # a failed op of its native path that nobody waited on
-        recorded = self._step_error
-        if recorded is not None:
-            raise recorded  # a deterministic error ft.process_group recorded: the step cannot succeed on retry
-        comm = self._comm
-        if comm is None or comm.errored() is not None or self._newest_gen > self.generation:
-            broken = comm.errored() if comm is not None else None
-            self._refusal = (f"generation {self.generation} broken before the vote"
-                             + (f" ({type(broken).__name__}: {broken})" if broken is not None else ""))
-            self._report("communicator broken before the vote")
+        with self._vote_lock:  # an early vote in progress on another thread finishes first; none starts after this
+            self._early_voted = True
+            gen = self._early_vote if self._early_vote is not None else self.vote()
+            self._early_vote = None
+        if gen is None:
             return False
-        gen = self.generation
-        with self._lock:
-            self._vote = {"gen": gen, "step": self._step}
         try:
-            self._client.send({"t": "vote", "gen": gen, "step": self._step})
             deadline = time.monotonic() + self.config.timeout_s
             while True:
                 ev = self._client.next_event(deadline - time.monotonic())
@@ -340,6 +340,7 @@ class FaultTolerant:
                     with self._lock:
                         self._step += 1
                         self._vote = None
+                        self._in_place = ev.get("next") is None
                     self.commit_times.append((gen, self._step, time.monotonic()))
                     if ev.get("next") is not None:
                         self._note_gen({**ev["next"], ARRIVED_AFTER: ev[ARRIVED_AFTER]})
@@ -356,6 +357,49 @@ class FaultTolerant:
         finally:
             with self._lock:
                 self._vote = None
+
+    def vote(self) -> int | None:
+        """Send this member's vote for the current step now and return its generation; :meth:`should_commit`
+        then only waits for the decision. None (no vote sent) when the step cannot commit: the communicator is
+        broken or a newer generation is pending (reported). Raises the deterministic error ``ft.process_group``
+        recorded in this attempt, if any. Any thread may call it (``DistributedDataParallel(vote_early=True)``
+        calls it when the last bucket is reduced); :meth:`should_commit` sends the vote itself when nobody did."""
+        self._raise_fatal()
+        if self._process_group is not None:
+            self._process_group._drain_native()  # a failed op of its native path that nobody waited on
+        recorded = self._step_error
+        if recorded is not None:
+            raise recorded  # a deterministic error ft.process_group recorded: the step cannot succeed on retry
+        comm = self._comm
+        if comm is None or comm.errored() is not None or self._newest_gen > self.generation:
+            broken = comm.errored() if comm is not None else None
+            self._refusal = (f"generation {self.generation} broken before the vote"
+                             + (f" ({type(broken).__name__}: {broken})" if broken is not None else ""))
+            self._report("communicator broken before the vote")
+            return None
+        gen = self.generation
+        with self._lock:
+            self._vote = {"gen": gen, "step": self._step}
+        self._client.send({"t": "vote", "gen": gen, "step": self._step})
+        return gen
+
+    def _vote_early(self) -> None:
+        """Vote from the thread that saw the step's last collective complete (``DistributedDataParallel``'s
+        ``vote_early``); once per attempt, inside a step only. A vote not sent here is sent by ``should_commit``."""
+        with self._vote_lock:
+            with self._lock:
+                if not self._in_step or self._early_voted or self._step_error is not None:
+                    return
+                self._early_voted = True
+            try:
+                gen = self.vote()
+            except BaseException:
+                return
+            self._early_vote = gen
+            if gen is not None:
+                self.early_votes += 1
+                if self._process_group is not None:  # its native path refuses ops from now on, as its Python one
+                    self._process_group._hold_python()
 
     def close(self) -> None:
         """Leave the group (the others reconfigure without this member) and release resources. Idempotent.
@@ -518,6 +562,8 @@ class FaultTolerant:
         current (the current is broken). Failures while entering a generation wait for the next one."""
         limit = self.config.reconfigure_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
+        with self._lock:
+            self._in_place = False  # settling may change the generation: the next attempt agrees by _lockstep
         while True:
             self._raise_fatal()
             self._client.news.clear()
@@ -545,6 +591,53 @@ class FaultTolerant:
                                  f"{self.generation} broke (is the coordinator's quorum reachable?)" + self._recent())
             self._client.news.wait(min(remaining, 0.5))
 
+    def _begin_attempt(self) -> None:
+        """Bring this member to the generation its next step attempt runs in (at ``ft.step()``).
+
+        The ranks of a replica group must begin every attempt in the same generation (see :meth:`_lockstep`). After
+        a commit they already agree without a collective: every rank of the group read the same coordinator
+        messages up to the decision, in the same order (a group session relays them as they came; a decision
+        exists only if every rank voted, and a generation announced before it refuses the commit at every rank).
+        So after a commit whose decision named no new generation, the next attempt starts in the committed
+        generation as is -- an announcement that arrived after the decision is left for after this attempt (it
+        aborted the generation's Communicator: the attempt fails at its first fault-tolerant op, at every rank,
+        and the one after it agrees as below). Reference::
+
+            if last attempt committed and its decision had no "next" and this group has local groups:
+                pass                                              # no settle, no all_reduce
+            else:
+                settle into the newest generation announced; _lockstep()  # one tiny all_reduce per round
+
+        A member without replica-group siblings (``group_size == 1`` or no local group registered) settles as
+        before: nothing of its own pairs op by op with another rank's attempt. Only a group session (the leader
+        relays one stream to its followers) agrees this way; a replica group whose ranks each hold their own
+        coordinator connection (``group_session=False``) runs :meth:`_lockstep` at every attempt, since around a
+        coordinator failover the old coordinator's decision may have reached only some of them.
+        """
+        with self._lock:
+            in_place, self._in_place = self._in_place, False
+        if in_place and self._agrees_without_lockstep():
+            self._raise_fatal()
+            return
+        self._settle(need_new=False)
+        self._lockstep()
+
+    def _agrees_without_lockstep(self) -> bool:
+        """A replica group whose ranks read one relayed stream (a group session): flat sessions of one group's
+        ranks can part around a coordinator failover (the old coordinator's decision reached some of them only)."""
+        return (self.group_size > 1 and bool(self._local_groups) and self._comm is not None
+                and self.session in ("leader", "follower"))
+
+    def _after_commit(self) -> None:
+        """At the end of a committed attempt (``ft.step()``'s exit): settle into a generation announced meanwhile,
+        unless the next attempt begins in place (see :meth:`_begin_attempt`) -- then settling here would let one
+        rank of the group move on while a sibling, which has not read the announcement yet, stays."""
+        with self._lock:
+            in_place = self._in_place
+        if in_place and self._agrees_without_lockstep():
+            return
+        self._settle(need_new=False)
+
     def _lockstep(self) -> None:
         """The ranks of this replica group start every step attempt in the same generation (run at ``ft.step()``).
 
@@ -565,6 +658,7 @@ class FaultTolerant:
         group = self._local_groups[0]
         while True:
             t = torch.tensor([self.generation, -self.generation], dtype=torch.int64)
+            self.lockstep_rounds += 1
             try:
                 if isinstance(group, Communicator):
                     group.all_reduce(t, "max")

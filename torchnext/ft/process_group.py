@@ -164,6 +164,7 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         self._timeout: timedelta | None = None  # set_timeout's, for every later generation
         self._native = None
         self._switch: Any = None  # the native switch backend, registered for CPU with the first native generation
+        self._held: Any = None  # the native backend held on the Python path since this step's early vote
         name = f"torchnext:{ft.config.name}:member{ft.member_id}:{next(_IDS)}"
         self._group_name = name
         _register(self, name, dist.HashStore(), self._mapping)
@@ -241,6 +242,13 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         comm = self._ft._comm
         return None if comm is None else comm.errored()
 
+    def _hold_python(self) -> None:
+        """This step's vote was sent early: every op goes to the Python path, which refuses it, until the first op
+        after the step (:meth:`_live` releases the hold)."""
+        native = self._native
+        if native is not None and native.hold_python(True):
+            self._held = native
+
     def _drain_native(self) -> None:
         """Take the current generation's native failures into account (an op that failed under a future nobody
         waited on, e.g. DDP's): the Communicator becomes errored, the failure is recorded as a waited one would be.
@@ -302,6 +310,14 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         superseded (the op is then recorded as failed, not issued). Bad arguments raise."""
         ft = self._ft
         comm = ft._comm
+        if ft._early_vote is not None:
+            raise RuntimeError(f"{op} on the fault-tolerant process group after this step's vote was sent "
+                               "(DistributedDataParallel(vote_early=True) votes when backward's last bucket is "
+                               "reduced): no fault-tolerant collective may follow backward in the step")
+        held = self._held
+        if held is not None:  # the early vote's step is over: the native path takes ops again
+            self._held = None
+            held.hold_python(False)
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{op}: expected a torch.Tensor, got {type(t).__name__}")

@@ -49,11 +49,12 @@ class Step:
     def __enter__(self) -> Step:
         ft = self._ft
         ft._check_not_finished()
-        ft._settle(need_new=False)
-        ft._lockstep()  # the ranks of a replica group begin the attempt in the same generation
+        ft._begin_attempt()  # the ranks of a replica group begin the attempt in the same generation
         with ft._lock:
             ft._in_step = True
             ft._step_error = None
+            ft._early_voted = False
+            ft._early_vote = None
         ft._check_not_finished()  # a notice that arrived meanwhile
         return self
 
@@ -68,14 +69,18 @@ class Step:
             # the failure it caused later (an aborted op, a refused commit), ends the step
             _deterministic(self, recorded)
             raise recorded
+        if (exc is not None and ft._early_vote is not None and not self.decided
+                and classify_failure(exc) is FailureKind.TRANSIENT and _voted_then_raised(self, exc)):
+            return False
         if exc is None:
             if not self.decided:
                 self.commit()
             if self.committed:
                 ft._failed_attempts.reset()
+                ft._after_commit()
             else:
                 self._failed_attempt(f"commit refused: {ft._refusal}", None)
-            ft._settle(need_new=not self.committed)
+                ft._settle(need_new=True)
             return False
         return _ON_KIND[classify_failure(exc)](self, exc)
 
@@ -91,6 +96,23 @@ class Step:
                f"the last {len(last)}: " + " | ".join(last))
         ft._end_job("retries_exhausted", msg)
         raise RetriesExhausted(msg, step=ft.step_count, attempts=attempts, failures=last) from cause
+
+
+def _voted_then_raised(step: Step, exc: BaseException) -> bool:
+    """The block raised a transient error after this member's early vote (``DistributedDataParallel(
+    vote_early=True)``; a deterministic one ends the job as always): the others
+    may commit the step it voted for. Await the decision; if they did, this member holds no committed state (its
+    optimizer step was not applied): it leaves the group -- a restarted process rejoins and heals -- and ``exc``
+    propagates. True when it left; False (the decision was a refusal) handles ``exc`` as usual."""
+    ft = step._ft
+    step.committed = ft.should_commit()
+    step.decided = True
+    if not step.committed:
+        return False
+    ft.close()
+    exc.add_note(f"torchnext.ft: member {ft.member_id} raised after its early vote for step {ft.step_count - 1}, "
+                 "which the group committed: it left the group (restart it to rejoin and heal)")
+    return True
 
 
 def _transient(step: Step, exc: BaseException) -> bool:

@@ -81,6 +81,8 @@ class ParallelSpec:
     stop_file: str | None = None
     """If set: train until the step count written in this file (checked between steps) instead of ``steps``."""
     signal_kills: bool = False
+    vote_early: bool = False
+    """FT-DDP: ``DistributedDataParallel(vote_early=True)`` (the vote sent when backward's last bucket is reduced)."""
     fault_log: str | None = None
     """Append ``"<time.time()> <member>"`` right before a self-inflicted fault (benchmarks time recovery from it)."""
     signal_raises: bool = False
@@ -263,7 +265,8 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
             from torchnext.ft import DistributedDataParallel
 
             opt = torch.optim.SGD(model.parameters(), lr=1.0)
-            net = DistributedDataParallel(model, ft, bucket_cap_mb=DIM * 8 / (1 << 20))  # one bucket per parameter
+            net = DistributedDataParallel(model, ft, bucket_cap_mb=DIM * 8 / (1 << 20),  # one bucket per parameter
+                                          vote_early=spec.vote_early)
             model.ws[0].register_hook(_backward_fault(spec, ft, injector, doomed))  # type: ignore[index]
         ft.join()
         report["joined_at"] = time.time()
@@ -278,6 +281,7 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
             report.update(
                 generation=ft.generation, members=list(ft.members), groups=[list(g) for g in ft.replica_groups],
                 step=ft.step_count, commits=record.commits(), history=record.history(),
+                lockstep_rounds=ft.lockstep_rounds, early_votes=ft.early_votes,
                 generations={r.generation: [list(g) for g in r.groups] for r in record.reconfigurations},
                 reconfigurations=[{"gen": r.generation, "step": r.step, "groups": [list(g) for g in r.groups],
                                    "joiners": list(r.joiners), "reason": r.reason,

@@ -254,6 +254,14 @@ class _Native:
             self.to_python_counters()
             _LOG.debug("torchnext group %r: Python path (%s)", pg._group_name, why)
 
+    def hold_python(self, on: bool) -> bool:
+        """While on the native path, send every op to the Python path (``on``) or take them natively again; whether
+        the group was on the native path. (A staged group refuses ops after its step's early vote there.)"""
+        if not self.on_native or self._retired:
+            return False
+        self._mod.set_python_mode(self.backend, on)
+        return True
+
     @property
     def comm(self) -> Communicator:
         """The Communicator whose backend this one wraps."""

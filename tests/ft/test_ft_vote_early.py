@@ -1,0 +1,171 @@
+"""``DistributedDataParallel(vote_early=True)``: the step's vote leaves when backward's last fault-tolerant op
+completes, not when the training thread reaches ``step.commit()``; the contract around it.
+
+Real members (threads, Gloo over loopback) and an in-process coordinator; every wait is bounded. The chaos test
+with early votes is ``tests/ft/test_ft_parallel_chaos.py::test_ddp_chaos_10_schedules[vote-early]``."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from torchnext.comms import CommAborted
+from torchnext.ft import (
+    Coordinator,
+    CoordinatorConfig,
+    DistributedDataParallel,
+    FaultTolerant,
+    FaultTolerantConfig,
+    MembershipConfig,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+BOUND_S = 60.0
+
+
+def _coordinator(n: int, min_size: int) -> Coordinator:
+    return Coordinator(CoordinatorConfig(membership=MembershipConfig(
+        min_size=min_size, initial_size=n, heartbeat_interval_s=0.1, heartbeat_timeout_s=3.0, quorum_timeout_s=10.0)))
+
+
+def _member(coord: Coordinator, i: int, min_size: int) -> FaultTolerant:
+    return FaultTolerant(FaultTolerantConfig(coordinator=coord.address, token=coord.token, member_id=i,
+                                             min_size=min_size, timeout_s=20.0, reconfigure_timeout_s=15.0))
+
+
+def _threads(fns: list[Callable[[], Any]]) -> dict[int, Any]:
+    out: dict[int, Any] = {}
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
+    for th in threads:
+        th.start()
+    deadline = time.monotonic() + BOUND_S
+    for th in threads:
+        th.join(max(0.0, deadline - time.monotonic()))
+    assert not any(th.is_alive() for th in threads), f"a member thread hung (results so far: {out})"
+    return out
+
+
+torch.manual_seed(0)
+_INIT = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+
+
+def _model() -> torch.nn.Module:
+    """The same initial weights in every thread (the threads share torch's generator: no seeding in them)."""
+    return copy.deepcopy(_INIT)
+
+
+def _wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return cond()
+
+
+def test_the_vote_is_sent_before_commit_and_training_matches_the_vote_at_commit() -> None:
+    steps = 3
+
+    def train(i: int, vote_early: bool, coord: Coordinator) -> dict[str, Any]:
+        with _member(coord, i, 2) as ft:
+            model = _model()
+            net = DistributedDataParallel(model, ft, vote_early=vote_early, bucket_cap_mb=64 * 4 / (1 << 20))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            before_commit = []
+            while ft.step_count < steps:
+                with ft.step() as step:
+                    x = torch.full((4, 8), float(i + 1 + ft.step_count))
+                    net(x).square().sum().backward()
+                    # the completion of the last op voted already: wait for it *before* calling commit()
+                    want = ft.step_count + 1
+                    if vote_early:
+                        before_commit.append(_wait_for(lambda w=want: ft.early_votes >= w, 10.0))
+                    if step.commit():
+                        opt.step()
+                    opt.zero_grad()
+            params = [p.detach().clone() for p in model.parameters()]
+            out = {"early": ft.early_votes, "before_commit": before_commit, "params": params}
+            ft.finish()
+            return out
+
+    results = {}
+    for vote_early in (True, False):
+        with _coordinator(2, 2) as coord:
+            results[vote_early] = _threads([lambda i=i, v=vote_early, c=coord: train(i, v, c) for i in range(2)])
+    early, late = results[True], results[False]
+    for i in range(2):
+        assert not isinstance(early[i], BaseException), early[i]
+        assert not isinstance(late[i], BaseException), late[i]
+        assert early[i]["early"] == steps and all(early[i]["before_commit"]), early[i]
+        assert late[i]["early"] == 0, late[i]
+        for a, b in zip(early[i]["params"], late[i]["params"], strict=True):
+            assert torch.equal(a, b)
+    for a, b in zip(early[0]["params"], early[1]["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_fault_tolerant_collective_after_the_early_vote_raises() -> None:
+    def train(i: int, coord: Coordinator) -> Any:
+        with _member(coord, i, 2) as ft:
+            model = _model()
+            net = DistributedDataParallel(model, ft, vote_early=True)
+            with ft.step() as step:
+                net(torch.ones(2, 8)).sum().backward()
+                assert _wait_for(lambda: ft.early_votes == 1)
+                with pytest.raises(RuntimeError, match="after this step's vote was sent"):
+                    ft.process_group.allreduce([torch.ones(2)])
+                committed = step.commit()
+            ft.process_group.allreduce([torch.ones(2)]).wait()  # after the step: allowed again
+            ft.finish()
+            return committed
+
+    with _coordinator(2, 2) as coord:
+        out = _threads([lambda i=i: train(i, coord) for i in range(2)])
+    assert out == {0: True, 1: True}, out
+
+
+def test_a_transient_error_after_a_committed_early_vote_leaves_the_group() -> None:
+    """Member 1 raises a transient error between its (early) vote and commit(): the others committed the step it
+    voted for, so it holds no committed state -- it leaves (a restart would rejoin and heal), member 0 goes on."""
+
+    def train(i: int, coord: Coordinator) -> Any:
+        ft = _member(coord, i, 1)
+        try:
+            model = _model()
+            net = DistributedDataParallel(model, ft, vote_early=True)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            while ft.step_count < 3:
+                with ft.step() as step:
+                    net(torch.ones(2, 8)).sum().backward()
+                    if i == 1 and ft.step_count == 1:
+                        assert _wait_for(lambda: ft.early_votes == 2)
+                        raise CommAborted("injected after the early vote")
+                    if step.commit():
+                        opt.step()
+                    opt.zero_grad()
+            ft.finish()
+            return ("done", ft.step_count, ft.size)
+        except CommAborted as exc:
+            return ("left", ft.step_count, "".join(getattr(exc, "__notes__", [])))
+        finally:
+            ft.close()
+
+    with _coordinator(2, 1) as coord:
+        out = _threads([lambda i=i: train(i, coord) for i in range(2)])
+    assert out[0] == ("done", 3, 1), out
+    kind, count, note = out[1]
+    assert (kind, count) == ("left", 2) and "left the group" in note, out
