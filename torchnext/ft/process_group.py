@@ -31,7 +31,8 @@ the group's one switch backend (:mod:`torchnext.comms.process_group.native`, "A 
 ``broadcast`` and ``reduce`` then run in C++ with the same staging and the same never-raise semantics; every other
 op, and every op once the generation is broken, runs on this module's Python methods. A native failure is recorded
 as a Python one is (:meth:`FaultTolerantProcessGroup._note_native_failure`): on the waiting thread, or -- a future
-nobody waited on -- before ``ft.should_commit()`` votes (:meth:`FaultTolerantProcessGroup._drain_native`). With
+nobody waited on -- before ``ft.vote()`` (:meth:`FaultTolerantProcessGroup._drain_native`). After an early vote
+the native backend is held on the Python path (which refuses the step's later ops) until the step is over. With
 ``TORCHNEXT_NATIVE_PG=0``, no compiler, or a CUDA Communicator: the Python path for every op, as before.
 """
 
