@@ -226,7 +226,8 @@ class _Member:
         self.store, self.rank = store, rank
         self.ft = SimpleNamespace(config=SimpleNamespace(name="ftnative"), rank=rank, size=2, members=[0, 1],
                                   member_id=rank, generation=0, _newest_gen=0, _comm=None, comm=None,
-                                  on_reconfigure=lambda cb: None, _record_step_error=lambda exc: None)
+                                  on_reconfigure=lambda cb: None, _record_step_error=lambda exc: None,
+                                  _early_vote=None)
         self.pg = FaultTolerantProcessGroup(self.ft)  # type: ignore[arg-type]
         self.comms: list[Communicator] = []
 
@@ -330,3 +331,44 @@ def test_an_abandoned_ops_late_write_never_reaches_the_caller_and_the_next_gener
     assert out[1]["all_reduce_late"] == [101.0] * 4, "member 0's Gloo read the caller's tensor, not a staged copy"
     assert all(v != v for v in o0["broadcast_after"]), f"the late broadcast reached the caller: {o0}"
     assert all(v != v for v in o0["all_reduce_after"]), f"the late all_reduce reached the caller: {o0}"
+
+
+def test_a_native_ops_future_callbacks_run_before_its_waiters_are_released() -> None:
+    """As on the Python path (DDP's reducer waits on the used-parameter map's Work while the early vote leaves from
+    that op's future callback): wait() returns only after the callbacks ran; a callback may wait on the op itself."""
+    store = dist.HashStore()
+    members = [_Member(store, r) for r in range(2)]
+
+    def run(r: int) -> dict[str, Any]:
+        m = members[r]
+        m.enter(1)
+        pg = m.pg
+        seen: dict[str, Any] = {"native": _on_native(pg)}
+        if r == 1:
+            time.sleep(0.3)  # member 0's op is still in flight when it adds its callback
+        t = torch.ones(4)
+        work = pg.allreduce([t])
+
+        def callback(_fut: Any) -> None:
+            time.sleep(0.2)
+            seen["inner_wait"] = work.wait()  # on the completing thread: does not block
+            seen["callback_done"] = time.monotonic()
+
+        work.get_future().add_done_callback(callback)
+        seen["pending"] = not work.is_completed()
+        work.wait()
+        seen["waited"] = time.monotonic()
+        return seen
+
+    try:
+        out = _threads([lambda r=r: run(r) for r in range(2)], timeout=60)
+    finally:
+        for m in members:
+            for c in m.comms:
+                c.abort("test over")
+    assert not any(isinstance(o, BaseException) for o in out.values()), out
+    for r in range(2):
+        o = out[r]
+        assert o["native"] and o["inner_wait"] is True
+        assert o["callback_done"] <= o["waited"], "wait() returned before the op's future callbacks ran"
+    assert out[0]["pending"], "member 0's op completed before its callback was added: nothing was checked"

@@ -75,7 +75,8 @@ def group(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setenv("TORCHNEXT_NATIVE_PG", "0")
     comm = Communicator(dist.HashStore(), 0, 1, name="ft-staging-test")
     ft = SimpleNamespace(config=SimpleNamespace(name="staging"), rank=0, size=1, members=[0], member_id=0,
-                         generation=1, _newest_gen=1, _comm=comm, comm=comm, on_reconfigure=lambda cb: None)
+                         generation=1, _newest_gen=1, _comm=comm, comm=comm, on_reconfigure=lambda cb: None,
+                         _early_vote=None)
     pg = FaultTolerantProcessGroup(ft)  # type: ignore[arg-type]
     backend = _Backend(comm, ft)
     yield pg, backend

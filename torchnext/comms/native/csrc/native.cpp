@@ -491,6 +491,27 @@ class NativeWork : public Work {
       }
     }
     self.reset();
+    if (core_->never_raise) {
+      // A never-raise (fault-tolerant) op completes its future -- its callbacks run -- before its waiters are
+      // released, as the Python path's order under the GIL makes it: DDP's reducer waits on the used-parameter
+      // map's Work, and the early vote (ft's DistributedDataParallel(vote_early=True)) is sent by that op's future
+      // callback; releasing the reducer first let the training thread reach commit() and vote first. A callback
+      // that waits on this Work on this thread does not block (see wait()).
+      {
+        std::lock_guard<std::mutex> lk(mutex_);
+        publishing_ = true;  // getFuture() from now on hands out a completed future
+        fut = future_;
+      }
+      finisher_.store(std::this_thread::get_id(), std::memory_order_release);
+      if (fut) fut->markCompleted(c10::IValue(outputs_));
+      {
+        std::lock_guard<std::mutex> lk(mutex_);
+        completed_ = true;
+        done_.store(true, std::memory_order_release);
+      }
+      cv_.notify_all();
+      return true;
+    }
     {
       std::lock_guard<std::mutex> lk(mutex_);
       completed_ = true;
@@ -529,6 +550,10 @@ class NativeWork : public Work {
     auto until = deadline_;
     bool bounded = timeout != kNoTimeout && timeout.count() > 0;
     if (bounded) until = std::min(until, Clock::now() + timeout);
+    if (!done_.load(std::memory_order_acquire) &&
+        finisher_.load(std::memory_order_acquire) == std::this_thread::get_id()) {
+      return outcome();  // a future callback of this op waits on it (see finish): its outcome is settled
+    }
     if (!done_.load(std::memory_order_acquire)) {
       NoGil nogil;
       std::unique_lock<std::mutex> lk(mutex_);
@@ -545,6 +570,11 @@ class NativeWork : public Work {
                     " ms (the op is still in flight; wait again, or abort the group)");
       }
     }
+    return outcome();
+  }
+
+  // wait()'s result once the op is terminal: true, or (a failure) the never-raise report or the exception.
+  bool outcome() {
     uint8_t s = state_.load(std::memory_order_acquire);
     if (s == kCompleted) return true;
     std::string msg;
@@ -588,7 +618,7 @@ class NativeWork : public Work {
       std::lock_guard<std::mutex> lk(mutex_);
       if (!future_) {
         future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
-        done = done_.load(std::memory_order_acquire);
+        done = done_.load(std::memory_order_acquire) || publishing_;
         fut = future_;
       } else {
         return future_;
@@ -652,6 +682,8 @@ class NativeWork : public Work {
   std::string message_;
   int64_t source_rank_ = -1;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  bool publishing_ = false;                 // never-raise: terminal, the future being completed (guarded by mutex_)
+  std::atomic<std::thread::id> finisher_{};  // never-raise: the thread completing the future
 };
 
 // ------------------------------------------------------------------------------- watchdog and waiter threads
