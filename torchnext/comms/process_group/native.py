@@ -37,6 +37,7 @@ Communicator's counter, as the Python path does (one Flight Recorder group per g
         op(staged) -> ok ? t.copy_(staged); pool.put(staged)
                          : mark_invalid(t)                # the buffer dropped; Gloo's own Work keeps it alive
     every other op: the Python path (the group's methods; out-of-place outputs are quarantined there)
+    every op: its future's callbacks run before wait() returns (the Python path's order)
     a failed op: wait() returns True, the future completes with the (invalid) outputs -- never raises;
                  waited on: on_failure(op, make_error(...)) on the waiting thread;
                  never waited on (DDP's futures): found by sync_failure() before ft's commit vote
