@@ -5,6 +5,9 @@ later -- found by the FT-DDP chaos test: a survivor's late gloo write landed in 
 during the next generation's all_reduce, and the job committed NaN. Here the backend is a one-rank Communicator
 whose ``all_reduce`` is wrapped so that the test sees which tensor the backend got, and can fail the op and then
 write into the buffer "late", as an abandoned backend would.
+
+These tests pin the Python path (``TORCHNEXT_NATIVE_PG=0``: the wrapped ``comm.all_reduce`` is a Python method the
+native path never calls); the native path's staging is tested in test_ft_process_group_native.py.
 """
 
 from __future__ import annotations
@@ -68,10 +71,12 @@ class _Backend:
 
 
 @pytest.fixture
-def group() -> Any:
+def group(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("TORCHNEXT_NATIVE_PG", "0")
     comm = Communicator(dist.HashStore(), 0, 1, name="ft-staging-test")
     ft = SimpleNamespace(config=SimpleNamespace(name="staging"), rank=0, size=1, members=[0], member_id=0,
-                         generation=1, _newest_gen=1, _comm=comm, comm=comm, on_reconfigure=lambda cb: None)
+                         generation=1, _newest_gen=1, _comm=comm, comm=comm, on_reconfigure=lambda cb: None,
+                         _early_vote=None)
     pg = FaultTolerantProcessGroup(ft)  # type: ignore[arg-type]
     backend = _Backend(comm, ft)
     yield pg, backend

@@ -365,6 +365,8 @@ class FaultTolerant:
         recorded in this attempt, if any. Any thread may call it (``DistributedDataParallel(vote_early=True)``
         calls it when the last bucket is reduced); :meth:`should_commit` sends the vote itself when nobody did."""
         self._raise_fatal()
+        if self._process_group is not None:
+            self._process_group._drain_native()  # a failed op of its native path that nobody waited on
         recorded = self._step_error
         if recorded is not None:
             raise recorded  # a deterministic error ft.process_group recorded: the step cannot succeed on retry
@@ -396,6 +398,8 @@ class FaultTolerant:
             self._early_vote = gen
             if gen is not None:
                 self.early_votes += 1
+                if self._process_group is not None:  # its native path refuses ops from now on, as its Python one
+                    self._process_group._hold_python()
 
     def close(self) -> None:
         """Leave the group (the others reconfigure without this member) and release resources. Idempotent.

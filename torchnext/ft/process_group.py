@@ -23,6 +23,17 @@ tensors only when the op succeeded; the buffer of a failed op is never reused (t
 
     staged = pool.take_like(t); staged.copy_(t)     # reused across ops while they succeed
     op(staged) -> ok ? t.copy_(staged); pool.put(staged) : t.fill_(nan)   # a failed op's buffer is dropped
+
+**Data path.** With ``TORCHNEXT_NATIVE_PG=1`` (the default) and a Gloo (CPU) Communicator, every generation runs on
+the native data path unless something asks for Python per op (a user hook or ``check_collectives`` on that
+generation's Communicator): a new native backend wraps the generation's Gloo, in staged never-raise mode, behind
+the group's one switch backend (:mod:`torchnext.comms.process_group.native`, "A staged group"). ``all_reduce``,
+``broadcast`` and ``reduce`` then run in C++ with the same staging and the same never-raise semantics; every other
+op, and every op once the generation is broken, runs on this module's Python methods. A native failure is recorded
+as a Python one is (:meth:`FaultTolerantProcessGroup._note_native_failure`): on the waiting thread, or -- a future
+nobody waited on -- before ``ft.vote()`` (:meth:`FaultTolerantProcessGroup._drain_native`). After an early vote
+the native backend is held on the Python path (which refuses the step's later ops) until the step is over. With
+``TORCHNEXT_NATIVE_PG=0``, no compiler, or a CUDA Communicator: the Python path for every op, as before.
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ import torch.distributed as dist
 from torchnext.comms.communicator import Communicator
 from torchnext.comms.errors import CommError
 from torchnext.comms.process_group import GroupWork, TorchnextProcessGroup
+from torchnext.comms.process_group import native as _native
 from torchnext.comms.process_group.group import BACKEND_NAME
 from torchnext.comms.process_group.profiling import annotate
 from torchnext.comms.process_group.work import mark_invalid
@@ -151,10 +163,15 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         self._mapping: dict[int, int] = {me: ft.rank if ft.members else 0}  # torch's global -> group rank, current
         self._me = me
         self._timeout: timedelta | None = None  # set_timeout's, for every later generation
+        self._native = None
+        self._switch: Any = None  # the native switch backend, registered for CPU with the first native generation
+        self._held: Any = None  # the native backend held on the Python path since this step's early vote
         name = f"torchnext:{ft.config.name}:member{ft.member_id}:{next(_IDS)}"
         self._group_name = name
         _register(self, name, dist.HashStore(), self._mapping)
         ft.on_reconfigure(self._reconfigured)
+        if ft._comm is not None:  # built after ft joined: its current generation's data path now
+            self._follow(ft._comm)
 
     def _reconfigured(self, info: Reconfiguration) -> None:
         self._mapping.clear()
@@ -162,6 +179,36 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         comm = self._ft._comm
         if self._timeout is not None and comm is not None:
             comm.set_timeout(self._timeout)
+        self._follow(comm)
+
+    def _follow(self, comm: Communicator | None) -> None:
+        """Put the group on the data path of generation ``comm``: the native one (a new native backend wrapping
+        ``comm``'s Gloo, swapped in behind the group's switch backend) unless something asks for Python."""
+        old = self._native
+        if old is not None:
+            if old.comm is comm:
+                return
+            old.retire()
+        self._native = None
+        native = None
+        if comm is not None:
+            from torchnext.ft.fault_tolerant import _quarantine_cancelled  # ft imports this module lazily
+
+            def failed(op: str, exc: CommError, comm: Communicator = comm) -> None:
+                self._note_native_failure(comm, op, exc)
+
+            try:
+                native = _native.attach_generation(self, comm, self._switch, on_failure=failed,
+                                                   covered=(_quarantine_cancelled,))
+            except Exception as exc:  # never fail a reconfiguration over the data path: the Python one works
+                _LOG.warning("fault-tolerant group %r: generation %d on the Python path (native path failed: %s)",
+                             self._group_name, self._ft.generation, exc)
+                native = None
+        if native is None:  # the Python path for this generation
+            object.__setattr__(self, "__class__", getattr(type(self), "_native_twin_of", type(self)))
+            return
+        self._switch = native.switch
+        self._native = native
 
     def set_timeout(self, timeout: timedelta) -> None:
         """The default op timeout of the current generation's Communicator and of every later one (instead of
@@ -169,6 +216,8 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         comm = self._ft._comm
         if comm is not None:
             comm.set_timeout(timeout)  # validates it
+            if self._native is not None and self._native.comm is comm:
+                self._native.set_timeout(timeout)
         elif not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
             raise ValueError(f"set_timeout: timeout must be a positive timedelta, got {timeout!r}")
         self._timeout = timeout
@@ -190,8 +239,24 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         return {comm.device.type: comm}
 
     def errored(self) -> BaseException | None:
+        self._drain_native()
         comm = self._ft._comm
         return None if comm is None else comm.errored()
+
+    def _hold_python(self) -> None:
+        """This step's vote was sent early: every op goes to the Python path, which refuses it, until the first op
+        after the step (:meth:`_live` releases the hold)."""
+        native = self._native
+        if native is not None and native.hold_python(True):
+            self._held = native
+
+    def _drain_native(self) -> None:
+        """Take the current generation's native failures into account (an op that failed under a future nobody
+        waited on, e.g. DDP's): the Communicator becomes errored, the failure is recorded as a waited one would be.
+        ``ft.should_commit()`` calls it before the vote."""
+        native = self._native
+        if native is not None:
+            native.sync_failure()
 
     def __repr__(self) -> str:
         return (f"FaultTolerantProcessGroup(name={self._group_name!r}, rank={self.getRank()}, size={self.getSize()}, "
@@ -199,6 +264,9 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
 
     def _get_sequence_number_for_group(self) -> int:
         comm = self._ft._comm
+        native = self._native
+        if native is not None and native.comm is comm:
+            native.to_python_counters()
         return 0 if comm is None else int(comm._op_counter)
 
     def _note_swallowed(self, work: Any, exc: BaseException | None = None) -> None:
@@ -212,6 +280,15 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         comm = getattr(work, "communicator", None)
         if comm is not None:  # the generation is broken: cancel it, so that the peers blocked in its ops fail now
             quiet_abort(comm, f"{work.op} failed in generation {self._ft.generation}")
+
+    def _note_native_failure(self, comm: Communicator, op: str, exc: CommError) -> None:
+        """:meth:`_note_swallowed` for an op of the native path (its backend never raised): the same log line,
+        the same record of a deterministic error, the same abort of the op's generation."""
+        _LOG.info("fault-tolerant group %r: %s failed in generation %d (%s); recorded: the step will not commit",
+                  self._group_name, op, self._ft.generation, exc)
+        if self._record_if_deterministic(exc):
+            return
+        quiet_abort(comm, f"{op} failed in generation {self._ft.generation}")
 
     def _record_if_deterministic(self, exc: BaseException) -> bool:
         if classify_failure(exc) is not FailureKind.DETERMINISTIC:
@@ -238,6 +315,10 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
             raise RuntimeError(f"{op} on the fault-tolerant process group after this step's vote was sent "
                                "(DistributedDataParallel(vote_early=True) votes when backward's last bucket is "
                                "reduced): no fault-tolerant collective may follow backward in the step")
+        held = self._held
+        if held is not None:  # the early vote's step is over: the native path takes ops again
+            self._held = None
+            held.hold_python(False)
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{op}: expected a torch.Tensor, got {type(t).__name__}")

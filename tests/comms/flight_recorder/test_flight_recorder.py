@@ -356,3 +356,30 @@ def test_a_recorder_failure_never_blocks_an_op(capsys: pytest.CaptureFixture[str
     assert len(fr.dump_errors) == 1 and "pre hook failed" in fr.dump_errors[0]
     assert "pre hook failed" in capsys.readouterr().err
     comm.shutdown()
+
+
+def test_removed_sources_keep_at_most_capacity_entries_the_newest() -> None:
+    """A fault-tolerant group on the native path adds and removes one source (a C++ ring) per generation: the
+    removed ones' copies stay in the dumps, bounded as the ring is, newest kept, their sequence counters kept."""
+    fr, pg = _recorder(capacity=4)
+
+    class Source:
+        def __init__(self, first_t: int) -> None:
+            other, opg = _recorder(capacity=10)
+            for i in range(3):
+                other.complete(other.record(opg, "all_reduce", inputs=[torch.ones(1)], outputs=[torch.ones(1)],
+                                            op_id=first_t + i, t_ns=first_t + i))
+            self._slots = other._live()
+
+        def slots(self) -> list[list[object]]:
+            return [list(s) for s in self._slots]
+
+        def counters(self) -> list[int]:
+            return [3, 0, 3, 3, 3, -1, -1, -1]
+
+    for gen in range(3):
+        undo = fr.add_source(pg, Source(first_t=100 * (gen + 1)))
+        undo()
+    ops = [e["op_id"] for e in fr.entries()]
+    assert ops == [202, 300, 301, 302], ops
+    assert fr.pg_status()["world"]["last_completed_collective"] == 3

@@ -547,7 +547,9 @@ class FlightRecorder:
         :meth:`pg_status` (the native process-group data path records in C++; its entries then appear in the dumps
         unchanged in format). Returns an undo that keeps a copy of what the source had recorded.
 
-        Merged entries are ordered by creation time and numbered anew (``record_id`` 0, 1, ...) in the output."""
+        Merged entries are ordered by creation time and numbered anew (``record_id`` 0, 1, ...) in the output.
+        The removed sources' copies keep at most ``capacity`` entries together, the newest (a fault-tolerant group
+        adds and removes one source per generation: the history stays bounded as the ring is)."""
         if not 0 <= pg_id < len(self._groups):
             raise FlightRecorderError(f"add_source: no group with pg_id {pg_id} (have {len(self._groups)})")
         entry = (pg_id, source)
@@ -555,12 +557,25 @@ class FlightRecorder:
             self._sources.append(entry)
 
         def undo() -> None:
+            frozen = _Frozen(source.slots(), source.counters())
             with self._lock:
                 if entry in self._sources:
                     idx = self._sources.index(entry)
-                    self._sources[idx] = (pg_id, _Frozen(source.slots(), source.counters()))
+                    self._sources[idx] = (pg_id, frozen)
+                    self._trim_frozen()
 
         return undo
+
+    def _trim_frozen(self) -> None:
+        """Drop the oldest entries of removed sources beyond ``capacity`` in all (their counters stay)."""
+        frozen = [src for _, src in self._sources if isinstance(src, _Frozen)]
+        excess = sum(len(f._slots) for f in frozen) - self.capacity
+        for f in frozen:  # oldest removed first; each one's slots oldest first
+            if excess <= 0:
+                break
+            cut = min(excess, len(f._slots))
+            f._slots = f._slots[cut:]
+            excess -= cut
 
     def _source_counters(self) -> None:
         """Merge the sources' sequence counters into their groups' (each counter only grows: the larger is right)."""

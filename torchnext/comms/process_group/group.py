@@ -131,7 +131,7 @@ class TorchnextProcessGroup(dist.ProcessGroup):
         self._issuing = threading.Lock()
         """Serializes the issue of ops from several threads (torch's own groups accept that; a Communicator raises):
         held only while an op is handed to the Communicator, never while it runs."""
-        if type(self) is TorchnextProcessGroup:  # subclasses (fault-tolerant staging) keep the Python path
+        if type(self) is TorchnextProcessGroup:  # the fault-tolerant subclass attaches per generation
             self._native = _native.attach(self)
 
     # ------------------------------------------------------------------------------------------- identity

@@ -1,4 +1,4 @@
-"""The native data path of a :class:`~torchnext.comms.process_group.group.TorchnextProcessGroup` (opt-in:
+"""The native data path of a :class:`~torchnext.comms.process_group.group.TorchnextProcessGroup` (the default:
 ``TORCHNEXT_NATIVE_PG=1``): its CPU ops run in C++ (:mod:`torchnext.comms.native`), Python runs per op only when
 something asked for it.
 
@@ -6,7 +6,7 @@ How a group runs its ops::
 
     python_needed = (check hooks (consistency mode)                         # check_collectives
                      or any pre/post hook not marked native_equivalent     # user hooks (the Flight Recorder's are)
-                     or the group is a FaultTolerantProcessGroup)          # fault-tolerant staging: never native
+                        and not covered by the group's native path)        # ft's quarantine hook: staging covers it
     if python_needed: the Python path (TorchnextProcessGroup's own methods, as without the flag)
     else:             torch's C++ ProcessGroup methods -> c10d dispatcher -> the native backend -> Gloo
 
@@ -25,6 +25,26 @@ raises the exception :func:`_Native.make_error` builds: the class the Python pat
 its op id, the group and the rank; the communicator becomes errored with it (``Communicator._fail_from_outside``)
 and the Flight Recorder dumps as after a failure on the Python path. ``abort()`` (the communicator's abort hook)
 finishes every native op in flight as ABORTED at once; their waiters raise ``CommAborted``.
+
+**A staged group** (:func:`attach_generation`: ``ft.process_group``, whose Communicator changes per generation)
+keeps the fault-tolerant group's semantics on the native path. Per generation it gets a new native backend over
+that generation's Gloo, in staged never-raise mode, and the group's one *switch* backend (registered for CPU once,
+with the first native generation) forwards every op to the current one; an op keeps the backend -- inner Gloo,
+op counter, ring -- of the generation it was issued in, and a new generation numbers its ops from its
+Communicator's counter, as the Python path does (one Flight Recorder group per generation's Communicator)::
+
+    all_reduce / broadcast / reduce (fast path):
+        staged = pool.take_like(t); staged.copy_(t)      # C++ pool keyed by shape and dtype, per generation
+        op(staged) -> ok ? t.copy_(staged); pool.put(staged)
+                         : mark_invalid(t)                # the buffer dropped; Gloo's own Work keeps it alive
+    every other op: the Python path (the group's methods; out-of-place outputs are quarantined there)
+    every op: its future's callbacks run before wait() returns (the Python path's order)
+    a failed op: wait() returns True, the future completes with the (invalid) outputs -- never raises;
+                 waited on: on_failure(op, make_error(...)) on the waiting thread;
+                 never waited on (DDP's futures): found by sync_failure() before ft's commit vote
+
+``on_failure`` is the group's: it records a deterministic error on ``ft`` and aborts the op's generation
+otherwise, as the Python path does for a failed op.
 """
 
 from __future__ import annotations
@@ -48,7 +68,7 @@ from torchnext.comms.hooks import AbortHookArgs, mirrored_natively
 if TYPE_CHECKING:
     from torchnext.comms.process_group.group import TorchnextProcessGroup
 
-__all__ = ["NATIVE_OPS", "attach", "native_class", "python_needed"]
+__all__ = ["NATIVE_OPS", "attach", "attach_generation", "native_class", "python_needed"]
 
 _LOG = logging.getLogger("torchnext.comms")
 
@@ -81,12 +101,13 @@ def native_class(base: type[TorchnextProcessGroup]) -> type[TorchnextProcessGrou
     return cls
 
 
-def python_needed(comm: Communicator) -> str | None:
-    """Why ``comm``'s group must run its ops on the Python path, or None (see the module docstring)."""
+def python_needed(comm: Communicator, covered: tuple[object, ...] = ()) -> str | None:
+    """Why ``comm``'s group must run its ops on the Python path, or None (see the module docstring). ``covered``:
+    hooks whose work the group's native path does itself (a staged group: the fault-tolerant quarantine hook)."""
     if comm._check_hooks.snapshot:
         return "check hooks (consistency mode)"
     for fn in (*comm._pre_hooks.snapshot, *comm._post_hooks.snapshot):
-        if not mirrored_natively(fn):
+        if not mirrored_natively(fn) and fn not in covered:
             return f"hook {getattr(fn, '__qualname__', fn)!r}"
     return None
 
@@ -104,6 +125,27 @@ def attach(pg: TorchnextProcessGroup) -> _Native | None:
     if not _native_ext.status().available:
         return None
     return _Native(pg, pg._cpu)
+
+
+def attach_generation(pg: TorchnextProcessGroup, comm: Communicator, switch: Any, *,
+                      on_failure: Callable[[str, CommError], None], covered: tuple[object, ...] = ()) -> _Native | None:
+    """Put a staged group (a :class:`~torchnext.ft.FaultTolerantProcessGroup`) on the native path for ``comm``,
+    one generation's Communicator, if the flag asks for it and the extension is available (else None).
+
+    The native backend of the generation runs in staged never-raise mode (see the module docstring);
+    ``on_failure(op, exc)`` is told of every failed op (on its waiter's thread, or at :meth:`_Native.sync_failure`).
+    ``switch``: the group's switch backend (``_Native.switch`` of its previous native generation), or None for its
+    first one: the switch is then made and registered with the group for CPU tensors. ``covered``: as in
+    :func:`python_needed`."""
+    if not enabled() or comm.backend != "gloo" or comm.device.type != "cpu":
+        return None
+    if not _native_ext.status().available:
+        return None
+    return _Native(pg, comm, switch=switch if switch is not None else _NEW_SWITCH, on_failure=on_failure,
+                   covered=covered)
+
+
+_NEW_SWITCH = object()
 
 
 class _FrSource:
@@ -129,26 +171,32 @@ class _FrSource:
 class _Native:
     """The native backend of one group and the switches between its two paths."""
 
-    def __init__(self, pg: TorchnextProcessGroup, comm: Communicator) -> None:
+    def __init__(self, pg: TorchnextProcessGroup, comm: Communicator, *, switch: Any = None,
+                 on_failure: Callable[[str, CommError], None] | None = None, covered: tuple[object, ...] = ()) -> None:
         mod = _native_ext.module()
         self._mod = mod
         self._comm = comm
         self._pg_ref = weakref.ref(pg)
-        self._base = type(pg)
-        self._native_cls = native_class(type(pg))
+        base = type(pg)
+        self._base: type[TorchnextProcessGroup] = getattr(base, "_native_twin_of", base)
+        self._native_cls = native_class(self._base)
         self._told = False
+        self._retired = False
+        self._on_failure = on_failure
+        self._covered = covered
         rec = comm.flight_recorder
         self._rec = rec
         self._pg_id = rec.pg_id_of(comm) if rec is not None else None
         capacity = rec.capacity if rec is not None and self._pg_id is not None else 0
         ref = self._pg_ref
         base = self._base
+        me = weakref.ref(self)  # the backend holds these callbacks: no strong reference back to this object
 
         def python_path(name: str, *args: Any) -> Any:
             group = ref()
             if group is None:
                 raise RuntimeError(f"{name}: the torchnext process group was destroyed")
-            native = group._native
+            native = me()
             if native is not None:
                 native.to_python_counters()
             try:
@@ -157,27 +205,52 @@ class _Native:
                 if native is not None:
                     native.to_native_counters()
 
+        def make_error(kind: int, op: str, op_id: int, message: str, peer: int) -> CommError:
+            native = me()
+            if native is None:
+                return CommError(message, op=op, op_id=op_id)
+            return native.make_error(kind, op, op_id, message, peer)
+
         self.backend = mod.create(comm.backend_handle.pg, comm.rank, comm.size, comm.timeout, capacity, python_path,
-                                  self.make_error)
+                                  make_error)
         self._undo: list[Callable[[], None]] = []
+        self._fr_undo: Callable[[], None] | None = None
         if rec is not None and self._pg_id is not None:
-            self._undo.append(rec.add_source(self._pg_id, _FrSource(mod, self.backend)))
-        for device in pg._comms:
-            pg._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, self.backend)
+            self._fr_undo = rec.add_source(self._pg_id, _FrSource(mod, self.backend))
+            self._undo.append(self._fr_undo)
+        self.switch: Any = None
+        """A staged group's switch backend (registered with the group once; its current generation's backend)."""
+        if switch is None:
+            for device in pg._comms:
+                pg._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, self.backend)
+        else:
+            def swallowed(kind: int, op: str, op_id: int, message: str, peer: int) -> None:
+                native = me()
+                if native is not None:
+                    native.swallowed(kind, op, op_id, message, peer)
+
+            mod.set_staged(self.backend, swallowed)
+            if switch is _NEW_SWITCH:
+                self.switch = mod.create_switch(self.backend)
+                pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, self.switch)
+            else:
+                self.switch = switch
+                mod.switch_to(switch, self.backend)
         self._undo.append(comm.register_abort_hook(self._on_abort).remove)
         self._undo.append(comm.register_shutdown_hook(self._on_shutdown).remove)
-        for hooks in (comm._pre_hooks, comm._post_hooks, comm._check_hooks):
-            self._undo.append(hooks.watch(self.update))
-        self.on_native = False
+        self._watches = [hooks.watch(self.update) for hooks in (comm._pre_hooks, comm._post_hooks, comm._check_hooks)]
+        self.on_native = type(pg) is self._native_cls  # a staged group: as its previous generation left it
+        if self.on_native:
+            self.to_native_counters()  # ops its Communicator ran before (healing) keep their ids
         self.update()
 
     # ------------------------------------------------------------------------------------------------ switching
     def update(self) -> None:
         """Put the group on the path its hooks call for (called whenever a hook list changes)."""
         pg = self._pg_ref()
-        if pg is None:
+        if pg is None or self._retired:
             return
-        why = python_needed(self._comm)
+        why = python_needed(self._comm, self._covered)
         if why is None and not self.on_native:
             self.to_native_counters()
             self._mod.set_python_mode(self.backend, False)
@@ -190,6 +263,30 @@ class _Native:
             self.on_native = False
             self.to_python_counters()
             _LOG.debug("torchnext group %r: Python path (%s)", pg._group_name, why)
+
+    def hold_python(self, on: bool) -> bool:
+        """While on the native path, send every op to the Python path (``on``) or take them natively again; whether
+        the group was on the native path. (A staged group refuses ops after its step's early vote there.)"""
+        if not self.on_native or self._retired:
+            return False
+        self._mod.set_python_mode(self.backend, on)
+        return True
+
+    @property
+    def comm(self) -> Communicator:
+        """The Communicator whose backend this one wraps."""
+        return self._comm
+
+    def retire(self) -> None:
+        """A staged group's generation was superseded (its Communicator aborted): stop following its hooks (the
+        next generation's ``_Native`` decides the path now) and freeze what its ring recorded -- the dumps keep it,
+        the recorder no longer holds the backend."""
+        self._retired = True
+        watches, self._watches = self._watches, []
+        for undo in watches:
+            undo()
+        if self._fr_undo is not None:
+            self._fr_undo()
 
     def to_python_counters(self) -> None:
         """Carry the native op counter, sequence counters and first failure over to the Python side."""
@@ -223,7 +320,16 @@ class _Native:
         self._told = True
         kind, op, op_id, message, peer = first
         if kind != _KIND_ABORT:
-            self.make_error(kind, op, op_id, message, peer)
+            exc = self.make_error(kind, op, op_id, message, peer)
+            if self._on_failure is not None:
+                self._on_failure(op, exc)
+
+    def swallowed(self, kind: int, op: str, op_id: int, message: str, peer: int) -> None:
+        """A staged backend's op failed and its waiter was not raised to (called by the C++ side, on the waiting
+        thread): the failure as :meth:`make_error` builds it goes to ``on_failure``."""
+        exc = self.make_error(kind, op, op_id, message, peer)
+        if self._on_failure is not None:
+            self._on_failure(op, exc)
 
     def make_error(self, kind: int, op: str, op_id: int, message: str, peer: int) -> CommError:
         """The exception a failed native op raises (called by the C++ side under the GIL): the Python path's class
@@ -255,9 +361,9 @@ class _Native:
 
     def _on_shutdown(self, comm: Communicator) -> None:
         self._mod.release(self.backend)
-        for undo in self._undo:
+        for undo in (*self._undo, *self._watches):
             undo()
-        self._undo = []
+        self._undo, self._watches = [], []
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._mod.set_timeout(self.backend, timeout)

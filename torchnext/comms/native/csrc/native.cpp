@@ -40,6 +40,7 @@
 #include <deque>
 #include <functional>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -50,7 +51,7 @@ namespace py = pybind11;
 
 namespace torchnext_native {
 
-constexpr int kAbiVersion = 2;
+constexpr int kAbiVersion = 3;
 
 using Clock = std::chrono::steady_clock;
 using c10d::OpType;
@@ -444,6 +445,19 @@ struct Core {
   Failure first;                    // the first failure (kind kNone: none yet)
   Ring ring;
   py::object make_error;  // (kind, op, op_id, message, peer) -> exception instance; set by Python
+  // Never-raise mode (a fault-tolerant group, see NativeBackend::set_staged): a failed op's wait() returns, its
+  // outputs are marked invalid whether or not a future hands them out, and the failure goes to `on_swallowed`
+  // (kind, op, op_id, message, peer) on the waiting thread instead of being raised. Set before the first op.
+  bool never_raise = false;
+  py::object on_swallowed;
+
+  void stop_watchdog() {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      stop = true;
+    }
+    watchdog_cv.notify_all();
+  }
 
   void note_failure(uint8_t kind, const char* op, int64_t op_id, const std::string& msg, int64_t peer) {
     std::lock_guard<std::mutex> lk(mu);
@@ -488,6 +502,56 @@ void mark_invalid(const std::vector<at::Tensor>& ts) {
       } catch (...) {
       }
     }
+  }
+}
+
+// Private buffers for the in-place ops of a never-raise backend, reused while their ops succeed: take() a buffer
+// shaped like the caller's tensor (holding its values), put() it back after a successful op. A failed op's buffer is
+// never put back: an abandoned inner backend may still write into it (its own Work keeps it alive).
+class StagingPool {
+ public:
+  static constexpr size_t kKeep = 4;  // free buffers kept per (shape, dtype): DDP has a few buckets in flight
+
+  at::Tensor take(const at::Tensor& t) {
+    at::Tensor buf;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      auto it = free_.find(key(t));
+      if (it != free_.end() && !it->second.empty()) {
+        buf = std::move(it->second.back());
+        it->second.pop_back();
+      }
+    }
+    if (!buf.defined()) buf = at::empty(t.sizes(), t.options());
+    at::NoGradGuard g;
+    buf.copy_(t);
+    return buf;
+  }
+
+  void put(at::Tensor buf) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto& list = free_[key(buf)];
+    if (list.size() < kKeep) list.push_back(std::move(buf));
+  }
+
+ private:
+  using Key = std::pair<std::vector<int64_t>, int>;
+  static Key key(const at::Tensor& t) {
+    return {std::vector<int64_t>(t.sizes().begin(), t.sizes().end()), static_cast<int>(t.scalar_type())};
+  }
+  std::mutex mu_;
+  std::map<Key, std::vector<at::Tensor>> free_;
+};
+
+// A never-raise op's failure, told to Python (Core::on_swallowed) by the thread that waited on it.
+void report_swallowed(Core& core, uint8_t kind, const std::string& op, int64_t op_id, const std::string& msg,
+                      int64_t peer) {
+  py::gil_scoped_acquire gil;
+  if (!core.on_swallowed) return;
+  try {
+    core.on_swallowed(static_cast<int>(kind), op, op_id, msg, peer);
+  } catch (py::error_already_set& e) {
+    e.discard_as_unraisable("torchnext native backend: reporting a failed op");
   }
 }
 
@@ -560,12 +624,27 @@ class NativeWork : public Work {
     }
     drop_inner.reset();
     drop_finalize = nullptr;
+    if (!staged_.empty()) {
+      // an in-place op run on staging buffers: the caller's tensors get the result only when it succeeded, and the
+      // buffers go back to the pool; a failed op's buffers are dropped (its inner Work may still write into them)
+      if (to == kCompleted) {
+        try {
+          at::NoGradGuard g;
+          for (size_t i = 0; i < staged_.size() && i < outputs_.size(); ++i) outputs_[i].copy_(staged_[i]);
+          if (pool_)
+            for (auto& b : staged_) pool_->put(b);
+        } catch (...) {
+        }
+      }
+      staged_.clear();
+      pool_.reset();
+    }
     // Bookkeeping before anyone sees the op terminal (as post hooks run before wait() returns on the Python path):
     // the group's failure noted, invalid outputs marked where a future will hand them out (a waiter gets the
     // exception instead), the Flight Recorder entry finished.
     if (to != kCompleted) {
       if (to == kFailed && breaks_) core_->note_failure(kind, op_, op_id_, message, peer_);
-      if (has_future) mark_invalid(outputs_);
+      if (has_future || core_->never_raise) mark_invalid(outputs_);
     }
     core_->ring.complete(rid_, to, kind, to == kCompleted ? std::string() : message);
     c10::intrusive_ptr<NativeWork> self;  // the table's reference, dropped after the lock
@@ -578,6 +657,27 @@ class NativeWork : public Work {
       }
     }
     self.reset();
+    if (core_->never_raise) {
+      // A never-raise (fault-tolerant) op completes its future -- its callbacks run -- before its waiters are
+      // released, as the Python path's order under the GIL makes it: DDP's reducer waits on the used-parameter
+      // map's Work, and the early vote (ft's DistributedDataParallel(vote_early=True)) is sent by that op's future
+      // callback; releasing the reducer first let the training thread reach commit() and vote first. A callback
+      // that waits on this Work on this thread does not block (see wait()).
+      {
+        std::lock_guard<std::mutex> lk(mutex_);
+        publishing_ = true;  // getFuture() from now on hands out a completed future
+        fut = future_;
+      }
+      finisher_.store(std::this_thread::get_id(), std::memory_order_release);
+      if (fut) fut->markCompleted(c10::IValue(outputs_));
+      {
+        std::lock_guard<std::mutex> lk(mutex_);
+        completed_ = true;
+        done_.store(true, std::memory_order_release);
+      }
+      cv_.notify_all();
+      return true;
+    }
     {
       std::lock_guard<std::mutex> lk(mutex_);
       completed_ = true;
@@ -616,6 +716,10 @@ class NativeWork : public Work {
     auto until = deadline_;
     bool bounded = timeout != kNoTimeout && timeout.count() > 0;
     if (bounded) until = std::min(until, Clock::now() + timeout);
+    if (!done_.load(std::memory_order_acquire) &&
+        finisher_.load(std::memory_order_acquire) == std::this_thread::get_id()) {
+      return outcome();  // a future callback of this op waits on it (see finish): its outcome is settled
+    }
     if (!done_.load(std::memory_order_acquire)) {
       NoGil nogil;
       std::unique_lock<std::mutex> lk(mutex_);
@@ -632,6 +736,11 @@ class NativeWork : public Work {
                     " ms (the op is still in flight; wait again, or abort the group)");
       }
     }
+    return outcome();
+  }
+
+  // wait()'s result once the op is terminal: true, or (a failure) the never-raise report or the exception.
+  bool outcome() {
     uint8_t s = state_.load(std::memory_order_acquire);
     if (s == kCompleted) return true;
     std::string msg;
@@ -640,6 +749,10 @@ class NativeWork : public Work {
       std::lock_guard<std::mutex> lk(mutex_);
       msg = message_;
       kind = kind_;
+    }
+    if (core_->never_raise) {  // recorded, not raised: outputs already marked invalid (finish)
+      report_swallowed(*core_, kind, op_, op_id_, msg, peer_);
+      return true;
     }
     raise_python(*core_, kind, op_, op_id_, msg, peer_);
   }
@@ -671,7 +784,7 @@ class NativeWork : public Work {
       std::lock_guard<std::mutex> lk(mutex_);
       if (!future_) {
         future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
-        done = done_.load(std::memory_order_acquire);
+        done = done_.load(std::memory_order_acquire) || publishing_;
         fut = future_;
       } else {
         return future_;
@@ -715,6 +828,8 @@ class NativeWork : public Work {
   // set by the backend before the Work is published (inner_: by set_inner)
   c10::intrusive_ptr<Work> inner_;
   std::function<void()> finalize_;
+  std::vector<at::Tensor> staged_;     // staging buffers of an in-place op (outputs_: the caller's tensors)
+  std::shared_ptr<StagingPool> pool_;  // where they go back after a success
   bool op_type_is_recv_any_ = false;
   bool breaks_ = true;
 
@@ -733,6 +848,8 @@ class NativeWork : public Work {
   std::string message_;
   int64_t source_rank_ = -1;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  bool publishing_ = false;                 // never-raise: terminal, the future being completed (guarded by mutex_)
+  std::atomic<std::thread::id> finisher_{};  // never-raise: the thread completing the future
 };
 
 // ------------------------------------------------------------------------------- watchdog and waiter threads
@@ -955,9 +1072,11 @@ class NativeBackend : public c10d::Backend {
       py::gil_scoped_acquire gil;
       python_path_ = py::object();
       core_->make_error = py::object();
+      core_->on_swallowed = py::object();
     } else {
       python_path_.release();
       core_->make_error.release();
+      core_->on_swallowed.release();
     }
   }
 
@@ -967,6 +1086,17 @@ class NativeBackend : public c10d::Backend {
 
   // ------------------------------------------------------------------------------------ controls (from Python)
   void set_python_mode(bool on) { python_mode_.store(on, std::memory_order_release); }
+
+  // Never-raise staged mode (a fault-tolerant group; call before the first op): all_reduce, broadcast and reduce
+  // run on private staging buffers copied back only on success, a failed op never raises (its outputs are marked
+  // invalid, `on_swallowed(kind, op, op_id, message, peer)` is told on the waiting thread), and every other op goes
+  // to the Python path (whose out-of-place ops have their own guard against an abandoned backend's late writes).
+  void set_staged(py::object on_swallowed) {
+    core_->on_swallowed = std::move(on_swallowed);
+    core_->never_raise = true;
+    pool_ = std::make_shared<StagingPool>();
+  }
+  bool staged() const { return static_cast<bool>(pool_); }
   bool python_mode() const { return python_mode_.load(std::memory_order_acquire); }
   int64_t op_counter() const { return op_counter_.load(); }
   void set_op_counter(int64_t n) { op_counter_.store(n); }
@@ -989,6 +1119,7 @@ class NativeBackend : public c10d::Backend {
     std::sort(works.begin(), works.end(), [](const auto& a, const auto& b) { return a->op_id() < b->op_id(); });
     std::string msg = "cancelled by abort()" + (reason.empty() ? std::string() : " (" + reason + ")");
     for (auto& w : works) w->finish(kAborted, kAbort, msg);
+    core_->stop_watchdog();  // nothing in flight, nothing issued any more
   }
 
   // Let go of the inner backend once the ops in flight are done (bounded by their deadlines): shutdown.
@@ -1015,6 +1146,7 @@ class NativeBackend : public c10d::Backend {
     }
     py::gil_scoped_release nogil;
     drop.reset();
+    core_->stop_watchdog();
   }
 
   // The first failure as (kind, op, op_id, message, peer), or None.
@@ -1035,15 +1167,21 @@ class NativeBackend : public c10d::Backend {
   // ---------------------------------------------------------------------------------------------- reductions
   c10::intrusive_ptr<Work> allreduce(std::vector<at::Tensor>& ts, const c10d::AllreduceOptions& opts) override {
     const char* rop = ts.size() == 1 && plain(ts[0]) ? reduce_name(opts.reduceOp, ts[0].scalar_type()) : nullptr;
-    if (!fast() || rop == nullptr || opts.sparseIndices.has_value())
+    if (!fast(true) || rop == nullptr || opts.sparseIndices.has_value())
       return python_op("allreduce", [&] { return py::make_tuple(py::cast(ts), py::cast(opts, py::return_value_policy::copy)); });
+    if (staged())
+      return issue_staged("all_reduce", OpType::ALLREDUCE, ts, -1, rop, opts.timeout, opts.asyncOp,
+                          [&](c10d::Backend& b, std::vector<at::Tensor>& s) { return b.allreduce(s, opts); });
     return issue("all_reduce", OpType::ALLREDUCE, ts, ts, -1, -1, 0, rop, opts.timeout, opts.asyncOp,
                  [&](c10d::Backend& b) { return b.allreduce(ts, opts); });
   }
 
   c10::intrusive_ptr<Work> reduce(std::vector<at::Tensor>& ts, const c10d::ReduceOptions& opts) override {
     const char* rop = ts.size() == 1 && plain(ts[0]) ? reduce_name(opts.reduceOp, ts[0].scalar_type()) : nullptr;
-    if (!fast() || rop == nullptr || !valid_rank(opts.rootRank)) return python_op("reduce", [&] { return py::make_tuple(py::cast(ts), py::cast(opts, py::return_value_policy::copy)); });
+    if (!fast(true) || rop == nullptr || !valid_rank(opts.rootRank)) return python_op("reduce", [&] { return py::make_tuple(py::cast(ts), py::cast(opts, py::return_value_policy::copy)); });
+    if (staged())
+      return issue_staged("reduce", OpType::REDUCE, ts, opts.rootRank, rop, opts.timeout, opts.asyncOp,
+                          [&](c10d::Backend& b, std::vector<at::Tensor>& s) { return b.reduce(s, opts); });
     return issue("reduce", OpType::REDUCE, ts, ts, opts.rootRank, -1, 0, rop, opts.timeout, opts.asyncOp,
                  [&](c10d::Backend& b) { return b.reduce(ts, opts); });
   }
@@ -1091,8 +1229,11 @@ class NativeBackend : public c10d::Backend {
 
   // ------------------------------------------------------------------------------------------- data movement
   c10::intrusive_ptr<Work> broadcast(std::vector<at::Tensor>& ts, const c10d::BroadcastOptions& opts) override {
-    if (!fast() || ts.size() != 1 || !plain(ts[0]) || !valid_rank(opts.rootRank))
+    if (!fast(true) || ts.size() != 1 || !plain(ts[0]) || !valid_rank(opts.rootRank))
       return python_op("broadcast", [&] { return py::make_tuple(py::cast(ts), py::cast(opts, py::return_value_policy::copy)); });
+    if (staged())
+      return issue_staged("broadcast", OpType::BROADCAST, ts, opts.rootRank, nullptr, opts.timeout, opts.asyncOp,
+                          [&](c10d::Backend& b, std::vector<at::Tensor>& s) { return b.broadcast(s, opts); });
     return issue("broadcast", OpType::BROADCAST, ts, ts, opts.rootRank, -1, 0, nullptr, opts.timeout, opts.asyncOp,
                  [&](c10d::Backend& b) { return b.broadcast(ts, opts); });
   }
@@ -1220,8 +1361,10 @@ class NativeBackend : public c10d::Backend {
   }
 
  private:
-  bool fast() const {
-    return !python_mode_.load(std::memory_order_acquire) && !core_->broken.load(std::memory_order_acquire);
+  // Whether an op goes on the fast path; `inplace`: one of the ops a staged backend runs natively.
+  bool fast(bool inplace = false) const {
+    return !python_mode_.load(std::memory_order_acquire) && !core_->broken.load(std::memory_order_acquire) &&
+           (inplace || !pool_);
   }
   bool valid_rank(int64_t r) const { return r >= 0 && r < getSize(); }
   bool valid_peer(int64_t r) const { return valid_rank(r) && r != getRank(); }
@@ -1268,11 +1411,29 @@ class NativeBackend : public c10d::Backend {
     return work;
   }
 
+  // An in-place op of a staged backend: `launch(inner, staged)` on private copies of `ts`, whose result reaches
+  // `ts` only when the op succeeded (NativeWork::finish).
+  template <class Launch>
+  c10::intrusive_ptr<Work> issue_staged(const char* op, OpType type, std::vector<at::Tensor>& ts, int64_t root,
+                                        const char* rop, std::chrono::milliseconds timeout, bool async,
+                                        Launch&& launch) {
+    NoGil nogil;  // the copy in needs no GIL
+    std::vector<at::Tensor> staged;
+    staged.reserve(ts.size());
+    for (const auto& t : ts) staged.push_back(pool_->take(t));
+    c10::intrusive_ptr<NativeWork> work = hand_over(
+        op, type, ts, ts, root, -1, 0, rop, timeout, async,
+        [&](c10d::Backend& b) { return launch(b, staged); }, nullptr, &staged);
+    if (!async) work->settle();
+    return work;
+  }
+
   template <class Launch>
   c10::intrusive_ptr<NativeWork> hand_over(const char* op, OpType type, const std::vector<at::Tensor>& ins,
                                            const std::vector<at::Tensor>& outs, int64_t root, int64_t peer,
                                            int64_t tag, const char* rop, std::chrono::milliseconds timeout,
-                                           bool async, Launch&& launch, std::function<void()> finalize) {
+                                           bool async, Launch&& launch, std::function<void()> finalize,
+                                           const std::vector<at::Tensor>* staged = nullptr) {
     std::lock_guard<std::mutex> order(issue_mu_);  // one op handed over at a time (see issue_mu_)
     auto td = op_timeout(timeout);
     int64_t op_id = ++op_counter_;
@@ -1280,6 +1441,10 @@ class NativeBackend : public c10d::Backend {
     int64_t rid = core_->ring.record(op, p2p, op_id, peer, tag, root, rop, ins, outs, td.count(), async);
     auto work = c10::make_intrusive<NativeWork>(core_, op, type, op_id, outs, td, rid, peer);
     work->finalize_ = std::move(finalize);
+    if (staged != nullptr) {
+      work->staged_ = *staged;
+      work->pool_ = pool_;
+    }
     c10::intrusive_ptr<c10d::Backend> inner;
     {
       std::lock_guard<std::mutex> lk(core_->mu);
@@ -1333,8 +1498,108 @@ class NativeBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> inner_;  // guarded by core_->mu (read under it when issuing)
   std::atomic<std::chrono::milliseconds> timeout_;
   std::shared_ptr<Core> core_;
+  std::shared_ptr<StagingPool> pool_;  // set: staged never-raise mode (set_staged)
   WaiterPool waiters_;
   py::object python_path_;  // (name, *args) -> Work: the Python path of the group
+};
+
+// The backend a fault-tolerant group registers once: every op goes to the current generation's NativeBackend, which
+// the group swaps at each reconfiguration (`switch_to`). An op keeps the backend -- and so the inner backend, Core,
+// ring and op counter -- of the generation it was issued in.
+class SwitchBackend : public c10d::Backend {
+ public:
+  explicit SwitchBackend(c10::intrusive_ptr<NativeBackend> first) : Backend(0, 1), cur_(std::move(first)) {}
+
+  const std::string getBackendName() const override { return "torchnext-native-switch"; }
+
+  void switch_to(c10::intrusive_ptr<NativeBackend> next) {
+    c10::intrusive_ptr<NativeBackend> old;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      old = std::move(cur_);
+      cur_ = std::move(next);
+    }
+    py::gil_scoped_release nogil;  // the old one may be destroyed here
+    old.reset();
+  }
+
+  c10::intrusive_ptr<NativeBackend> current() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return cur_;
+  }
+
+  void setTimeout(std::chrono::milliseconds timeout) override { current()->setTimeout(timeout); }
+
+  c10::intrusive_ptr<Work> allreduce(std::vector<at::Tensor>& ts, const c10d::AllreduceOptions& o) override {
+    return current()->allreduce(ts, o);
+  }
+  c10::intrusive_ptr<Work> allreduce_coalesced(std::vector<at::Tensor>& ts,
+                                               const c10d::AllreduceCoalescedOptions& o) override {
+    return current()->allreduce_coalesced(ts, o);
+  }
+  c10::intrusive_ptr<Work> reduce(std::vector<at::Tensor>& ts, const c10d::ReduceOptions& o) override {
+    return current()->reduce(ts, o);
+  }
+  c10::intrusive_ptr<Work> reduce_scatter(std::vector<at::Tensor>& outs, std::vector<std::vector<at::Tensor>>& ins,
+                                          const c10d::ReduceScatterOptions& o) override {
+    return current()->reduce_scatter(outs, ins, o);
+  }
+  c10::intrusive_ptr<Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
+                                                const c10d::ReduceScatterOptions& o) override {
+    return current()->_reduce_scatter_base(out, in, o);
+  }
+  c10::intrusive_ptr<Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins,
+                                                           const c10d::ReduceScatterOptions& o) override {
+    return current()->reduce_scatter_tensor_coalesced(outs, ins, o);
+  }
+  c10::intrusive_ptr<Work> broadcast(std::vector<at::Tensor>& ts, const c10d::BroadcastOptions& o) override {
+    return current()->broadcast(ts, o);
+  }
+  c10::intrusive_ptr<Work> allgather(std::vector<std::vector<at::Tensor>>& outs, std::vector<at::Tensor>& ins,
+                                     const c10d::AllgatherOptions& o) override {
+    return current()->allgather(outs, ins, o);
+  }
+  c10::intrusive_ptr<Work> _allgather_base(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o) override {
+    return current()->_allgather_base(out, in, o);
+  }
+  c10::intrusive_ptr<Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outs,
+                                               std::vector<at::Tensor>& ins, const c10d::AllgatherOptions& o) override {
+    return current()->allgather_coalesced(outs, ins, o);
+  }
+  c10::intrusive_ptr<Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins,
+                                                           const c10d::AllgatherOptions& o) override {
+    return current()->allgather_into_tensor_coalesced(outs, ins, o);
+  }
+  c10::intrusive_ptr<Work> alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& os,
+                                         std::vector<int64_t>& is, const c10d::AllToAllOptions& o) override {
+    return current()->alltoall_base(out, in, os, is, o);
+  }
+  c10::intrusive_ptr<Work> alltoall(std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins,
+                                    const c10d::AllToAllOptions& o) override {
+    return current()->alltoall(outs, ins, o);
+  }
+  c10::intrusive_ptr<Work> barrier(const c10d::BarrierOptions& o) override { return current()->barrier(o); }
+  c10::intrusive_ptr<Work> send(std::vector<at::Tensor>& ts, int dst, int tag) override {
+    return current()->send(ts, dst, tag);
+  }
+  c10::intrusive_ptr<Work> recv(std::vector<at::Tensor>& ts, int src, int tag) override {
+    return current()->recv(ts, src, tag);
+  }
+  c10::intrusive_ptr<Work> recvAnysource(std::vector<at::Tensor>& ts, int tag) override {
+    return current()->recvAnysource(ts, tag);
+  }
+  c10::intrusive_ptr<Work> gather(std::vector<std::vector<at::Tensor>>& outs, std::vector<at::Tensor>& ins,
+                                  const c10d::GatherOptions& o) override {
+    return current()->gather(outs, ins, o);
+  }
+  c10::intrusive_ptr<Work> scatter(std::vector<at::Tensor>& outs, std::vector<std::vector<at::Tensor>>& ins,
+                                   const c10d::ScatterOptions& o) override {
+    return current()->scatter(outs, ins, o);
+  }
+
+ private:
+  mutable std::mutex mu_;
+  c10::intrusive_ptr<NativeBackend> cur_;
 };
 
 }  // namespace torchnext_native
@@ -1346,6 +1611,17 @@ NativeBackend& native(const c10::intrusive_ptr<c10d::Backend>& b) {
   auto* n = dynamic_cast<NativeBackend*>(b.get());
   TORCH_CHECK(n != nullptr, "not a torchnext native backend: ", b->getBackendName());
   return *n;
+}
+
+c10::intrusive_ptr<NativeBackend> native_ptr(const c10::intrusive_ptr<c10d::Backend>& b) {
+  native(b);  // checks the type
+  return c10::intrusive_ptr<NativeBackend>::reclaim_copy(static_cast<NativeBackend*>(b.get()));
+}
+
+SwitchBackend& switch_backend(const c10::intrusive_ptr<c10d::Backend>& b) {
+  auto* s = dynamic_cast<SwitchBackend*>(b.get());
+  TORCH_CHECK(s != nullptr, "not a torchnext switch backend: ", b->getBackendName());
+  return *s;
 }
 
 }  // namespace torchnext_native
@@ -1367,6 +1643,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("python_path"), py::arg("make_error"));
   m.def("set_timeout", [](const BackendPtr& b, std::chrono::milliseconds t) { native(b).setTimeout(t); });
   m.def("set_python_mode", [](const BackendPtr& b, bool on) { native(b).set_python_mode(on); });
+  m.def("set_staged", [](const BackendPtr& b, py::object on_swallowed) { native(b).set_staged(std::move(on_swallowed)); },
+        py::arg("backend"), py::arg("on_swallowed"));
+  m.def("create_switch", [](const BackendPtr& first) -> BackendPtr {
+    return c10::make_intrusive<SwitchBackend>(native_ptr(first));
+  });
+  m.def("switch_to", [](const BackendPtr& s, const BackendPtr& next) { switch_backend(s).switch_to(native_ptr(next)); });
+  m.def("switch_current", [](const BackendPtr& s) -> BackendPtr { return switch_backend(s).current(); });
   m.def("python_mode", [](const BackendPtr& b) { return native(b).python_mode(); });
   m.def("op_counter", [](const BackendPtr& b) { return native(b).op_counter(); });
   m.def("set_op_counter", [](const BackendPtr& b, int64_t n) { native(b).set_op_counter(n); });
