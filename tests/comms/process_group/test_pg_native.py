@@ -288,6 +288,34 @@ def test_an_unwaited_op_times_out_and_the_next_call_raises() -> None:
     assert (name, refused) == ("CommTimeout", True) and seconds < 1.0
 
 
+def abort_grave_body(ctx: RankContext) -> dict[str, Any]:
+    pg = _init(ctx, timeout_s=20.0)
+    comm = pg.communicator()
+    out: dict[str, Any] = {}
+    if ctx.rank == 0:
+        work = dist.all_reduce(torch.ones(64), async_op=True)  # rank 1 never joins: Gloo runs it on
+        time.sleep(0.2)
+        pg.abort()
+        grave = comm._grave
+        out["aborted"] = work.is_completed()
+        out["grave_works"] = sum(len(w) for w in grave.works if type(w).__name__ == "RunningWorks")
+        out["until_s"] = grave.until - time.perf_counter()
+        ctx.store.set("rank0_aborted", "1")
+    else:
+        ctx.store.wait(["rank0_aborted"], timedelta(seconds=60))
+    return out
+
+
+def test_an_abort_hands_the_native_ops_inner_works_to_the_grave() -> None:
+    """Gloo cannot cancel an op: after abort() finished a native op as ABORTED, its inner Gloo Work may still run.
+    It goes to the communicator's grave with its deadline, so the reaper releases the backend -- and the interpreter's
+    exit drains -- only once it ended (before: the grave held the Python path's orphans only, none on this path)."""
+    res = run_ranks(abort_grave_body, 2, timeout=120)[0]
+    assert res["aborted"] is True
+    assert res["grave_works"] >= 1, res
+    assert 10.0 < res["until_s"] <= 20.0, res  # the op's 20 s deadline, from its issue
+
+
 # ------------------------------------------------------------------------------------------- Flight Recorder
 def fr_body(ctx: RankContext, dump_dir: str) -> dict[str, Any]:
     pg = _init(ctx, dump_dir=dump_dir)

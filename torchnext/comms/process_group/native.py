@@ -50,6 +50,7 @@ otherwise, as the Python path does for a failed op.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
@@ -357,7 +358,13 @@ class _Native:
         return exc
 
     def _on_abort(self, args: AbortHookArgs) -> None:
-        self._mod.abort(self.backend, args.reason or "")
+        """Finish every native op in flight as ABORTED; their inner Gloo Works, which Gloo may still run (it cannot
+        cancel an op), go to the communicator's grave with their deadlines -- the reaper releases the backend, and
+        the interpreter's exit drains, only once they ended (as for the Python path's orphans)."""
+        running = self._mod.abort(self.backend, args.reason or "")
+        if running is not None:  # (RunningWorks, seconds to the latest deadline)
+            works, left = running
+            self._comm._left_issue([works], time.perf_counter() + left)
 
     def _on_shutdown(self, comm: Communicator) -> None:
         self._mod.release(self.backend)

@@ -820,6 +820,13 @@ class NativeWork : public Work {
     return buf;
   }
 
+  // The inner backend's Work while this op is in flight (null once it ended) and the seconds left to its deadline:
+  // what an abort hands to the communicator's grave (the inner op may run on after this Work was finished).
+  std::pair<c10::intrusive_ptr<Work>, double> inner_and_left() {
+    std::lock_guard<std::mutex> lk(mutex_);
+    return {inner_, std::chrono::duration<double>(deadline_ - Clock::now()).count()};
+  }
+
   void set_inner(const c10::intrusive_ptr<Work>& iw) {
     std::lock_guard<std::mutex> lk(mutex_);
     if (state_.load(std::memory_order_acquire) == kInProgress) inner_ = iw;
@@ -1046,6 +1053,21 @@ bool premul_input(const c10d::ReduceOp& op, const at::Tensor& in, at::Tensor& sc
   return true;
 }
 
+// The inner Works an abort left running (see NativeBackend::abort_all), as one object for the communicator's grave:
+// completed once every one of them is.
+struct RunningWorks {
+  std::vector<c10::intrusive_ptr<Work>> works;
+  bool is_completed() {
+    for (auto& w : works) {
+      try {
+        if (!w->isCompleted()) return false;
+      } catch (...) {  // a Work that raises is finished with an error
+      }
+    }
+    return true;
+  }
+};
+
 class NativeBackend : public c10d::Backend {
  public:
   NativeBackend(c10::intrusive_ptr<c10d::Backend> inner, int rank, int size, std::chrono::milliseconds timeout,
@@ -1103,7 +1125,10 @@ class NativeBackend : public c10d::Backend {
 
   // Finish every op in flight as ABORTED (their waiters raise at once), refuse later ops (the Python path raises
   // the abort's CommAborted) and drop the inner backend (the Python side buries it).
-  void abort_all(const std::string& reason) {
+  // Returns the inner Works of the ops it finished, each with the seconds left to its deadline: the inner backend
+  // may still run them (Gloo cannot cancel an op), so Python hands them to the communicator's grave -- the reaper
+  // releases the backend, and the interpreter's exit drains, only once they ended.
+  std::vector<std::pair<c10::intrusive_ptr<Work>, double>> abort_all(const std::string& reason) {
     std::vector<c10::intrusive_ptr<NativeWork>> works;
     c10::intrusive_ptr<c10d::Backend> drop;
     {
@@ -1118,8 +1143,14 @@ class NativeBackend : public c10d::Backend {
     // oldest first: a thread waiting on its ops in order is released by the first of them
     std::sort(works.begin(), works.end(), [](const auto& a, const auto& b) { return a->op_id() < b->op_id(); });
     std::string msg = "cancelled by abort()" + (reason.empty() ? std::string() : " (" + reason + ")");
+    std::vector<std::pair<c10::intrusive_ptr<Work>, double>> running;
+    for (auto& w : works) {
+      auto inner = w->inner_and_left();
+      if (inner.first) running.push_back(std::move(inner));
+    }
     for (auto& w : works) w->finish(kAborted, kAbort, msg);
     core_->stop_watchdog();  // nothing in flight, nothing issued any more
+    return running;
   }
 
   // Let go of the inner backend once the ops in flight are done (bounded by their deadlines): shutdown.
@@ -1653,8 +1684,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("python_mode", [](const BackendPtr& b) { return native(b).python_mode(); });
   m.def("op_counter", [](const BackendPtr& b) { return native(b).op_counter(); });
   m.def("set_op_counter", [](const BackendPtr& b, int64_t n) { native(b).set_op_counter(n); });
-  m.def("abort", [](const BackendPtr& b, const std::string& reason) { native(b).abort_all(reason); },
-        py::call_guard<py::gil_scoped_release>());
+  // abort() -> (RunningWorks, seconds to the latest deadline) or None: the inner Works Gloo may still run, as one
+  // object (thousands of ops in flight: one Python object each made abort() slower than its 100 ms bound).
+  py::class_<RunningWorks, std::shared_ptr<RunningWorks>>(m, "RunningWorks")
+      .def("is_completed", &RunningWorks::is_completed, py::call_guard<py::gil_scoped_release>())
+      .def("__len__", [](const RunningWorks& r) { return r.works.size(); });
+  m.def("abort", [](const BackendPtr& b, const std::string& reason) -> py::object {
+    std::vector<std::pair<c10::intrusive_ptr<Work>, double>> running;
+    {
+      py::gil_scoped_release nogil;
+      running = native(b).abort_all(reason);
+    }
+    if (running.empty()) return py::none();
+    auto works = std::make_shared<RunningWorks>();
+    double left = 0.0;
+    for (auto& [w, l] : running) {
+      works->works.push_back(std::move(w));
+      left = std::max(left, l);
+    }
+    return py::make_tuple(py::cast(works), left);
+  });
   m.def("release", [](const BackendPtr& b) { native(b).release(); });
   m.def("first_failure", [](const BackendPtr& b) { return native(b).first_failure(); });
   m.def("broken", [](const BackendPtr& b) { return native(b).broken(); });
