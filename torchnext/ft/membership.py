@@ -56,6 +56,7 @@ Membership changes
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -147,6 +148,13 @@ class MembershipConfig:
     None: the same as ``heartbeat_timeout_s`` -- a rank is judged by one rule whichever level watches it (a job that
     raised ``heartbeat_timeout_s`` for an oversubscribed machine does not lose a group to a 0.6 s stall of a
     follower)."""
+    relay_min_groups: int = 64
+    """Vote relays (protocol 5; docs/fault_tolerance.md, "Vote relays"): a generation with at least this many
+    sessions that offer a relay listener (group sessions' leaders) votes through relays; smaller ones keep one vote and
+    one decision per session. Above ~64 sessions a relay level pays for its extra hop."""
+    relay_fanout: int | None = None
+    """Sessions per relay chunk (the relay included); None: ``ceil(sqrt(sessions))``, so that the coordinator reads
+    and writes about ``2 * sqrt(sessions)`` messages per step."""
 
     def __post_init__(self) -> None:
         if self.group_heartbeat_interval_s is None:
@@ -171,6 +179,12 @@ class MembershipConfig:
                 f"group_heartbeat_interval_s={self.group_heartbeat_interval_s} (one late heartbeat on a group's local "
                 "channel must not remove the group)"
             )
+        if isinstance(self.relay_min_groups, bool) or not isinstance(self.relay_min_groups, int) or \
+                self.relay_min_groups < 2:
+            raise ValueError(f"MembershipConfig.relay_min_groups must be an int >= 2, got {self.relay_min_groups!r}")
+        if self.relay_fanout is not None and (isinstance(self.relay_fanout, bool) or not isinstance(
+                self.relay_fanout, int) or self.relay_fanout < 2):
+            raise ValueError(f"MembershipConfig.relay_fanout must be None or an int >= 2, got {self.relay_fanout!r}")
         if not isinstance(self.min_size, int) or self.min_size < 1:
             raise ValueError(f"MembershipConfig.min_size must be an int >= 1, got {self.min_size!r}")
         if self.initial_size is not None and (not isinstance(self.initial_size, int) or self.initial_size < self.min_size):
@@ -194,6 +208,8 @@ class _Member:
     session: int = -1
     """The member whose connection speaks for this one: its own id (a flat member, a leader) or its group's leader
     (a follower of a group session, protocol 4). -1: its own (set by :class:`_Live` on insert)."""
+    relay_at: str | None = None
+    """Where this session's relay listener listens (``hello.relay``, protocol 5): it may be named a relay."""
 
 
 class _Live(dict[int, _Member]):
@@ -340,6 +356,18 @@ class Membership:
     _base: tuple[int, list[list[int]], frozenset[int]] = (0, [], frozenset())
     """The last generation sent (number, groups) and the sessions it went to: the next one goes to them as a delta
     against it (:meth:`_delta`), to everyone else in full."""
+    chunks: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """Vote relays of the current generation: relay session -> the sessions of its chunk (itself included)."""
+    chunk_of: dict[int, int] = field(default_factory=dict)
+    """Session -> the relay of its chunk (the current generation; sessions outside every chunk vote directly)."""
+    direct: set[int] = field(default_factory=set)
+    """Sessions of a chunk that voted directly in the open round: their decision goes to them directly too."""
+    relayed: dict[str, Any] | None = None
+    """The last decision, when it went only to relays and direct voters (None once every session is known to hold
+    it): sent directly to every chunk's sessions before any later message that could overtake it."""
+    relayed_at: float = float("-inf")
+    """When the last decision went out through relays: the chunks' sessions heard from the coordinator then (a
+    relayed decision counts as the coordinator's message: the service does not ping them within their ping period)."""
 
     # ------------------------------------------------------------------------------------------------ events
     def join(self, requested: int | None, step: int, now: float, *, group: int | None = None, group_rank: int = 0,
@@ -358,11 +386,12 @@ class Membership:
         return mid
 
     def join_group(self, leader: int | None, step: int, followers: list[tuple[int | None, int]], now: float, *,
-                   group: int) -> list[int]:
+                   group: int, relay_at: str | None = None) -> list[int]:
         """A group session (protocol 4): leader ``leader`` (rank 0) joins replica group ``group`` with its
         ``followers`` (``(requested id, committed step)`` of ranks 1, 2, ...), all at once; returns the ids by group
         rank. From then on the leader's heartbeats and votes stand for the group (:meth:`vote`), and a follower's
-        death is reported by it (:meth:`failure`). All or nothing: any refusal (the reasons of :meth:`join`, or a
+        death is reported by it (:meth:`failure`). ``relay_at``: the leader's relay listener (it may be named a
+        relay, protocol 5). All or nothing: any refusal (the reasons of :meth:`join`, or a
         requested id twice) admits nobody. ::
 
             ids = [join(leader, step, group=group, group_rank=0, group_size=S)]
@@ -385,6 +414,7 @@ class Membership:
             raise Rejected("bad_request", f"replica group {group} asks for a member id twice: {named}")
         taken = set(named)  # ids asked for are not handed out to the group's other ranks
         head = self._insert(leader, step, now, group, 0, size, None, avoid=taken)
+        self.live[head].relay_at = relay_at
         ids = [head]
         for rank, (requested, step_r) in enumerate(followers, 1):
             ids.append(self._insert(requested, step_r, now, group, rank, size, head, avoid=taken))
@@ -392,10 +422,10 @@ class Membership:
         return ids
 
     def take_office(self, takeover: Takeover, joins: dict[int, tuple[int | None, int, int]], now: float,
-                    sessions: dict[int, int] | None = None) -> None:
+                    sessions: dict[int, int] | None = None, relays: dict[int, str] | None = None) -> None:
         """Start in office after a takeover (:mod:`torchnext.ft.election`): the promisers become live members
         (``joins[m] = (group, group_rank, group_size)`` from their hellos; ``sessions[m]``: the leader that reported
-        for ``m``, when not ``m`` itself), the pending decisions go out first, then the first generation -- numbered
+        for ``m``, when not ``m`` itself; ``relays[m]``: its relay listener), the pending decisions go out first, then the first generation -- numbered
         above anything a member knows, under ``takeover.term`` -- with ``abort``."""
         self.term = takeover.term
         self.gen = takeover.gen - 1
@@ -407,7 +437,8 @@ class Membership:
             group, rank, size = joins[mid]
             gid = -1 - mid if group is None else group
             self.live[mid] = _Member(mid, now, takeover.step, now, group=gid, group_rank=rank, group_size=size,
-                                     synced=mid in takeover.synced, session=(sessions or {}).get(mid, mid))
+                                     synced=mid in takeover.synced, session=(sessions or {}).get(mid, mid),
+                                     relay_at=(relays or {}).get(mid))
             self._pending[mid] = None
         self._next_id = max([self._next_id, *[m + 1 for m in takeover.members]])
         self.history.append({"event": "takeover", "term": takeover.term, "at": now, "reason": takeover.reason,
@@ -482,6 +513,7 @@ class Membership:
             self.change_at = None
             self.change_reasons = []
             self.waiting_since = None
+            self._catch_up()
             own = self.live[mid].session
             for m in self.heads:  # the others may still be finishing their loop: a notice, not an abort
                 if m != own and m in self.live:
@@ -518,16 +550,29 @@ class Membership:
             self.history.append({"event": "report", "member": mid, "reason": reason, "at": now})
             self._schedule_change(now, f"member {mid} reported a failed collective: {reason}")
 
-    def vote(self, mid: int, gen: int, step: int, now: float) -> None:
+    def vote(self, mid: int, gen: int, step: int, now: float, *, chunk: bool = False,
+             heads: list[int] | None = None) -> None:
         """Member ``mid`` completed step ``step``'s collectives in generation ``gen`` -- for a group session's
         leader: every rank of its group did (the leader collected their votes). The step commits when every session
-        of the generation (:attr:`heads`) voted."""
+        of the generation (:attr:`heads`) voted. A relay's vote (protocol 5) stands for sessions of its chunk::
+
+            voters = chunks[mid] if chunk else [h for h in heads if chunk_of.get(h) == mid] if heads else [mid]
+            votes |= voters                  # each of them also counts as heard from now (it voted to its relay)
+            if votes == set(heads_of_generation): commit
+
+        A relay vote from a session that is not a relay of this generation counts as its own vote only. A direct
+        vote for the step just committed, whose decision went through relays, gets that decision again (its relay
+        lost it)."""
         if self.finished_step is not None and mid in self.live:
             self._tell_finished(mid, "no later step can commit")
             return
         if gen != self.gen or mid not in self._members() or mid not in self.live:
             return  # stale: a newer generation message is on its way to this member
         if step != self.step:
+            last = self.relayed
+            if last is not None and (gen, step) == (last["gen"], last["step"]) and self.live[mid].session == mid:
+                self.outbox.append((mid, last))
+                return
             self.outbox.append((mid, {
                 "t": "fatal", "code": "step_mismatch",
                 "reason": f"member {mid} voted for step {step} but the committed step count is {self.step}",
@@ -535,7 +580,20 @@ class Membership:
             return
         if self.live[mid].session != mid:
             return  # a follower of a group session never votes itself: its leader votes for the group
-        self.votes.add(mid)  # only session heads of the generation get here: all voted when the counts match
+        chunk_heads = self.chunks.get(mid) if chunk or heads is not None else None
+        if chunk_heads is not None:
+            voters = chunk_heads if chunk else [h for h in heads or () if self.chunk_of.get(h) == mid]
+            live = self.live
+            for h in voters:  # they voted to their relay just now: as good as a heartbeat
+                m = live.get(h)
+                if m is not None:
+                    m.last_seen = now
+                    live.touch(h, now)
+            self.votes.update(voters)
+        else:
+            self.votes.add(mid)  # only session heads of the generation get here: all voted when the counts match
+            if mid in self.chunk_of:
+                self.direct.add(mid)
         if len(self.votes) == len(self.heads):
             self._commit(now)
 
@@ -713,6 +771,8 @@ class Membership:
             self._new_generation(candidates, reason, now, abort=True)
             return
         survivors = tuple(m for m in self.members if m in self.live)
+        self._catch_up()
+        self._drop_relays()
         self.members = survivors
         self.heads = self._heads_of(survivors)
         self.dead.clear()
@@ -742,6 +802,7 @@ class Membership:
         else:
             self._fail_job("state_lost", f"every member holding the committed state failed ({reason})")
             return None
+        self._catch_up()
         self.gen = max(self.gen + 1, self.min_next_gen)
         self.members = tuple(members)
         self.heads = self._heads_of(members)
@@ -770,7 +831,50 @@ class Membership:
             delta = self._delta(msg, base, base_groups) if holders else None
             for m in self.heads:
                 self.outbox.append((m, delta if delta is not None and m in holders else msg))
+            self._assign_relays()
+        else:
+            self._drop_relays()  # the caller sends it inside a decision, then assigns
         return msg
+
+    def _drop_relays(self) -> None:
+        self.chunks, self.chunk_of, self.direct = {}, {}, set()
+
+    def _assign_relays(self) -> None:
+        """Name the relays of the current generation (protocol 5) and tell each chunk's sessions. Reference::
+
+            capable = [h for h in heads if h offered a relay listener]          # sorted
+            if len(capable) < relay_min_groups: no relays
+            k = relay_fanout or ceil(sqrt(len(capable)))
+            for chunk in (capable[i:i + k] for i in range(0, len(capable), k)) if len(chunk) >= 2:
+                relay = chunk[gen % len(chunk)]        # rotates: a relay that failed a step is not named again next
+        """
+        self._drop_relays()
+        live = self.live
+        capable = [h for h in self.heads if live[h].relay_at]
+        if len(capable) < self.config.relay_min_groups:
+            return
+        k = self.config.relay_fanout or max(2, math.isqrt(len(capable) - 1) + 1)
+        for i in range(0, len(capable), k):
+            chunk = tuple(capable[i:i + k])
+            if len(chunk) < 2:
+                continue  # a chunk of one: it votes directly
+            relay = chunk[self.gen % len(chunk)]
+            msg = {"t": "relay", "gen": self.gen, "relay": relay, "at": live[relay].relay_at, "chunk": list(chunk)}
+            self.chunks[relay] = chunk
+            for h in chunk:
+                self.chunk_of[h] = relay
+                self.outbox.append((h, msg))
+
+    def _catch_up(self) -> None:
+        """Before a message that could overtake a decision on its way through a relay (a generation, ``wait``,
+        ``finished``): every session of a chunk gets that decision directly first (a duplicate is ignored: decisions
+        carry their generation and step)."""
+        last, self.relayed = self.relayed, None
+        if last is None:
+            return
+        for h in self.chunk_of:
+            if h not in self.chunks and h not in self.direct and h in self.live:
+                self.outbox.append((h, last))
 
     def _delta(self, msg: dict[str, Any], base: int, base_groups: list[list[int]]) -> dict[str, Any] | None:
         """``msg`` as a delta against generation ``base`` (protocol 4, :data:`~torchnext.ft._wire.GEN_MESSAGE`),
@@ -806,6 +910,9 @@ class Membership:
         for m in old:
             self.live[m].synced = True
         decision: dict[str, Any] = {"t": "decision", "gen": self.gen, "step": decided, "committed": self.step}
+        self.relayed = None  # every session voted for this step: each holds the decision before it
+        direct, chunk_of, chunks = self.direct, self.chunk_of, self.chunks
+        self.direct = set()
         joiners = self._complete(self._joiners())
         if joiners and self.change_at is None:
             nxt = self._new_generation(sorted({*old, *joiners}), f"grow: joined {joiners}", now, abort=False,
@@ -814,8 +921,17 @@ class Membership:
                 decision["next"] = nxt
                 for j in self._heads_of(joiners):
                     self.outbox.append((j, nxt))
-        for m in old_heads:
-            self.outbox.append((m, decision))
+        if chunks and "next" not in decision:  # through the relays: to them, and to the sessions that voted directly
+            self.relayed = decision
+            self.relayed_at = now
+            for m in old_heads:
+                if m in chunks or m in direct or m not in chunk_of:
+                    self.outbox.append((m, decision))
+        else:  # a decision with the next generation goes to every session itself (a delta may follow it)
+            for m in old_heads:
+                self.outbox.append((m, decision))
+            if "next" in decision:
+                self._assign_relays()
 
     def _tell_finished(self, mid: int, why: str) -> None:
         """Member ``mid`` learns that the job is over (a ``fatal`` with code ``finished``: ``JobFinished``)."""
