@@ -105,7 +105,7 @@ def test_a_step_commits_only_when_every_chunk_voted() -> None:
     assert st.step == 0 and not _sent(st, "decision")
     last = relays[-1]
     partial = [h for h in st.chunks[last] if h != last][:1]
-    st.vote(last, st.gen, 0, 1.0, heads=partial + [heads[0] if heads[0] not in st.chunks[last] else -1])
+    st.vote(last, st.gen, 0, 1.0, heads=[*partial, heads[0] if heads[0] not in st.chunks[last] else -1])
     assert st.step == 0  # a head of another chunk named in the batch does not count
     others = [h for h in st.chunks[last] if h not in partial]
     for h in others:
@@ -148,7 +148,7 @@ def test_a_direct_vote_for_the_step_just_relayed_gets_its_decision_again() -> No
 
 
 def test_a_relay_vote_vouches_for_its_chunk() -> None:
-    st, heads = _membership(9, fanout=3)
+    st, _ = _membership(9, fanout=3)
     relay = sorted(st.chunks)[0]
     st.vote(relay, st.gen, 0, 5.0, chunk=True)
     assert all(st.live[h].last_seen == 5.0 for h in st.chunks[relay])
@@ -269,7 +269,7 @@ def test_relay_hub_forwards_votes_and_fans_out_decisions() -> None:
         relay.named(named, 1)
         session.named(named, 1)
         deadline = time.monotonic() + 5
-        while session._link is None and time.monotonic() < deadline:  # noqa: SLF001 (the test waits for it)
+        while session._link is None and time.monotonic() < deadline:  # the test waits for the channel
             time.sleep(0.01)
         assert session.vote(1, 0)  # through the channel
         assert relay.vote(1, 0)

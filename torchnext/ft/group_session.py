@@ -424,9 +424,8 @@ class GroupLeaderClient(MemberClient):
             self._dispatch(msg)
 
     def _dispatch(self, msg: dict[str, Any]) -> bool:
-        if msg["t"] == "relay":
-            if self._hub is not None:
-                self._hub.named(msg, self._base_gen[0])
+        if msg["t"] == "relay":  # (not queued: it concerns this client only)
+            self._relay_out(msg)
             return True
         if msg["t"] == "decision":
             with self._decision_lock:
@@ -475,9 +474,16 @@ class GroupLeaderClient(MemberClient):
             self._relay.resend_losses()
 
     def _relay_out(self, msg: dict[str, Any]) -> None:
+        """Every coordinator message, in order, before it is handled -- also those that came with the welcome (which
+        are queued without :meth:`_dispatch`): to the followers, and a ``relay`` or ``decision`` to the hub."""
         self._relay.relay(msg)
-        if msg["t"] == "decision" and self._hub is not None:
-            self._hub.decided(msg)
+        hub = self._hub
+        if hub is None:
+            return
+        if msg["t"] == "relay":
+            hub.named(msg, self._base_gen[0])  # the generation it follows was observed before it
+        elif msg["t"] == "decision":
+            hub.decided(msg)
 
     def _interrupt(self, msg: dict[str, Any]) -> None:
         if msg["t"] == "lost" and not msg.get("final"):  # lost its coordinator: the followers abort with it

@@ -560,7 +560,8 @@ class Membership:
             votes |= voters                  # each of them also counts as heard from now (it voted to its relay)
             if votes == set(heads_of_generation): commit
 
-        A relay vote from a session that is not a relay of this generation counts as its own vote only. A direct
+        A relay vote from a session that is not a relay of this generation counts as its own vote only; one for a
+        step already decided is ignored. A direct
         vote for the step just committed, whose decision went through relays, gets that decision again (its relay
         lost it)."""
         if self.finished_step is not None and mid in self.live:
@@ -568,6 +569,8 @@ class Membership:
             return
         if gen != self.gen or mid not in self._members() or mid not in self.live:
             return  # stale: a newer generation message is on its way to this member
+        if step < self.step and (chunk or heads is not None):
+            return  # a relay's batch for a step already decided (its channel delivered it late): nothing to count
         if step != self.step:
             last = self.relayed
             if last is not None and (gen, step) == (last["gen"], last["step"]) and self.live[mid].session == mid:

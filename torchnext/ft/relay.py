@@ -18,7 +18,10 @@ Reference of one relay's chunk in generation ``gen`` (:class:`RelayChunk`)::
     on decision(gen, step) from the coordinator: to every connected session
 
 A session never waits for a relay it cannot reach: with no channel (refused, closed, not yet connected) it votes
-directly, and the relay does not wait for it either (it is not ``connected``). A relay that is connected but stalls
+directly, and the relay does not wait for it either (it is not ``connected``). A session whose open vote went
+directly sends it through the channel too once the relay welcomes it (the relay counts it as connected from its
+hello on), and a relay named after its own vote went directly counts that vote in its chunk; the coordinator counts
+each session once however many ways its vote arrives, and ignores a relay's vote for a step already decided. A relay that is connected but stalls
 holds its chunk's step like a missing vote does today: the members' commit timeout refuses the step, and the next
 generation names other relays (the relay of a chunk rotates with the generation number).
 

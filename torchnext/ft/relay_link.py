@@ -92,6 +92,8 @@ class RelayHub:
         """A relay to connect to: (relay id, address, generation)."""
         self._sent: tuple[int, int] | None = None
         """This session's vote sent through the link and not yet decided."""
+        self._own: tuple[int, int] | None = None
+        """This session's open vote, however it went (counted in a chunk it is named relay of later)."""
         self._wake_r, self._wake_w = socket.socketpair()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"torchnext-relay-hub[{name}]", daemon=True)
@@ -112,7 +114,7 @@ class RelayHub:
                 chunk = self.chunk = RelayChunk(msg["gen"], self.member, msg["chunk"])
                 self._want = None
                 self._close_link()
-                ready = []
+                ready = [chunk.vote(self.member, *self._own)] if self._own is not None else []
                 for h, p in list(self._by_member.items()):
                     if not chunk.connect(h):
                         self._drop(p)
@@ -135,6 +137,7 @@ class RelayHub:
         its channel to its relay is open for generation ``gen``); False: send it to the coordinator."""
         with self.lock:
             chunk = self.chunk
+            self._own = (gen, step)
             if chunk is not None and chunk.gen == gen:
                 up = chunk.vote(self.member, gen, step)
             elif self._link is not None and self._link_gen == gen:
@@ -157,6 +160,8 @@ class RelayHub:
             chunk = self.chunk
             if self._sent is not None and (msg["gen"], msg["step"]) == self._sent:
                 self._sent = None
+            if self._own is not None and (msg["gen"], msg["step"]) == self._own:
+                self._own = None
             if chunk is None or msg["gen"] != chunk.gen or msg.get("next") is not None:
                 return
             line = encode(msg)
@@ -250,6 +255,12 @@ class RelayHub:
                 return
             self._close_link()
             self._link, self._link_reader, self._link_gen = sock, reader, gen
+            own = self._own
+            if own is not None and own[0] == gen:  # its open vote went directly: the relay, which counts it as
+                try:  # connected now, waits for it (the coordinator counts it once)
+                    sock.sendall(encode({"t": "vote", "gen": own[0], "step": own[1]}))
+                except OSError:
+                    self._close_link()
 
     def _link_readable(self) -> None:
         with self.lock:
@@ -280,6 +291,8 @@ class RelayHub:
                 with self.lock:
                     if self._sent is not None and (msg["gen"], msg["step"]) == self._sent:
                         self._sent = None
+                    if self._own is not None and (msg["gen"], msg["step"]) == self._own:
+                        self._own = None
                 self._deliver(msg)
 
     def _accept(self, now: float) -> None:

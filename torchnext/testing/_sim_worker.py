@@ -666,6 +666,8 @@ class _Worker:
         if msg["relay"] == m.id:
             chunk = m.chunk = RelayChunk(msg["gen"], m.id, msg["chunk"])
             self._close_up(m)
+            if m.voted is not None:  # its open vote went directly before it was named: it counts here too
+                self._send_up(m, chunk.vote(m.id, m.gen, m.committed))
             for h, peer in list(m.inbound.items()):
                 if not chunk.connect(h):
                     self._peer_close(peer)
@@ -770,6 +772,8 @@ class _Worker:
                 self._peer_send(peer, encode(relay_hello(self.token, msg["nonce"], peer.nonce, m.id, m.gen)))
             elif kind == "welcome" and peer.nonce and verify_welcome(self.token, peer.nonce, peer.challenge, msg):
                 peer.state = "joined"
+                if m.voted is not None and m.relay_gen == m.gen:  # its open vote went directly: the relay, which
+                    self._peer_send(peer, self._vote_line(m.gen, m.committed))  # counts it as connected, needs it
             else:
                 self._peer_close(peer)
             return
