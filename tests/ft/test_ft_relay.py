@@ -148,12 +148,22 @@ def test_a_direct_vote_for_the_step_just_relayed_gets_its_decision_again() -> No
 
 
 def test_a_relay_vote_vouches_for_its_chunk() -> None:
+    """Its sessions count as heard at the vouch (applied when they would expire): alive within the timeout of it,
+    expired after; a vouch within the last heartbeat interval counts as heard at the check."""
     st, _ = _membership(9, fanout=3)
-    relay = sorted(st.chunks)[0]
-    st.vote(relay, st.gen, 0, 5.0, chunk=True)
-    assert all(st.live[h].last_seen == 5.0 for h in st.chunks[relay])
-    st.tick(5.0 + 0.5)  # within the timeout of the vouch: nobody expires
-    assert all(h in st.live for h in st.chunks[relay])
+    relay, other = sorted(st.chunks)[:2]
+    chunk, others = st.chunks[relay], st.chunks[other]
+    for r in sorted(st.chunks):
+        st.vote(r, st.gen, 0, 0.0, chunk=True)  # step 0 commits (every group then holds the state)
+    st.vote(relay, st.gen, 1, 5.0, chunk=True)
+    st.vote(other, st.gen, 1, 5.45, chunk=True)
+    st.tick(5.5)  # every session was last heard at 0.0: the vouched ones live on
+    assert all(st.live[h].last_seen == 5.0 for h in chunk)  # 0.5 s ago: heard then
+    assert all(st.live[h].last_seen == 5.5 for h in others)  # within an interval: heard now
+    assert all(h not in st.live for h in st.chunk_of if st.chunk_of[h] not in (relay, other))  # never vouched
+    st.tick(5.0 + 0.6 + 0.01)  # the timeout after its last vouch: its chunk is silent
+    assert all(h not in st.live for h in chunk)
+    assert all(h in st.live for h in others)
 
 
 def test_a_chunk_vote_from_a_session_that_is_not_a_relay_counts_as_its_own() -> None:

@@ -279,6 +279,11 @@ class _Live(dict[int, _Member]):
         else:
             self._latest = at
 
+    @property
+    def latest(self) -> float:
+        """The latest time a member was heard at (``touch``)."""
+        return self._latest
+
     def silent_since(self, cutoff: float) -> list[int]:
         """The ids last heard from before ``cutoff``: O(answer) while ``ordered``."""
         if not self.ordered:
@@ -365,6 +370,13 @@ class Membership:
     relayed: dict[str, Any] | None = None
     """The last decision, when it went only to relays and direct voters (None once every session is known to hold
     it): sent directly to every chunk's sessions before any later message that could overtake it."""
+    _relay_targets: list[int] = field(default_factory=list)
+    """Where a relayed decision goes besides the direct voters: the relays and the sessions outside every chunk."""
+    _vouched: dict[int, float] = field(default_factory=dict)
+    """Relay -> when it last voted for its whole chunk: every session of it was heard from then. Applied lazily, when
+    a session is about to expire (:meth:`tick`): a vouch within the last heartbeat interval counts as heard now (a
+    session voting through its relay sends no heartbeat only while it votes at least every interval), an older one as
+    heard at the vouch. O(1) per relay vote instead of one update per session."""
     relayed_at: float = float("-inf")
     """When the last decision went out through relays: the chunks' sessions heard from the coordinator then (a
     relayed decision counts as the coordinator's message: the service does not ping them within their ping period)."""
@@ -585,13 +597,13 @@ class Membership:
             return  # a follower of a group session never votes itself: its leader votes for the group
         chunk_heads = self.chunks.get(mid) if chunk or heads is not None else None
         if chunk_heads is not None:
-            voters = chunk_heads if chunk else [h for h in heads or () if self.chunk_of.get(h) == mid]
-            live = self.live
-            for h in voters:  # they voted to their relay just now: as good as a heartbeat
-                m = live.get(h)
-                if m is not None:
-                    m.last_seen = now
-                    live.touch(h, now)
+            if chunk:  # every session of the chunk voted to its relay just now: as good as a heartbeat (see tick)
+                voters = chunk_heads
+                self._vouched[mid] = now
+            else:
+                voters = [h for h in heads or () if self.chunk_of.get(h) == mid]
+                for h in voters:
+                    self.heartbeat(h, now)
             self.votes.update(voters)
         else:
             self.votes.add(mid)  # only session heads of the generation get here: all voted when the counts match
@@ -607,9 +619,16 @@ class Membership:
     def tick(self, now: float) -> None:
         """Timers: heartbeat expiry, settled changes, quorum timeout, forced grow."""
         cfg = self.config
-        for mid in self.live.silent_since(now - cfg.heartbeat_timeout_s):
+        cutoff = now - cfg.heartbeat_timeout_s
+        for mid in self.live.silent_since(cutoff):
             m = self.live.get(mid)
             if m is None:  # its replica group failed before it in this loop
+                continue
+            relay = self.chunk_of.get(mid)
+            vouched = self._vouched.get(relay, cutoff) if relay is not None else cutoff
+            if vouched > cutoff:  # its relay voted for its whole chunk since: heard then (or now, if recent: in
+                recent = now - vouched <= cfg.heartbeat_interval_s  # the order of `heard`, no resort)
+                self.heartbeat(mid, max(now, self.live.latest) if recent else vouched)
                 continue
             silent = now - m.last_seen
             if silent > cfg.heartbeat_timeout_s:
@@ -840,7 +859,7 @@ class Membership:
         return msg
 
     def _drop_relays(self) -> None:
-        self.chunks, self.chunk_of, self.direct = {}, {}, set()
+        self.chunks, self.chunk_of, self.direct, self._vouched, self._relay_targets = {}, {}, set(), {}, []
 
     def _assign_relays(self) -> None:
         """Name the relays of the current generation (protocol 5) and tell each chunk's sessions. Reference::
@@ -867,6 +886,7 @@ class Membership:
             for h in chunk:
                 self.chunk_of[h] = relay
                 self.outbox.append((h, msg))
+        self._relay_targets = [h for h in self.heads if h in self.chunks or h not in self.chunk_of]
 
     def _catch_up(self) -> None:
         """Before a message that could overtake a decision on its way through a relay (a generation, ``wait``,
@@ -904,17 +924,19 @@ class Membership:
         decided = self.step
         self.step += 1
         self.votes.clear()
-        if self.last_commit_gen != self.gen:
+        first = self.last_commit_gen != self.gen
+        if first:
             self.last_commit_gen = self.gen
             self.quorum = self.gen_groups  # the failover rule's reference moves to the generation that committed
             self.history.append({"event": "first_commit", "gen": self.gen, "step": decided, "at": now,
                                  "term": self.term})
         self.last_commit_at = now
-        for m in old:
-            self.live[m].synced = True
+        if first:  # later commits of the generation find every member synced already
+            for m in old:
+                self.live[m].synced = True
         decision: dict[str, Any] = {"t": "decision", "gen": self.gen, "step": decided, "committed": self.step}
         self.relayed = None  # every session voted for this step: each holds the decision before it
-        direct, chunk_of, chunks = self.direct, self.chunk_of, self.chunks
+        direct, chunks = self.direct, self.chunks
         self.direct = set()
         joiners = self._complete(self._joiners())
         if joiners and self.change_at is None:
@@ -927,9 +949,8 @@ class Membership:
         if chunks and "next" not in decision:  # through the relays: to them, and to the sessions that voted directly
             self.relayed = decision
             self.relayed_at = now
-            for m in old_heads:
-                if m in chunks or m in direct or m not in chunk_of:
-                    self.outbox.append((m, decision))
+            self.outbox += [(m, decision) for m in self._relay_targets]
+            self.outbox += [(m, decision) for m in direct if m not in chunks]
         else:  # a decision with the next generation goes to every session itself (a delta may follow it)
             for m in old_heads:
                 self.outbox.append((m, decision))
