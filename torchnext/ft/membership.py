@@ -601,7 +601,7 @@ class Membership:
                 voters = chunk_heads
                 self._vouched[mid] = now
             else:
-                voters = [h for h in heads or () if self.chunk_of.get(h) == mid]
+                voters = tuple(h for h in heads or () if self.chunk_of.get(h) == mid)
                 for h in voters:
                     self.heartbeat(h, now)
             self.votes.update(voters)
