@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
+from torchnext.ft import Coordinator, CoordinatorConfig
 from torchnext.ft._wire import PROTOCOL_VERSION, LineReader, encode, mac, new_nonce
 from torchnext.ft.membership import Membership, MembershipConfig
 from torchnext.ft.relay import RelayChunk, relay_hello
 from torchnext.ft.relay_link import RelayHub
-from torchnext.testing.coordinators import CoordinatorProcess
 from torchnext.testing.member_sim import KillMode, MemberSim, SimConfig
 
 pytestmark = pytest.mark.timeout(120)
@@ -173,25 +173,46 @@ def test_a_chunk_vote_from_a_session_that_is_not_a_relay_counts_as_its_own() -> 
     assert st.votes == {member}
 
 
+def test_a_generation_keeps_the_chunks_it_can_and_a_report_rotates_the_relays() -> None:
+    st, heads = _membership(16, fanout=4)
+    for r in sorted(st.chunks):
+        st.vote(r, st.gen, 0, 0.05, chunk=True)  # a commit: every group holds the state
+    layout = dict(st.chunks)
+    victim = next(h for h in heads if h not in layout)  # not a relay
+    st.failure(victim, 0.1, "crashed", hung=False)
+    st.tick(0.11)
+    assert st.gen == 2
+    for relay, chunk in layout.items():
+        if victim in chunk:
+            assert st.chunks[relay] == tuple(h for h in chunk if h != victim)
+        else:
+            assert st.chunks[relay] == chunk  # the same relay, the same sessions: their channels go on
+    dead_relay = sorted(st.chunks)[0]
+    st.failure(dead_relay, 0.2, "crashed", hung=False)
+    st.tick(0.21)
+    assert dead_relay not in st.chunks and len(st.chunks) == len(layout)  # its chunk got another relay
+    before = dict(st.chunks)
+    st.report_failure(next(iter(st.chunks)), st.gen, "no commit decision within 30s", 0.3)
+    st.tick(0.31)
+    assert st.gen == 4 and set(st.chunks) != set(before)  # a held step: every chunk is cut and named afresh
+
+
 # ------------------------------------------------------------------------------------------------ simulator
-def _relay_groups(formed_gen: int, ids: dict[int, list[int]], fanout: int) -> dict[int, int]:
-    """Replica group of each relay of generation ``formed_gen`` (the coordinator's rule)."""
-    heads = sorted(v[0] for v in ids.values())
-    group_of = {v[0]: g for g, v in ids.items()}
-    out = {}
-    for i in range(0, len(heads), fanout):
-        chunk = heads[i:i + fanout]
-        if len(chunk) >= 2:
-            out[group_of[chunk[formed_gen % len(chunk)]]] = chunk[formed_gen % len(chunk)]
-    return out
+def _relay_groups(coord: Coordinator, ids: dict[int, list[int]]) -> list[int]:
+    """The replica groups whose leaders are relays now."""
+    assert coord._service is not None and coord._service.state is not None
+    with coord._service.lock:
+        relays = set(coord._service.state.chunks)
+    return sorted(g for g, v in ids.items() if v[0] in relays)
 
 
 @pytest.mark.parametrize("relays", [True, False])
 def test_sim_commits_through_relays_and_a_killed_relay_is_replaced(relays: bool) -> None:
     groups, fanout = 16, 4
-    with CoordinatorProcess(TOKEN, initial_size=groups, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6,
-                            extra=["--relay-min-groups", "8", "--relay-fanout", str(fanout)]) as coord, \
-            MemberSim(SimConfig(address=coord.address, token=TOKEN, ranks=groups * 2, group_size=2,
+    config = MembershipConfig(initial_size=groups, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6,
+                              relay_min_groups=8, relay_fanout=fanout)
+    with Coordinator(CoordinatorConfig(membership=config)) as coord, \
+            MemberSim(SimConfig(address=coord.address, token=coord.token, ranks=groups * 2, group_size=2,
                                 relays=relays)) as sim:
         formed = sim.join(timeout_s=30)
         assert formed.ok, formed.reason
@@ -205,7 +226,7 @@ def test_sim_commits_through_relays_and_a_killed_relay_is_replaced(relays: bool)
         # one vote and one decision per chunk and step (plus the odd ping or heartbeat), not per group
         assert per_step < groups, per_step
         assert run.relay_messages > 0
-        relay_group = min(_relay_groups(formed.gen, sim.ids, fanout))
+        relay_group = _relay_groups(coord, sim.ids)[0]
         t = sim.kill_group(relay_group, KillMode.CRASH)
         nxt = sim.await_generation(formed.gen, timeout_s=10)
         assert nxt.ok, nxt.reason
@@ -216,7 +237,7 @@ def test_sim_commits_through_relays_and_a_killed_relay_is_replaced(relays: bool)
         assert again.ok and again.committed == 10, again.reason
         assert again.messages / 10 < groups
         # and a hung relay: its silence removes its group; the others go on with new relays
-        relay_group = min(_relay_groups(nxt.gen, {g: v for g, v in sim.ids.items() if g != relay_group}, fanout))
+        relay_group = _relay_groups(coord, sim.ids)[-1]
         sim.kill_group(relay_group, KillMode.HANG)
         third = sim.await_generation(nxt.gen, timeout_s=10)
         assert third.ok, third.reason

@@ -370,6 +370,10 @@ class Membership:
     relayed: dict[str, Any] | None = None
     """The last decision, when it went only to relays and direct voters (None once every session is known to hold
     it): sent directly to every chunk's sessions before any later message that could overtake it."""
+    _layout: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    """The last generation's relays and chunks (kept across generations, see :meth:`_assign_relays`)."""
+    _rotate: bool = False
+    """A session reported a failed step since the last layout: the next one rotates every relay."""
     _relay_targets: list[int] = field(default_factory=list)
     """Where a relayed decision goes besides the direct voters: the relays and the sessions outside every chunk."""
     _vouched: dict[int, float] = field(default_factory=dict)
@@ -560,6 +564,7 @@ class Membership:
             return
         if gen == self.gen and mid in self._members() and mid in self.live:
             self.history.append({"event": "report", "member": mid, "reason": reason, "at": now})
+            self._rotate = True  # its relay may be what held the step: name others
             self._schedule_change(now, f"member {mid} reported a failed collective: {reason}")
 
     def vote(self, mid: int, gen: int, step: int, now: float, *, chunk: bool = False,
@@ -867,26 +872,64 @@ class Membership:
             capable = [h for h in heads if h offered a relay listener]          # sorted
             if len(capable) < relay_min_groups: no relays
             k = relay_fanout or ceil(sqrt(len(capable)))
-            for chunk in (capable[i:i + k] for i in range(0, len(capable), k)) if len(chunk) >= 2:
-                relay = chunk[gen % len(chunk)]        # rotates: a relay that failed a step is not named again next
-        """
+            if the last layout exists and no session reported a failed step since (:meth:`_keep_layout`):
+                every chunk keeps its live sessions and its relay (a relay that left: kept[gen % len(kept)]);
+                new sessions fill chunks below k, then new chunks of k;
+                unless some chunk ends below k // 2 or above 2 * k
+            else:                                    # the first, after a report (a relay may have held a step), or
+                for chunk in (capable[i:i + k] for i in range(0, len(capable), k)):     # out of balance
+                    relay = chunk[gen % len(chunk)]          # rotates with the generation
+            a chunk of one votes directly
+
+        Kept chunks keep their channels: a generation after a failure re-opens only the channels of the chunks it
+        changed."""
+        rotate, self._rotate = self._rotate, False
         self._drop_relays()
         live = self.live
         capable = [h for h in self.heads if live[h].relay_at]
         if len(capable) < self.config.relay_min_groups:
+            self._layout = []
             return
         k = self.config.relay_fanout or max(2, math.isqrt(len(capable) - 1) + 1)
-        for i in range(0, len(capable), k):
-            chunk = tuple(capable[i:i + k])
+        layout = None if rotate or not self._layout else self._keep_layout(capable, k)
+        if layout is None:
+            layout = []
+            for i in range(0, len(capable), k):
+                chunk = tuple(capable[i:i + k])
+                layout.append((chunk[self.gen % len(chunk)], chunk))
+        self._layout = layout
+        for relay, chunk in layout:
             if len(chunk) < 2:
                 continue  # a chunk of one: it votes directly
-            relay = chunk[self.gen % len(chunk)]
             msg = {"t": "relay", "gen": self.gen, "relay": relay, "at": live[relay].relay_at, "chunk": list(chunk)}
             self.chunks[relay] = chunk
             for h in chunk:
                 self.chunk_of[h] = relay
                 self.outbox.append((h, msg))
         self._relay_targets = [h for h in self.heads if h in self.chunks or h not in self.chunk_of]
+
+    def _keep_layout(self, capable: list[int], k: int) -> list[tuple[int, tuple[int, ...]]] | None:
+        """The last layout with the sessions that left taken out and the new ones added (see
+        :meth:`_assign_relays`); None when it is out of balance."""
+        alive = set(capable)
+        chunks: list[tuple[int, list[int]]] = []
+        placed: set[int] = set()
+        for relay, chunk in self._layout:
+            kept = [h for h in chunk if h in alive]
+            if not kept:
+                continue
+            chunks.append((relay if relay in alive else kept[self.gen % len(kept)], kept))
+            placed.update(kept)
+        new = [h for h in capable if h not in placed]
+        for _, kept in chunks:
+            while new and len(kept) < k:
+                kept.append(new.pop(0))
+        for i in range(0, len(new), k):
+            part = new[i:i + k]
+            chunks.append((part[self.gen % len(part)], part))
+        if any(len(c) > 2 * k or len(c) < k // 2 for _, c in chunks[:-1]):
+            return None
+        return [(relay, tuple(sorted(c))) for relay, c in chunks]
 
     def _catch_up(self) -> None:
         """Before a message that could overtake a decision on its way through a relay (a generation, ``wait``,

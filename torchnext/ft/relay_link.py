@@ -88,6 +88,8 @@ class RelayHub:
         self._link: socket.socket | None = None
         self._link_reader = LineReader()
         self._link_gen = 0
+        self._link_to: tuple[int, str] = (-1, "")
+        """The relay ``_link`` goes to (id, address)."""
         self._want: tuple[int, str, int] | None = None
         """A relay to connect to: (relay id, address, generation)."""
         self._sent: tuple[int, int] | None = None
@@ -124,9 +126,13 @@ class RelayHub:
                 self.chunk = None
                 for p in list(self._peers.values()):
                     self._drop(p)
+                ready = []
+                if self._link is not None and self._link_to == (msg["relay"], msg["at"]):
+                    self._link_gen = msg["gen"]  # the same relay as before: the channel goes on
+                    self._want = None
+                    return
                 self._close_link()
                 self._want = (msg["relay"], msg["at"], msg["gen"])
-                ready = []
         for vote in ready:
             if vote is not None:
                 self._send_up(vote)
@@ -254,7 +260,7 @@ class RelayHub:
                 _close(sock)
                 return
             self._close_link()
-            self._link, self._link_reader, self._link_gen = sock, reader, gen
+            self._link, self._link_reader, self._link_gen, self._link_to = sock, reader, gen, (relay, at)
             own = self._own
             if own is not None and own[0] == gen:  # its open vote went directly: the relay, which counts it as
                 try:  # connected now, waits for it (the coordinator counts it once)

@@ -66,7 +66,8 @@ _HANG = "hang"
 class _Peer:
     """One relay channel end: at a relay, a session of its chunk (``inbound``); at a session, its relay (``up``)."""
 
-    __slots__ = ("challenge", "member", "nonce", "opened", "out", "owner", "reader", "relay", "sock", "state", "vote")
+    __slots__ = ("at", "challenge", "member", "nonce", "opened", "out", "owner", "reader", "relay", "sock", "state",
+                 "vote")
 
     def __init__(self, sock: socket.socket, owner: _Member, inbound: bool, now: float,
                  decoder: Any = None) -> None:
@@ -78,6 +79,7 @@ class _Peer:
         self.nonce = ""
         self.member = -1
         self.relay = -1
+        self.at = ""
         self.vote: tuple[int, int] | None = None
         self.opened = now
 
@@ -677,6 +679,10 @@ class _Worker:
         m.chunk = None
         for peer in list(m.inbound.values()):
             self._peer_close(peer)
+        up = m.up
+        if up is not None and up.sock is not None and (up.relay, up.at) == (msg["relay"], msg["at"]):
+            m.relay_gen = msg["gen"]  # the same relay as before: the channel goes on
+            return
         self._close_up(m)
         m.relay_gen = msg["gen"]
         try:
@@ -690,7 +696,7 @@ class _Worker:
             return
         tune_socket(sock)
         m.up = _Peer(sock, m, False, now, self._relayed_line)
-        m.up.relay = msg["relay"]
+        m.up.relay, m.up.at = msg["relay"], msg["at"]
         self.sel.register(sock, selectors.EVENT_READ, m.up)
 
     def _accept(self, listen: _Listen, now: float) -> None:
