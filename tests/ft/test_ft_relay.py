@@ -309,6 +309,10 @@ def test_relay_hub_forwards_votes_and_fans_out_decisions() -> None:
         assert up_s.wait("delivered")[0]["step"] == 0
         assert not up_s.sent  # nothing went to its coordinator
         assert not session.vote(2, 1)  # a generation it holds no channel for: directly
+        # a listener that is another session's (it proves the token but names itself): no channel, direct votes
+        session.named({"t": "relay", "gen": 3, "relay": 7, "at": relay.address, "chunk": [1, 7]}, 3)
+        time.sleep(0.5)
+        assert session._link is None and not session.vote(3, 0)
     finally:
         session.stop()
         relay.stop()

@@ -51,7 +51,7 @@ from torchnext.ft._wire import (
 )
 from torchnext.ft.member import MemberClient, fatal_code, parse_address, parse_addresses
 from torchnext.ft.membership import CoordinatorLost, MembershipError, RemovedFromGroup
-from torchnext.ft.relay_link import RelayHub
+from torchnext.ft.relay_link import RelayHub, route_host
 
 __all__ = ["GroupFollowerClient", "GroupLeaderClient"]
 
@@ -363,9 +363,9 @@ class GroupLeaderClient(MemberClient):
     ``on_listening(host:port)`` is called before the wait), then joins the coordinator for the whole group, votes for
     it once every rank voted, relays the coordinator's messages to the followers and reports their deaths.
 
-    Vote relays (protocol 5, ``relays=True``): it also listens for other leaders on ``leader_address``'s host (a free
-    port, offered in its hello) and votes through the relay the coordinator names for its chunk, or relays for its
-    chunk (:mod:`torchnext.ft.relay_link`)."""
+    Vote relays (protocol 5, ``relays=True``): it also listens for other leaders (on the local address that routes to
+    its first coordinator, a free port, offered in its hello) and votes through the relay the coordinator names for
+    its chunk, or relays for its chunk (:mod:`torchnext.ft.relay_link`)."""
 
     def __init__(self, address: str | Sequence[str], token: str, *, leader_address: str, replica_group: int,
                  group_size: int, connect_timeout_s: float, on_listening: Callable[[str], object] | None = None,
@@ -379,7 +379,7 @@ class GroupLeaderClient(MemberClient):
                              f"group {replica_group}")
         try:
             if relays:
-                self._hub = RelayHub(parse_address(leader_address, any_port=True)[0], token,
+                self._hub = RelayHub(route_host(*parse_addresses(address)[0]), token,
                                      send_up=super().send, deliver=self._relayed_decision,
                                      name=f"group {replica_group}")
             if on_listening is not None:  # e.g. publish the bound address where the followers look for it

@@ -46,7 +46,7 @@ from torchnext.ft.relay import (
     verify_welcome,
 )
 
-__all__ = ["HELLO_TIMEOUT_S", "MAX_PENDING", "RelayHub"]
+__all__ = ["HELLO_TIMEOUT_S", "MAX_PENDING", "RelayHub", "route_host"]
 
 _LOG = logging.getLogger("torchnext.ft")
 
@@ -56,6 +56,18 @@ MAX_PENDING = 64
 """Relay-listener connections still in their handshake at once; beyond this the oldest is closed."""
 _LINK_TIMEOUT_S = 1.0
 """Bound on connecting to a relay and its handshake (then the session votes directly)."""
+
+
+def route_host(host: str, port: int) -> str:
+    """The local address this machine reaches ``host:port`` from (where other leaders, which reach the same
+    coordinator, can reach this one); loopback when there is no route. Sends nothing (a UDP socket's connect)."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, port or 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
 
 
 class _Peer:
@@ -248,6 +260,8 @@ class RelayHub:
             welcome = _read(sock, reader, deadline)
             if welcome["t"] != "welcome" or not verify_welcome(self._token, nonce, challenge["nonce"], welcome):
                 raise ProtocolError(f"the relay at {at} did not prove it knows the job token ({welcome['t']})")
+            if welcome["relay"] != relay:
+                raise ProtocolError(f"{at} is session {welcome['relay']}'s relay listener, not relay {relay}'s")
             sock.settimeout(1.0)  # bounds sendall; reads happen after select says readable
         except (OSError, ValueError, ProtocolError) as exc:
             _LOG.info("torchnext relay hub %s: no channel to relay %s at %s (votes go directly): %s", member, relay,

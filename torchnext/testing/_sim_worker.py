@@ -776,7 +776,8 @@ class _Worker:
             if kind == "challenge" and not peer.nonce:
                 peer.nonce, peer.challenge = new_nonce(), msg["nonce"]
                 self._peer_send(peer, encode(relay_hello(self.token, msg["nonce"], peer.nonce, m.id, m.gen)))
-            elif kind == "welcome" and peer.nonce and verify_welcome(self.token, peer.nonce, peer.challenge, msg):
+            elif (kind == "welcome" and peer.nonce and msg["relay"] == peer.relay
+                  and verify_welcome(self.token, peer.nonce, peer.challenge, msg)):
                 peer.state = "joined"
                 if m.voted is not None and m.relay_gen == m.gen:  # its open vote went directly: the relay, which
                     self._peer_send(peer, self._vote_line(m.gen, m.committed))  # counts it as connected, needs it
