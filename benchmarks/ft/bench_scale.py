@@ -9,8 +9,8 @@
 
 By default the members speak protocol 4's group sessions (one connection per replica group, its leader's; see
 docs/fault_tolerance.md, "Membership hierarchy") and every leader offers a vote relay listener (protocol 5, "Vote
-relays": at the coordinator's default ``relay_min_groups`` = 64 groups and more, chunks of ~sqrt(groups) sessions
-vote through one relay each); ``--no-relays`` keeps one vote and one decision per group, ``--flat`` connects every
+relays": at the coordinator's default ``relay_min_groups`` = 64 groups and more, chunks of max(64, sqrt(groups))
+sessions vote through one relay each); ``--no-relays`` keeps one vote and one decision per group, ``--flat`` connects every
 rank itself, for comparison.
 
 Per size: one ``torchnext coordinator`` process (the real one, default heartbeat settings unless given) and the
@@ -87,7 +87,8 @@ def measure(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
                hierarchy=not args.flat, relays=not args.flat and not args.no_relays, reason="")
     token = secrets.token_hex(16)
     coord = CoordinatorProcess(token, initial_size=groups, min_size=1, heartbeat_interval_s=args.heartbeat_interval,
-                               heartbeat_timeout_s=args.heartbeat_timeout)
+                               heartbeat_timeout_s=args.heartbeat_timeout,
+                               extra=["--relay-fanout", str(args.relay_fanout)] if args.relay_fanout else [])
     if args.profile:
         path = args.profile if len(args.ranks) == 1 else f"{args.profile}.{ranks}"
         coord.command = [sys.executable, os.path.abspath(__file__), "--as-profiled-coordinator", path,
@@ -239,6 +240,8 @@ def main() -> int:
                                                        "instead of one group session per replica group")
     p.add_argument("--no-relays", action="store_true", help="group sessions without vote relay listeners (protocol "
                                                             "4's way: one vote and one decision per group and step)")
+    p.add_argument("--relay-fanout", type=int, default=0, help="the coordinator's sessions per relay chunk (default: "
+                                                              "its own, max(64, ceil(sqrt(sessions))))")
     p.add_argument("--json", action="store_true", help="one JSON object per size instead of the table")
     p.add_argument("--profile", default="", help="cProfile the coordinator's loop into this file (.<ranks> added "
                                                  "when several sizes); figures are then inflated")

@@ -79,11 +79,14 @@ def _sent(st: Membership, kind: str) -> dict[int, list[dict[str, Any]]]:
 
 
 def test_relays_are_named_above_the_threshold_only() -> None:
-    st, heads = _membership(16)
+    st, heads = _membership(16, fanout=4)
     relays = _sent(st, "relay")
     assert st.gen == 1 and set(relays) == set(heads)
-    k = math.isqrt(15) + 1
-    assert len(st.chunks) == math.ceil(16 / k)
+    assert len(st.chunks) == 4
+    big, _ = _membership(2 * 4096, min_groups=64)  # the default fanout: ceil(sqrt(sessions)), at least 64
+    assert len(big.chunks) == math.ceil(8192 / (math.isqrt(8191) + 1)) and max(map(len, big.chunks.values())) == 91
+    mid, _ = _membership(200, min_groups=64)
+    assert sorted(map(len, mid.chunks.values())) == [8, 64, 64, 64]
     for relay, chunk in st.chunks.items():
         assert relay == chunk[st.gen % len(chunk)] and relay in chunk
         for h in chunk:

@@ -229,7 +229,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vote relays (protocol 5) for a generation of at least this many group sessions offering "
                              f"a relay listener (default {d.relay_min_groups})")
     parser.add_argument("--relay-fanout", type=int, default=None,
-                        help="sessions per relay chunk (default: ceil(sqrt(sessions)))")
+                        help="sessions per relay chunk (default: max(64, ceil(sqrt(sessions))))")
     parser.add_argument("--standby", action="store_true",
                         help="start as a standby: take office only when members that lost their coordinator report "
                              "to it (needs TORCHNEXT_FT_TOKEN, the job's token)")

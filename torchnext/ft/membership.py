@@ -153,8 +153,9 @@ class MembershipConfig:
     sessions that offer a relay listener (group sessions' leaders) votes through relays; smaller ones keep one vote and
     one decision per session. Above ~64 sessions a relay level pays for its extra hop."""
     relay_fanout: int | None = None
-    """Sessions per relay chunk (the relay included); None: ``ceil(sqrt(sessions))``, so that the coordinator reads
-    and writes about ``2 * sqrt(sessions)`` messages per step."""
+    """Sessions per relay chunk (the relay included); None: ``max(64, ceil(sqrt(sessions)))`` -- the coordinator reads
+    and writes two messages per chunk and step (32 chunks at 2,048 sessions), a relay two per session of its chunk;
+    the coordinator serves every chunk, a relay only its own, so chunks are not made smaller than 64."""
 
     def __post_init__(self) -> None:
         if self.group_heartbeat_interval_s is None:
@@ -871,7 +872,7 @@ class Membership:
 
             capable = [h for h in heads if h offered a relay listener]          # sorted
             if len(capable) < relay_min_groups: no relays
-            k = relay_fanout or ceil(sqrt(len(capable)))
+            k = relay_fanout or max(64, ceil(sqrt(len(capable))))
             if the last layout exists and no session reported a failed step since (:meth:`_keep_layout`):
                 every chunk keeps its live sessions and its relay (a relay that left: kept[gen % len(kept)]);
                 new sessions fill chunks below k, then new chunks of k;
@@ -890,7 +891,7 @@ class Membership:
         if len(capable) < self.config.relay_min_groups:
             self._layout = []
             return
-        k = self.config.relay_fanout or max(2, math.isqrt(len(capable) - 1) + 1)
+        k = self.config.relay_fanout or max(64, math.isqrt(len(capable) - 1) + 1)
         layout = None if rotate or not self._layout else self._keep_layout(capable, k)
         if layout is None:
             layout = []
