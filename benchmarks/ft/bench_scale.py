@@ -5,9 +5,13 @@
     python benchmarks/ft/bench_scale.py --ranks 1024 --group-size 8 --json
     python benchmarks/ft/bench_scale.py --ranks 1024 --profile /tmp/coord.prof   # cProfile the coordinator's loop
     python benchmarks/ft/bench_scale.py --flat                        # every rank its own session (protocol 3's way)
+    python benchmarks/ft/bench_scale.py --no-relays                   # group sessions without vote relays (protocol 4)
 
 By default the members speak protocol 4's group sessions (one connection per replica group, its leader's; see
-docs/fault_tolerance.md, "Membership hierarchy"); ``--flat`` connects every rank itself, for comparison.
+docs/fault_tolerance.md, "Membership hierarchy") and every leader offers a vote relay listener (protocol 5, "Vote
+relays": at the coordinator's default ``relay_min_groups`` = 64 groups and more, chunks of max(64, sqrt(groups))
+sessions vote through one relay each); ``--no-relays`` keeps one vote and one decision per group, ``--flat`` connects every
+rank itself, for comparison.
 
 Per size: one ``torchnext coordinator`` process (the real one, default heartbeat settings unless given) and the
 members of :class:`torchnext.testing.member_sim.MemberSim` (``--processes`` processes, the real wire protocol,
@@ -19,7 +23,8 @@ authenticated with the job token). Figures, all from one run:
 * ``commit_p50_ms`` / ``commit_p99_ms``: commit rounds (first vote of a step sent -> last member received its
   decision; members vote again as soon as they have the decision) over ``--steps`` steps after 5 warm-up steps;
 * ``coordinator_cpu_ms_per_step`` and ``coordinator_msgs_per_step`` over those steps (messages = everything the
-  members sent to or received from the coordinator: votes, decisions, heartbeats, pings);
+  members sent to or received from the coordinator: votes, decisions, heartbeats, pings); ``relay_msgs_per_step``:
+  messages on relay channels (counted at both ends), which the coordinator never sees;
 * ``sim_late_s``: the simulator's own worst heartbeat lateness: a member removed for silence while it nears the
   timeout was starved on the simulator's side (the 2 cores are shared by the coordinator and the simulator);
 * ``detect_s``: one replica group hangs (heartbeats stop, sockets stay open) -> the last survivor received the next
@@ -79,10 +84,11 @@ def measure(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
     groups = ranks // g
     out: dict[str, Any] = dict.fromkeys(KEYS)
     out.update(ranks=ranks, group_size=g, groups=groups, processes=min(args.processes, groups), load_before=load(),
-               hierarchy=not args.flat, reason="")
+               hierarchy=not args.flat, relays=not args.flat and not args.no_relays, reason="")
     token = secrets.token_hex(16)
     coord = CoordinatorProcess(token, initial_size=groups, min_size=1, heartbeat_interval_s=args.heartbeat_interval,
-                               heartbeat_timeout_s=args.heartbeat_timeout)
+                               heartbeat_timeout_s=args.heartbeat_timeout,
+                               extra=["--relay-fanout", str(args.relay_fanout)] if args.relay_fanout else [])
     if args.profile:
         path = args.profile if len(args.ranks) == 1 else f"{args.profile}.{ranks}"
         coord.command = [sys.executable, os.path.abspath(__file__), "--as-profiled-coordinator", path,
@@ -92,7 +98,8 @@ def measure(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
     try:
         coord.start()
         sim = MemberSim(SimConfig(address=coord.address, token=token, ranks=ranks, group_size=g,
-                                  processes=args.processes, hierarchy=not args.flat)).start()
+                                  processes=args.processes, hierarchy=not args.flat,
+                                  relays=not args.no_relays)).start()
         formed = sim.join(timeout_s=args.formation_timeout)
         out["retries"] = formed.retries
         out["sim_late_s"] = formed.sim_late_s  # the simulator's own worst heartbeat lateness (all calls so far)
@@ -124,7 +131,8 @@ def measure(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
             ms = [r * 1e3 for r in run.rounds_s]
             out.update(commit_p50_ms=pct(ms, 50), commit_p99_ms=pct(ms, 99), committed=run.committed,
                        coordinator_cpu_ms_per_step=(c1 - c0) * 1e3 / run.committed,
-                       coordinator_msgs_per_step=run.messages / run.committed, commit_wall_s=t1 - t0)
+                       coordinator_msgs_per_step=run.messages / run.committed, commit_wall_s=t1 - t0,
+                       relay_msgs_per_step=run.relay_messages / run.committed)
         if not run.ok:
             return out
 
@@ -210,6 +218,12 @@ def profiled_coordinator(argv: list[str]) -> int:
     return main(rest)
 
 
+def _mode(args: argparse.Namespace) -> str:
+    if args.flat or args.group_size == 1:
+        return "flat"
+    return "group sessions, no relays (protocol 4's way)" if args.no_relays else "group sessions with vote relays"
+
+
 def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--as-profiled-coordinator":
         return profiled_coordinator(sys.argv[2:])
@@ -224,6 +238,10 @@ def main() -> int:
     p.add_argument("--heartbeat-timeout", type=float, default=0.6, help="coordinator setting (default 0.6 s)")
     p.add_argument("--flat", action="store_true", help="every rank its own coordinator session (protocol 3's way) "
                                                        "instead of one group session per replica group")
+    p.add_argument("--no-relays", action="store_true", help="group sessions without vote relay listeners (protocol "
+                                                            "4's way: one vote and one decision per group and step)")
+    p.add_argument("--relay-fanout", type=int, default=0, help="the coordinator's sessions per relay chunk (default: "
+                                                              "its own, max(64, ceil(sqrt(sessions))))")
     p.add_argument("--json", action="store_true", help="one JSON object per size instead of the table")
     p.add_argument("--profile", default="", help="cProfile the coordinator's loop into this file (.<ranks> added "
                                                  "when several sizes); figures are then inflated")
@@ -238,7 +256,7 @@ def main() -> int:
               f"{platform.platform()}, {os.cpu_count()} CPUs, load {load()}")
         print(f"# heartbeat {args.heartbeat_interval} s / timeout {args.heartbeat_timeout} s, {args.steps} steps, "
               f"{args.processes} simulator processes, "
-              f"{'flat' if args.flat or args.group_size == 1 else 'group sessions (protocol 4)'}")
+              f"{_mode(args)}")
         print("| members | coordinator msgs per step | coordinator CPU per step | commit round p50 / p99 | idle "
               "heartbeat load (one core) | formation | detection, last (first) survivor: group hang / group crash / "
               "leader crash / follower crash / follower hang | status |")

@@ -46,6 +46,8 @@ def _stop_client(ft: FaultTolerant, *, crash: bool) -> None:
     if crash:
         if isinstance(client, GroupLeaderClient):
             client._relay.stop()
+            if client._hub is not None:  # its relay listener and channel (protocol 5) close with the process
+                client._hub.stop()
         with client._send_lock:
             try:
                 client._sock.shutdown(socket.SHUT_RDWR)
@@ -112,9 +114,12 @@ def _sessions(coord: Coordinator) -> int:
         return len({id(c) for c in service._by_member.values()})
 
 
-def test_group_sessions_train_with_one_connection_per_group() -> None:
-    with Coordinator(CoordinatorConfig(membership=MembershipConfig(min_size=GROUPS,
-                                                                   initial_size=GROUPS))) as coord:
+@pytest.mark.parametrize("relays", [False, True], ids=["direct", "relays"])
+def test_group_sessions_train_with_one_connection_per_group(relays: bool) -> None:
+    """``relays``: the two leaders form one relay chunk (protocol 5, ``relay_min_groups=2``): one votes for both
+    and fans the decisions out; training is the same, exactly."""
+    with Coordinator(CoordinatorConfig(membership=MembershipConfig(
+            min_size=GROUPS, initial_size=GROUPS, relay_min_groups=2 if relays else 64))) as coord:
         seen: list[int] = []
         out = _run(coord, 5, on_commit=lambda: seen.append(_sessions(coord)))
         out.pop("ids")
@@ -126,12 +131,18 @@ def test_group_sessions_train_with_one_connection_per_group() -> None:
             assert kind == ("GroupLeaderClient" if r == 0 else "GroupFollowerClient")
         assert seen and set(seen) == {GROUPS}, seen  # while training: one coordinator connection per group
         assert coord.step == 5 and coord.generation == 1
+        state = coord._service.state if coord._service is not None else None
+        assert state is not None and (state.relayed_at > 0) == relays  # decisions went out through the relay
 
 
 @pytest.mark.parametrize(("rank", "mode"), [(1, "crash"), (1, "hang"), (0, "crash")],
                          ids=["follower-crash", "follower-hang", "leader-crash"])
-def test_a_dead_rank_takes_its_group_out_and_the_other_group_trains_on(rank: int, mode: str) -> None:
-    with Coordinator(CoordinatorConfig(membership=MembershipConfig(min_size=1, initial_size=GROUPS))) as coord:
+@pytest.mark.parametrize("relays", [False, True], ids=["direct", "relays"])
+def test_a_dead_rank_takes_its_group_out_and_the_other_group_trains_on(rank: int, mode: str, relays: bool) -> None:
+    """``relays``: one of the two leaders relays the votes of both (protocol 5): a dead relay is its group's
+    failure like any leader's, and the survivor trains on voting directly."""
+    with Coordinator(CoordinatorConfig(membership=MembershipConfig(
+            min_size=1, initial_size=GROUPS, relay_min_groups=2 if relays else 64))) as coord:
         out = _run(coord, 6, kill=(1, rank, 3, mode))
         ids = out.pop("ids")
         survivors = {k: v for k, v in out.items() if k[0] == 0}

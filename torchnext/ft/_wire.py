@@ -49,11 +49,14 @@ __all__ = [
     "GEN_MESSAGE",
     "LEADER_MESSAGES",
     "MAX_GENERATION_LINE",
+    "MAX_CHUNK",
     "MAX_GROUP",
     "MAX_LINE",
     "MAX_MEMBERS",
     "MEMBER_MESSAGES",
     "PROTOCOL_VERSION",
+    "RELAY_MESSAGES",
+    "RELAY_PEER_MESSAGES",
     "REPORT",
     "LineReader",
     "ProtocolError",
@@ -77,15 +80,20 @@ __all__ = [
     "wire_form",
 ]
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Version of the membership protocol; a hello with another version is rejected. 2: mutual authentication,
 coordinator failover (reports, terms, prepare/promise). 3: generations in their compact form (:func:`wire_form`),
 lists of up to :data:`MAX_MEMBERS` ids. 4: group sessions -- a replica group's leader joins, heartbeats and votes
 for its whole group (``hello.followers``, ``welcome.members``), reports a follower's death (``lost``) and its failed
-collectives (``fail.member``); see docs/fault_tolerance.md, "Membership hierarchy"."""
+collectives (``fail.member``); see docs/fault_tolerance.md, "Membership hierarchy". 5: vote relays -- a leader may
+offer a relay listener (``hello.relay``); per generation the coordinator names relays (``relay``), and a relay's
+``vote`` stands for its chunk (``chunk``) or part of it (``heads``); see "Vote relays"."""
 
 MAX_GROUP = 1024
 """Most ranks in one replica group a leader speaks for (its ``followers`` list holds at most ``MAX_GROUP - 1``)."""
+
+MAX_CHUNK = 4096
+"""Most sessions in one relay's chunk (a ``relay`` message's ``chunk``, a relayed ``vote``'s ``heads``)."""
 
 MAX_LINE = 1 << 16
 """Longest line a coordinator accepts (bytes): a member's messages are small; a longer line is a protocol violation.
@@ -235,7 +243,7 @@ def _depth_ok_reference(line: bytes) -> bool:
 _HOT = {b'{"t":"hb"}': "hb", b'{"t":"ping"}': "ping"}
 """The lines sent most (every member every heartbeat interval, both ways): recognised without ``json.loads``."""
 
-_VOTE = re.compile(rb'\{"t":"vote","gen":(0|[1-9][0-9]{0,17}),"step":(0|[1-9][0-9]{0,17})\}')
+_VOTE = re.compile(rb'\{"t":"vote","gen":(0|[1-9][0-9]{0,17}),"step":(0|[1-9][0-9]{0,17})(,"chunk":true)?\}')
 """A vote as :func:`encode` writes it (every session every step): parsed without ``json.loads``. JSON numbers have
 no leading zeros; 18 digits stay below 2**63. Any other spelling takes the general path."""
 
@@ -250,6 +258,8 @@ def decode(line: bytes) -> dict[str, Any]:
         return {"t": hot}
     vote = _VOTE.fullmatch(line)
     if vote is not None:
+        if vote[3]:
+            return {"t": "vote", "gen": int(vote[1]), "step": int(vote[2]), "chunk": True}
         return {"t": "vote", "gen": int(vote[1]), "step": int(vote[2])}
     if not _depth_ok(line):
         raise ProtocolError(f"nested deeper than {MAX_DEPTH} levels: {line[:80]!r}")
@@ -489,11 +499,13 @@ MEMBER_MESSAGES: dict[str, Schema] = {
         required={"nonce": text(64), "proof": text(128), "proto": integer(0, 1 << 16), "step": _ID},
         optional={"member": _ID, "pid": _ID, "group": _ID, "group_rank": _ID, "group_size": integer(1),
                   "coordinators": integer(1, 64), "report": record(REPORT),
-                  "followers": record_list(FOLLOWER, MAX_GROUP - 1), "coordinator_timeout_s": number(1e-3)},
+                  "followers": record_list(FOLLOWER, MAX_GROUP - 1), "coordinator_timeout_s": number(1e-3),
+                  "relay": text(256)},
         defaults={"group_rank": 0, "group_size": 1, "coordinators": 1},
     ),
     "hb": Schema(),
-    "vote": Schema(required={"gen": _ID, "step": _ID}),
+    "vote": Schema(required={"gen": _ID, "step": _ID}, optional={"chunk": boolean, "heads": int_list(MAX_CHUNK)},
+                   defaults={"chunk": False}),
     "fail": Schema(required={"gen": _ID}, optional={"reason": _REASON, "end": text(32), "member": _ID},
                    defaults={"reason": ""}),
     "lost": Schema(required={"member": _ID, "hung": boolean}, optional={"reason": _REASON}, defaults={"reason": ""}),
@@ -512,7 +524,12 @@ sender's group is a protocol violation.
 
 Silence (protocol 4): any message counts as a heartbeat, so a member skips its ``hb`` when it sent something else
 within the interval (votes while training); a hello's ``coordinator_timeout_s`` (the member's own) lets the
-coordinator ping that connection only every quarter of it, and not at all while it wrote something else since."""
+coordinator ping that connection only every quarter of it, and not at all while it wrote something else since.
+
+Vote relays (protocol 5): a leader's hello may carry ``relay`` (``host:port`` of its relay listener). A ``vote`` from
+the relay of a chunk (named by the coordinator's ``relay`` message of that generation) with ``chunk`` stands for every
+session of its chunk, with ``heads`` for those listed (each must be in its chunk); a vote with neither is the
+sender's own. See docs/fault_tolerance.md, "Vote relays"."""
 
 GENERATION = Schema(
     required={"gen": integer(1), "step": _ID, "donor": _ID, "abort": boolean, "groups": groups, "term": integer(1)},
@@ -612,6 +629,7 @@ COORDINATOR_MESSAGES: dict[str, Schema] = {
     "fatal": Schema(required={"code": text(40)}, optional={"reason": _REASON}, defaults={"reason": ""}),
     "finished": Schema(required={"step": _ID}, optional={"by": _ID}),
     "prepare": Schema(required={"term": integer(1)}),
+    "relay": Schema(required={"gen": integer(1), "relay": _ID, "at": text(256), "chunk": int_list(MAX_CHUNK)}),
 }
 """Messages a coordinator sends to a member. A group session's ``welcome`` carries ``members`` (its group's ids by
 group rank) and the local level's heartbeat settings; every later message is for the whole group (its leader relays
@@ -626,6 +644,28 @@ LEADER_MESSAGES: dict[str, Schema] = {
 came (after its own challenge and ``welcome``, which names the follower's id, the coordinator's ``store_host`` and
 the local heartbeat settings), plus ``failover`` (the leader lost its coordinator and fails over: abort the
 collectives and wait) and ``store`` (a new coordinator took the group: its store, term and role)."""
+
+
+RELAY_PEER_MESSAGES: dict[str, Schema] = {
+    "hello": Schema(required={"nonce": text(64), "proof": text(128), "proto": integer(0, 1 << 16), "member": _ID,
+                              "gen": _ID}),
+    "hb": Schema(),
+    "vote": Schema(required={"gen": _ID, "step": _ID}),
+    "bye": Schema(optional={"done": boolean}, defaults={"done": False}),
+}
+"""Messages a session sends to its relay's listener (protocol 5): ``hello`` proving the job token (as to a
+coordinator: ``mac(token, "member", relay's nonce, own nonce)``) with its member id (a session head) and the
+generation it holds, then its votes."""
+
+RELAY_MESSAGES: dict[str, Schema] = {
+    "challenge": Schema(required={"nonce": text(64), "proto": integer(0, 1 << 16)}),
+    "welcome": Schema(required={"proof": text(128), "proto": integer(0, 1 << 16), "relay": _ID}),
+    "reject": Schema(required={"code": text(40)}, optional={"reason": _REASON}, defaults={"reason": ""}),
+    "ping": Schema(),
+    "decision": COORDINATOR_MESSAGES["decision"],
+}
+"""Messages a relay sends a session of its chunk: its ``challenge``, the ``welcome`` proving it knows the token
+(``mac(token, "relay", session's nonce, relay's nonce)``), and the coordinator's decisions as they came."""
 
 
 def tune_socket(sock: socket.socket) -> None:

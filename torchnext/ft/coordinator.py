@@ -225,6 +225,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-heartbeat-timeout", type=float, default=None,
                         help="seconds: a leader declares a silent follower failed after this (default: "
                              "--heartbeat-timeout)")
+    parser.add_argument("--relay-min-groups", type=int, default=d.relay_min_groups,
+                        help="vote relays (protocol 5) for a generation of at least this many group sessions offering "
+                             f"a relay listener (default {d.relay_min_groups})")
+    parser.add_argument("--relay-fanout", type=int, default=None,
+                        help="sessions per relay chunk (default: max(64, ceil(sqrt(sessions))))")
     parser.add_argument("--standby", action="store_true",
                         help="start as a standby: take office only when members that lost their coordinator report "
                              "to it (needs TORCHNEXT_FT_TOKEN, the job's token)")
@@ -251,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
             heartbeat_timeout_s=args.heartbeat_timeout, quorum_timeout_s=args.quorum_timeout,
             group_heartbeat_interval_s=args.group_heartbeat_interval,
             group_heartbeat_timeout_s=args.group_heartbeat_timeout,
+            relay_min_groups=args.relay_min_groups, relay_fanout=args.relay_fanout,
         )
     except ValueError as exc:
         print(f"torchnext coordinator: {exc}")

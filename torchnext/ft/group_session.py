@@ -51,6 +51,7 @@ from torchnext.ft._wire import (
 )
 from torchnext.ft.member import MemberClient, fatal_code, parse_address, parse_addresses
 from torchnext.ft.membership import CoordinatorLost, MembershipError, RemovedFromGroup
+from torchnext.ft.relay_link import RelayHub, route_host
 
 __all__ = ["GroupFollowerClient", "GroupLeaderClient"]
 
@@ -61,7 +62,7 @@ HELLO_TIMEOUT_S = 10.0
 MAX_PENDING = 64
 """Local-channel connections still in their handshake at once; beyond this the oldest is closed."""
 
-_NOT_RELAYED = frozenset({"ping", "prepare", "challenge", "welcome", "reject"})
+_NOT_RELAYED = frozenset({"ping", "prepare", "challenge", "welcome", "reject", "relay"})
 """Coordinator messages a leader keeps to itself (it pings its followers at the local interval, promises for them)."""
 
 
@@ -360,17 +361,27 @@ class GroupLeaderClient(MemberClient):
     """Rank 0 of a replica group in a group session: a :class:`MemberClient` that first collects its followers at
     ``leader_address`` (within ``gather_timeout_s``, default ``connect_timeout_s``; port 0: a free one, then
     ``on_listening(host:port)`` is called before the wait), then joins the coordinator for the whole group, votes for
-    it once every rank voted, relays the coordinator's messages to the followers and reports their deaths."""
+    it once every rank voted, relays the coordinator's messages to the followers and reports their deaths.
+
+    Vote relays (protocol 5, ``relays=True``): it also listens for other leaders (on the local address that routes to
+    its first coordinator, a free port, offered in its hello) and votes through the relay the coordinator names for
+    its chunk, or relays for its chunk (:mod:`torchnext.ft.relay_link`)."""
 
     def __init__(self, address: str | Sequence[str], token: str, *, leader_address: str, replica_group: int,
                  group_size: int, connect_timeout_s: float, on_listening: Callable[[str], object] | None = None,
-                 gather_timeout_s: float | None = None, **kw: Any) -> None:
+                 gather_timeout_s: float | None = None, relays: bool = True, **kw: Any) -> None:
         if group_size < 2:
             raise ValueError(f"a group session needs at least 2 ranks, got group_size={group_size}")
         self._followers: list[_Follower] = []
+        self._decision_lock = threading.RLock()
+        self._hub: RelayHub | None = None
         self._relay = _Relay(leader_address, token, replica_group, group_size, self._send_up,
                              f"group {replica_group}")
         try:
+            if relays:
+                self._hub = RelayHub(route_host(*parse_addresses(address)[0]), token,
+                                     send_up=super().send, deliver=self._relayed_decision,
+                                     name=f"group {replica_group}")
             if on_listening is not None:  # e.g. publish the bound address where the followers look for it
                 on_listening(self._relay.address)
             self._followers = self._relay.await_followers(
@@ -379,6 +390,8 @@ class GroupLeaderClient(MemberClient):
                              connect_timeout_s=connect_timeout_s, **kw)
         except BaseException:
             self._relay.stop()
+            if self._hub is not None:
+                self._hub.stop()
             raise
 
     @property
@@ -393,20 +406,47 @@ class GroupLeaderClient(MemberClient):
         self._send_up(msg)
 
     def _send_up(self, msg: dict[str, Any]) -> None:
+        hub = self._hub
+        if msg["t"] == "vote" and hub is not None and hub.vote(msg["gen"], msg["step"]):
+            self._last_sent = time.monotonic()  # it said something: the relay's vote vouches for it
+            return
         super().send(msg)
+
+    def _relayed_decision(self, msg: dict[str, Any]) -> None:
+        """A decision that came through this session's relay (the hub's thread): handled as if the coordinator had
+        sent it, unless this session already holds it or a newer generation (the coordinator sends a decision
+        directly before anything that could overtake it)."""
+        with self._decision_lock:
+            decided = self._decided
+            if msg["gen"] < self._base_gen[0] or (decided is not None and (msg["gen"], msg["step"]) <= decided[:2]):
+                return
+            self._last_heard = time.monotonic()  # the coordinator decided: it is alive (it does not ping us)
+            self._dispatch(msg)
+
+    def _dispatch(self, msg: dict[str, Any]) -> bool:
+        if msg["t"] == "relay":  # (not queued: it concerns this client only)
+            self._relay_out(msg)
+            return True
+        if msg["t"] == "decision":
+            with self._decision_lock:
+                return super()._dispatch(msg)
+        return super()._dispatch(msg)
 
     def close(self, *, graceful: bool = True, finished: bool = False) -> None:
         if finished and graceful and self.fatal is None and not self._closed.is_set():
             self._relay.relay({"t": "finished", "step": self.report()["step"], "by": self.member_id})
         super().close(graceful=graceful, finished=finished)
         self._relay.stop()
+        if self._hub is not None:
+            self._hub.stop()
 
     def _hello_extra(self, report: dict[str, Any] | None) -> dict[str, Any]:
         ids = self._relay.ids
+        extra: dict[str, Any] = {} if self._hub is None else {"relay": self._hub.address}
         if ids:
             step = report["step"] if report is not None else 0
-            return {"followers": [{"member": m, "step": step} for m in ids[1:]]}
-        return {"followers": [{"member": f.member, "step": f.step} for f in self._followers]}
+            return {**extra, "followers": [{"member": m, "step": step} for m in ids[1:]]}
+        return {**extra, "followers": [{"member": f.member, "step": f.step} for f in self._followers]}
 
     def _handshake(self, addr: tuple[str, int], member_id: int | None, step: int, report: dict[str, Any] | None,
                    timeout: float) -> Any:
@@ -424,6 +464,8 @@ class GroupLeaderClient(MemberClient):
                  reader: LineReader) -> None:
         first = not self._relay.ids
         super()._install(sock, welcome, addr, reader)
+        if self._hub is not None:
+            self._hub.member = self.member_id
         if first:
             self._relay.welcome_all(list(welcome["members"]), welcome, self.store_host)
         else:  # a new coordinator took the group: its store, then the losses it must hear of again
@@ -432,7 +474,16 @@ class GroupLeaderClient(MemberClient):
             self._relay.resend_losses()
 
     def _relay_out(self, msg: dict[str, Any]) -> None:
+        """Every coordinator message, in order, before it is handled -- also those that came with the welcome (which
+        are queued without :meth:`_dispatch`): to the followers, and a ``relay`` or ``decision`` to the hub."""
         self._relay.relay(msg)
+        hub = self._hub
+        if hub is None:
+            return
+        if msg["t"] == "relay":
+            hub.named(msg, self._base_gen[0])  # the generation it follows was observed before it
+        elif msg["t"] == "decision":
+            hub.decided(msg)
 
     def _interrupt(self, msg: dict[str, Any]) -> None:
         if msg["t"] == "lost" and not msg.get("final"):  # lost its coordinator: the followers abort with it

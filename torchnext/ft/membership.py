@@ -56,6 +56,7 @@ Membership changes
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -147,6 +148,14 @@ class MembershipConfig:
     None: the same as ``heartbeat_timeout_s`` -- a rank is judged by one rule whichever level watches it (a job that
     raised ``heartbeat_timeout_s`` for an oversubscribed machine does not lose a group to a 0.6 s stall of a
     follower)."""
+    relay_min_groups: int = 64
+    """Vote relays (protocol 5; docs/fault_tolerance.md, "Vote relays"): a generation with at least this many
+    sessions that offer a relay listener (group sessions' leaders) votes through relays; smaller ones keep one vote and
+    one decision per session. Above ~64 sessions a relay level pays for its extra hop."""
+    relay_fanout: int | None = None
+    """Sessions per relay chunk (the relay included); None: ``max(64, ceil(sqrt(sessions)))`` -- the coordinator reads
+    and writes two messages per chunk and step (32 chunks at 2,048 sessions), a relay two per session of its chunk;
+    the coordinator serves every chunk, a relay only its own, so chunks are not made smaller than 64."""
 
     def __post_init__(self) -> None:
         if self.group_heartbeat_interval_s is None:
@@ -171,6 +180,12 @@ class MembershipConfig:
                 f"group_heartbeat_interval_s={self.group_heartbeat_interval_s} (one late heartbeat on a group's local "
                 "channel must not remove the group)"
             )
+        if isinstance(self.relay_min_groups, bool) or not isinstance(self.relay_min_groups, int) or \
+                self.relay_min_groups < 2:
+            raise ValueError(f"MembershipConfig.relay_min_groups must be an int >= 2, got {self.relay_min_groups!r}")
+        if self.relay_fanout is not None and (isinstance(self.relay_fanout, bool) or not isinstance(
+                self.relay_fanout, int) or self.relay_fanout < 2):
+            raise ValueError(f"MembershipConfig.relay_fanout must be None or an int >= 2, got {self.relay_fanout!r}")
         if not isinstance(self.min_size, int) or self.min_size < 1:
             raise ValueError(f"MembershipConfig.min_size must be an int >= 1, got {self.min_size!r}")
         if self.initial_size is not None and (not isinstance(self.initial_size, int) or self.initial_size < self.min_size):
@@ -194,6 +209,8 @@ class _Member:
     session: int = -1
     """The member whose connection speaks for this one: its own id (a flat member, a leader) or its group's leader
     (a follower of a group session, protocol 4). -1: its own (set by :class:`_Live` on insert)."""
+    relay_at: str | None = None
+    """Where this session's relay listener listens (``hello.relay``, protocol 5): it may be named a relay."""
 
 
 class _Live(dict[int, _Member]):
@@ -262,6 +279,11 @@ class _Live(dict[int, _Member]):
             self.ordered = False
         else:
             self._latest = at
+
+    @property
+    def latest(self) -> float:
+        """The latest time a member was heard at (``touch``)."""
+        return self._latest
 
     def silent_since(self, cutoff: float) -> list[int]:
         """The ids last heard from before ``cutoff``: O(answer) while ``ordered``."""
@@ -340,6 +362,29 @@ class Membership:
     _base: tuple[int, list[list[int]], frozenset[int]] = (0, [], frozenset())
     """The last generation sent (number, groups) and the sessions it went to: the next one goes to them as a delta
     against it (:meth:`_delta`), to everyone else in full."""
+    chunks: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """Vote relays of the current generation: relay session -> the sessions of its chunk (itself included)."""
+    chunk_of: dict[int, int] = field(default_factory=dict)
+    """Session -> the relay of its chunk (the current generation; sessions outside every chunk vote directly)."""
+    direct: set[int] = field(default_factory=set)
+    """Sessions of a chunk that voted directly in the open round: their decision goes to them directly too."""
+    relayed: dict[str, Any] | None = None
+    """The last decision, when it went only to relays and direct voters (None once every session is known to hold
+    it): sent directly to every chunk's sessions before any later message that could overtake it."""
+    _layout: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    """The last generation's relays and chunks (kept across generations, see :meth:`_assign_relays`)."""
+    _rotate: bool = False
+    """A session reported a failed step since the last layout: the next one rotates every relay."""
+    _relay_targets: list[int] = field(default_factory=list)
+    """Where a relayed decision goes besides the direct voters: the relays and the sessions outside every chunk."""
+    _vouched: dict[int, float] = field(default_factory=dict)
+    """Relay -> when it last voted for its whole chunk: every session of it was heard from then. Applied lazily, when
+    a session is about to expire (:meth:`tick`): a vouch within the last heartbeat interval counts as heard now (a
+    session voting through its relay sends no heartbeat only while it votes at least every interval), an older one as
+    heard at the vouch. O(1) per relay vote instead of one update per session."""
+    relayed_at: float = float("-inf")
+    """When the last decision went out through relays: the chunks' sessions heard from the coordinator then (a
+    relayed decision counts as the coordinator's message: the service does not ping them within their ping period)."""
 
     # ------------------------------------------------------------------------------------------------ events
     def join(self, requested: int | None, step: int, now: float, *, group: int | None = None, group_rank: int = 0,
@@ -358,11 +403,12 @@ class Membership:
         return mid
 
     def join_group(self, leader: int | None, step: int, followers: list[tuple[int | None, int]], now: float, *,
-                   group: int) -> list[int]:
+                   group: int, relay_at: str | None = None) -> list[int]:
         """A group session (protocol 4): leader ``leader`` (rank 0) joins replica group ``group`` with its
         ``followers`` (``(requested id, committed step)`` of ranks 1, 2, ...), all at once; returns the ids by group
         rank. From then on the leader's heartbeats and votes stand for the group (:meth:`vote`), and a follower's
-        death is reported by it (:meth:`failure`). All or nothing: any refusal (the reasons of :meth:`join`, or a
+        death is reported by it (:meth:`failure`). ``relay_at``: the leader's relay listener (it may be named a
+        relay, protocol 5). All or nothing: any refusal (the reasons of :meth:`join`, or a
         requested id twice) admits nobody. ::
 
             ids = [join(leader, step, group=group, group_rank=0, group_size=S)]
@@ -385,6 +431,7 @@ class Membership:
             raise Rejected("bad_request", f"replica group {group} asks for a member id twice: {named}")
         taken = set(named)  # ids asked for are not handed out to the group's other ranks
         head = self._insert(leader, step, now, group, 0, size, None, avoid=taken)
+        self.live[head].relay_at = relay_at
         ids = [head]
         for rank, (requested, step_r) in enumerate(followers, 1):
             ids.append(self._insert(requested, step_r, now, group, rank, size, head, avoid=taken))
@@ -392,10 +439,10 @@ class Membership:
         return ids
 
     def take_office(self, takeover: Takeover, joins: dict[int, tuple[int | None, int, int]], now: float,
-                    sessions: dict[int, int] | None = None) -> None:
+                    sessions: dict[int, int] | None = None, relays: dict[int, str] | None = None) -> None:
         """Start in office after a takeover (:mod:`torchnext.ft.election`): the promisers become live members
         (``joins[m] = (group, group_rank, group_size)`` from their hellos; ``sessions[m]``: the leader that reported
-        for ``m``, when not ``m`` itself), the pending decisions go out first, then the first generation -- numbered
+        for ``m``, when not ``m`` itself; ``relays[m]``: its relay listener), the pending decisions go out first, then the first generation -- numbered
         above anything a member knows, under ``takeover.term`` -- with ``abort``."""
         self.term = takeover.term
         self.gen = takeover.gen - 1
@@ -407,7 +454,8 @@ class Membership:
             group, rank, size = joins[mid]
             gid = -1 - mid if group is None else group
             self.live[mid] = _Member(mid, now, takeover.step, now, group=gid, group_rank=rank, group_size=size,
-                                     synced=mid in takeover.synced, session=(sessions or {}).get(mid, mid))
+                                     synced=mid in takeover.synced, session=(sessions or {}).get(mid, mid),
+                                     relay_at=(relays or {}).get(mid))
             self._pending[mid] = None
         self._next_id = max([self._next_id, *[m + 1 for m in takeover.members]])
         self.history.append({"event": "takeover", "term": takeover.term, "at": now, "reason": takeover.reason,
@@ -482,6 +530,7 @@ class Membership:
             self.change_at = None
             self.change_reasons = []
             self.waiting_since = None
+            self._catch_up()
             own = self.live[mid].session
             for m in self.heads:  # the others may still be finishing their loop: a notice, not an abort
                 if m != own and m in self.live:
@@ -516,18 +565,35 @@ class Membership:
             return
         if gen == self.gen and mid in self._members() and mid in self.live:
             self.history.append({"event": "report", "member": mid, "reason": reason, "at": now})
+            self._rotate = True  # its relay may be what held the step: name others
             self._schedule_change(now, f"member {mid} reported a failed collective: {reason}")
 
-    def vote(self, mid: int, gen: int, step: int, now: float) -> None:
+    def vote(self, mid: int, gen: int, step: int, now: float, *, chunk: bool = False,
+             heads: list[int] | None = None) -> None:
         """Member ``mid`` completed step ``step``'s collectives in generation ``gen`` -- for a group session's
         leader: every rank of its group did (the leader collected their votes). The step commits when every session
-        of the generation (:attr:`heads`) voted."""
+        of the generation (:attr:`heads`) voted. A relay's vote (protocol 5) stands for sessions of its chunk::
+
+            voters = chunks[mid] if chunk else [h for h in heads if chunk_of.get(h) == mid] if heads else [mid]
+            votes |= voters                  # each of them also counts as heard from now (it voted to its relay)
+            if votes == set(heads_of_generation): commit
+
+        A relay vote from a session that is not a relay of this generation counts as its own vote only; one for a
+        step already decided is ignored. A direct
+        vote for the step just committed, whose decision went through relays, gets that decision again (its relay
+        lost it)."""
         if self.finished_step is not None and mid in self.live:
             self._tell_finished(mid, "no later step can commit")
             return
         if gen != self.gen or mid not in self._members() or mid not in self.live:
             return  # stale: a newer generation message is on its way to this member
+        if step < self.step and (chunk or heads is not None):
+            return  # a relay's batch for a step already decided (its channel delivered it late): nothing to count
         if step != self.step:
+            last = self.relayed
+            if last is not None and (gen, step) == (last["gen"], last["step"]) and self.live[mid].session == mid:
+                self.outbox.append((mid, last))
+                return
             self.outbox.append((mid, {
                 "t": "fatal", "code": "step_mismatch",
                 "reason": f"member {mid} voted for step {step} but the committed step count is {self.step}",
@@ -535,7 +601,20 @@ class Membership:
             return
         if self.live[mid].session != mid:
             return  # a follower of a group session never votes itself: its leader votes for the group
-        self.votes.add(mid)  # only session heads of the generation get here: all voted when the counts match
+        chunk_heads = self.chunks.get(mid) if chunk or heads is not None else None
+        if chunk_heads is not None:
+            if chunk:  # every session of the chunk voted to its relay just now: as good as a heartbeat (see tick)
+                voters = chunk_heads
+                self._vouched[mid] = now
+            else:
+                voters = tuple(h for h in heads or () if self.chunk_of.get(h) == mid)
+                for h in voters:
+                    self.heartbeat(h, now)
+            self.votes.update(voters)
+        else:
+            self.votes.add(mid)  # only session heads of the generation get here: all voted when the counts match
+            if mid in self.chunk_of:
+                self.direct.add(mid)
         if len(self.votes) == len(self.heads):
             self._commit(now)
 
@@ -546,9 +625,16 @@ class Membership:
     def tick(self, now: float) -> None:
         """Timers: heartbeat expiry, settled changes, quorum timeout, forced grow."""
         cfg = self.config
-        for mid in self.live.silent_since(now - cfg.heartbeat_timeout_s):
+        cutoff = now - cfg.heartbeat_timeout_s
+        for mid in self.live.silent_since(cutoff):
             m = self.live.get(mid)
             if m is None:  # its replica group failed before it in this loop
+                continue
+            relay = self.chunk_of.get(mid)
+            vouched = self._vouched.get(relay, cutoff) if relay is not None else cutoff
+            if vouched > cutoff:  # its relay voted for its whole chunk since: heard then (or now, if recent: in
+                recent = now - vouched <= cfg.heartbeat_interval_s  # the order of `heard`, no resort)
+                self.heartbeat(mid, max(now, self.live.latest) if recent else vouched)
                 continue
             silent = now - m.last_seen
             if silent > cfg.heartbeat_timeout_s:
@@ -713,6 +799,8 @@ class Membership:
             self._new_generation(candidates, reason, now, abort=True)
             return
         survivors = tuple(m for m in self.members if m in self.live)
+        self._catch_up()
+        self._drop_relays()
         self.members = survivors
         self.heads = self._heads_of(survivors)
         self.dead.clear()
@@ -742,6 +830,7 @@ class Membership:
         else:
             self._fail_job("state_lost", f"every member holding the committed state failed ({reason})")
             return None
+        self._catch_up()
         self.gen = max(self.gen + 1, self.min_next_gen)
         self.members = tuple(members)
         self.heads = self._heads_of(members)
@@ -770,7 +859,89 @@ class Membership:
             delta = self._delta(msg, base, base_groups) if holders else None
             for m in self.heads:
                 self.outbox.append((m, delta if delta is not None and m in holders else msg))
+            self._assign_relays()
+        else:
+            self._drop_relays()  # the caller sends it inside a decision, then assigns
         return msg
+
+    def _drop_relays(self) -> None:
+        self.chunks, self.chunk_of, self.direct, self._vouched, self._relay_targets = {}, {}, set(), {}, []
+
+    def _assign_relays(self) -> None:
+        """Name the relays of the current generation (protocol 5) and tell each chunk's sessions. Reference::
+
+            capable = [h for h in heads if h offered a relay listener]          # sorted
+            if len(capable) < relay_min_groups: no relays
+            k = relay_fanout or max(64, ceil(sqrt(len(capable))))
+            if the last layout exists and no session reported a failed step since (:meth:`_keep_layout`):
+                every chunk keeps its live sessions and its relay (a relay that left: kept[gen % len(kept)]);
+                new sessions fill chunks below k, then new chunks of k;
+                unless some chunk ends below k // 2 or above 2 * k
+            else:                                    # the first, after a report (a relay may have held a step), or
+                for chunk in (capable[i:i + k] for i in range(0, len(capable), k)):     # out of balance
+                    relay = chunk[gen % len(chunk)]          # rotates with the generation
+            a chunk of one votes directly
+
+        Kept chunks keep their channels: a generation after a failure re-opens only the channels of the chunks it
+        changed."""
+        rotate, self._rotate = self._rotate, False
+        self._drop_relays()
+        live = self.live
+        capable = [h for h in self.heads if live[h].relay_at]
+        if len(capable) < self.config.relay_min_groups:
+            self._layout = []
+            return
+        k = self.config.relay_fanout or max(64, math.isqrt(len(capable) - 1) + 1)
+        layout = None if rotate or not self._layout else self._keep_layout(capable, k)
+        if layout is None:
+            layout = []
+            for i in range(0, len(capable), k):
+                chunk = tuple(capable[i:i + k])
+                layout.append((chunk[self.gen % len(chunk)], chunk))
+        self._layout = layout
+        for relay, chunk in layout:
+            if len(chunk) < 2:
+                continue  # a chunk of one: it votes directly
+            msg = {"t": "relay", "gen": self.gen, "relay": relay, "at": live[relay].relay_at, "chunk": list(chunk)}
+            self.chunks[relay] = chunk
+            for h in chunk:
+                self.chunk_of[h] = relay
+                self.outbox.append((h, msg))
+        self._relay_targets = [h for h in self.heads if h in self.chunks or h not in self.chunk_of]
+
+    def _keep_layout(self, capable: list[int], k: int) -> list[tuple[int, tuple[int, ...]]] | None:
+        """The last layout with the sessions that left taken out and the new ones added (see
+        :meth:`_assign_relays`); None when it is out of balance."""
+        alive = set(capable)
+        chunks: list[tuple[int, list[int]]] = []
+        placed: set[int] = set()
+        for relay, chunk in self._layout:
+            kept = [h for h in chunk if h in alive]
+            if not kept:
+                continue
+            chunks.append((relay if relay in alive else kept[self.gen % len(kept)], kept))
+            placed.update(kept)
+        new = [h for h in capable if h not in placed]
+        for _, kept in chunks:
+            while new and len(kept) < k:
+                kept.append(new.pop(0))
+        for i in range(0, len(new), k):
+            part = new[i:i + k]
+            chunks.append((part[self.gen % len(part)], part))
+        if any(len(c) > 2 * k or len(c) < k // 2 for _, c in chunks[:-1]):
+            return None
+        return [(relay, tuple(sorted(c))) for relay, c in chunks]
+
+    def _catch_up(self) -> None:
+        """Before a message that could overtake a decision on its way through a relay (a generation, ``wait``,
+        ``finished``): every session of a chunk gets that decision directly first (a duplicate is ignored: decisions
+        carry their generation and step)."""
+        last, self.relayed = self.relayed, None
+        if last is None:
+            return
+        for h in self.chunk_of:
+            if h not in self.chunks and h not in self.direct and h in self.live:
+                self.outbox.append((h, last))
 
     def _delta(self, msg: dict[str, Any], base: int, base_groups: list[list[int]]) -> dict[str, Any] | None:
         """``msg`` as a delta against generation ``base`` (protocol 4, :data:`~torchnext.ft._wire.GEN_MESSAGE`),
@@ -797,15 +968,20 @@ class Membership:
         decided = self.step
         self.step += 1
         self.votes.clear()
-        if self.last_commit_gen != self.gen:
+        first = self.last_commit_gen != self.gen
+        if first:
             self.last_commit_gen = self.gen
             self.quorum = self.gen_groups  # the failover rule's reference moves to the generation that committed
             self.history.append({"event": "first_commit", "gen": self.gen, "step": decided, "at": now,
                                  "term": self.term})
         self.last_commit_at = now
-        for m in old:
-            self.live[m].synced = True
+        if first:  # later commits of the generation find every member synced already
+            for m in old:
+                self.live[m].synced = True
         decision: dict[str, Any] = {"t": "decision", "gen": self.gen, "step": decided, "committed": self.step}
+        self.relayed = None  # every session voted for this step: each holds the decision before it
+        direct, chunks = self.direct, self.chunks
+        self.direct = set()
         joiners = self._complete(self._joiners())
         if joiners and self.change_at is None:
             nxt = self._new_generation(sorted({*old, *joiners}), f"grow: joined {joiners}", now, abort=False,
@@ -814,8 +990,16 @@ class Membership:
                 decision["next"] = nxt
                 for j in self._heads_of(joiners):
                     self.outbox.append((j, nxt))
-        for m in old_heads:
-            self.outbox.append((m, decision))
+        if chunks and "next" not in decision:  # through the relays: to them, and to the sessions that voted directly
+            self.relayed = decision
+            self.relayed_at = now
+            self.outbox += [(m, decision) for m in self._relay_targets]
+            self.outbox += [(m, decision) for m in direct if m not in chunks]
+        else:  # a decision with the next generation goes to every session itself (a delta may follow it)
+            for m in old_heads:
+                self.outbox.append((m, decision))
+            if "next" in decision:
+                self._assign_relays()
 
     def _tell_finished(self, mid: int, why: str) -> None:
         """Member ``mid`` learns that the job is over (a ``fatal`` with code ``finished``: ``JobFinished``)."""

@@ -94,6 +94,8 @@ class _Conn:
     ``coordinator_timeout_s`` from its hello; 0: every heartbeat interval, as before protocol 4)."""
     wrote_at: float = 0.0
     """When something was last queued for this connection (``time.monotonic()``)."""
+    relay_at: str | None = None
+    """A group session's relay listener (``hello.relay``, protocol 5)."""
 
     def speaks_for(self) -> list[int]:
         """The members this connection speaks for: its group's, or its own."""
@@ -319,7 +321,7 @@ class MembershipService:
             assert st is not None
             st.heartbeat(mid, now)  # any message says the sender is alive (it skips its hb when it sent one)
             if kind == "vote":
-                st.vote(mid, msg["gen"], msg["step"], now)
+                st.vote(mid, msg["gen"], msg["step"], now, chunk=msg["chunk"], heads=msg["heads"])
             elif kind == "fail":
                 who = mid if msg["member"] is None else self._own(conn, msg["member"], "fail", leader=True)
                 st.report_failure(who, msg["gen"], msg["reason"][:500], now, end=msg["end"])
@@ -384,6 +386,7 @@ class MembershipService:
                          f"{msg['group_size']} with {len(followers)} follower(s)")
             return
         conn.join = (msg["group"], msg["group_rank"], msg["group_size"])
+        conn.relay_at = msg["relay"] if followers is not None else None
         conn.coordinators = msg["coordinators"]
         if msg["coordinator_timeout_s"] is not None:  # its own silence bound: a ping every quarter of it suffices
             conn.ping_every = max(self._config.heartbeat_interval_s, msg["coordinator_timeout_s"] / 4)
@@ -411,7 +414,7 @@ class MembershipService:
                                   group_size=msg["group_size"])
                 else:
                     conn.ids = st.join_group(msg["member"], step, [(f["member"], f["step"]) for f in followers],
-                                             now, group=msg["group"])
+                                             now, group=msg["group"], relay_at=msg["relay"])
                     mid = conn.ids[0]
             except Rejected as exc:
                 self._reject(conn, exc.code, exc.reason)
@@ -488,7 +491,8 @@ class MembershipService:
             head = reporters[m].member
             if head is not None:
                 sessions[m] = head
-        st.take_office(takeover, joins, now, sessions=sessions)
+        relays = {m: c.relay_at for m, c in reporters.items() if c.relay_at and c.member == m}
+        st.take_office(takeover, joins, now, sessions=sessions, relays=relays)
         self.state = st
         _LOG.warning("torchnext coordinator: %s", takeover.reason)
         for conn in dict.fromkeys(reporters.values()):
@@ -501,7 +505,7 @@ class MembershipService:
             try:
                 if conn.ids:
                     st.join_group(ids[0], report.step, [(m, report.step) for m in ids[1:]], now,
-                                  group=int(conn.join[0] or 0))
+                                  group=int(conn.join[0] or 0), relay_at=conn.relay_at)
                 else:
                     group, rank, size = conn.join
                     st.join(ids[0], report.step, now, group=group, group_rank=rank, group_size=size)
@@ -550,12 +554,18 @@ class MembershipService:
 
     def _ping(self, now: float) -> None:
         ping = _PING
+        with self.lock:  # a session of a relay's chunk hears from us through its relay's decisions (protocol 5)
+            st = self.state
+            chunk_of = st.chunk_of if st is not None else {}
+            relayed_at = st.relayed_at if st is not None else float("-inf")
         for conn in list(self._conns.values()):
             if conn.fenced_until is not None:
                 if now > conn.fenced_until:
                     self._close(conn)
             elif conn.member is not None:
                 if now - conn.wrote_at >= conn.ping_every:  # it heard from us recently enough otherwise
+                    if now - relayed_at < conn.ping_every and conn.member in chunk_of:
+                        continue  # a decision reached it through its relay just now
                     self._send_bytes(conn, ping)
             elif now - conn.opened > HELLO_TIMEOUT_S:
                 _LOG.info("torchnext coordinator: closing %s: no hello within %ss", conn.peer, HELLO_TIMEOUT_S)

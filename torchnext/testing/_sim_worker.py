@@ -30,6 +30,8 @@ from torchnext.ft._wire import (
     COORDINATOR_MESSAGES,
     MAX_GENERATION_LINE,
     PROTOCOL_VERSION,
+    RELAY_MESSAGES,
+    RELAY_PEER_MESSAGES,
     LineReader,
     ProtocolError,
     check,
@@ -41,6 +43,14 @@ from torchnext.ft._wire import (
     verify,
 )
 from torchnext.ft.member import parse_address
+from torchnext.ft.relay import (
+    RelayChunk,
+    relay_challenge,
+    relay_hello,
+    relay_welcome,
+    verify_hello,
+    verify_welcome,
+)
 
 __all__ = ["worker_main"]
 
@@ -53,9 +63,38 @@ _SHARED_LINE = 512
 _HANG = "hang"
 """``KillMode.HANG.value`` (the other mode closes the sockets)."""
 
+class _Peer:
+    """One relay channel end: at a relay, a session of its chunk (``inbound``); at a session, its relay (``up``)."""
+
+    __slots__ = ("at", "challenge", "member", "nonce", "opened", "out", "owner", "reader", "relay", "sock", "state",
+                 "vote")
+
+    def __init__(self, sock: socket.socket, owner: _Member, inbound: bool, now: float,
+                 decoder: Any = None) -> None:
+        self.sock, self.owner = sock, owner
+        self.reader = LineReader(decoder=decoder)
+        self.out = b""
+        self.state = "shaking"
+        self.challenge = new_nonce() if inbound else ""
+        self.nonce = ""
+        self.member = -1
+        self.relay = -1
+        self.at = ""
+        self.vote: tuple[int, int] | None = None
+        self.opened = now
+
+
+class _Listen:
+    __slots__ = ("owner", "sock")
+
+    def __init__(self, sock: socket.socket, owner: _Member) -> None:
+        self.sock, self.owner = sock, owner
+
+
 class _Member:
-    __slots__ = ("challenge", "committed", "error", "gen", "group", "id", "ids", "lost_due", "members", "nonce", "out",
-                 "rank", "reader", "retry_at", "sent_at", "size", "slot", "sock", "state", "t_gen", "voted")
+    __slots__ = ("challenge", "chunk", "committed", "error", "gen", "group", "id", "ids", "inbound", "listener",
+                 "lost_due", "members", "nonce", "out", "rank", "reader", "relay_gen", "retry_at", "sent_at", "size",
+                 "slot", "sock", "state", "t_gen", "up", "via_relay", "voted")
 
     def __init__(self, group: int, rank: int, slot: int, size: int = 1) -> None:
         self.group, self.rank, self.slot = group, rank, slot
@@ -83,6 +122,18 @@ class _Member:
         self.retry_at = 0.0
         self.error = ""
         self.voted: int | None = None
+        self.listener: _Listen | None = None
+        """Its relay listener (protocol 5; a group session's leader with relays on)."""
+        self.inbound: dict[int, _Peer] = {}
+        """As a relay: the authenticated channels of its chunk's sessions, by member id."""
+        self.chunk: RelayChunk | None = None
+        """As a relay: its chunk in the generation it holds."""
+        self.up: _Peer | None = None
+        """As a session of a chunk: the channel to its relay."""
+        self.relay_gen = 0
+        """The generation of the ``relay`` message ``up`` was opened for."""
+        self.via_relay = False
+        """Its open vote went to its relay (resent directly if that channel closes before the decision)."""
 
 
 _DONE = frozenset({"joined", "rejected", "failed", "killed", "hung", "removed"})
@@ -110,6 +161,11 @@ class _Worker:
         self.max_handshakes = int(cfg["max_handshakes"])
         self.group_size = gsize = int(cfg["group_size"])
         self.hierarchy = bool(cfg.get("hierarchy", False))
+        self.relays = self.hierarchy and bool(cfg.get("relays", False))
+        self.relay_msgs = 0
+        """Messages on relay channels (sent and received, both ends): not the coordinator's."""
+        self.decisions: dict[tuple[int, int], bytes] = {}
+        self.relayed: dict[bytes, dict[str, Any]] = {}
         if self.hierarchy:  # one session per group: its leader (rank 0) speaks for every rank
             self.members = [_Member(g, 0, i % _SLOTS, gsize) for i, g in enumerate(range(lo, hi))]
         else:
@@ -151,6 +207,14 @@ class _Worker:
                         self._heartbeat_slot(time.monotonic())
                     if key.data is None:
                         self._command()
+                    elif isinstance(key.data, _Peer):
+                        peer: _Peer = key.data
+                        if events & selectors.EVENT_WRITE:
+                            self._peer_flush(peer)
+                        if events & selectors.EVENT_READ and peer.sock is not None:
+                            self._peer_readable(peer, time.monotonic())
+                    elif isinstance(key.data, _Listen):
+                        self._accept(key.data, time.monotonic())
                     else:
                         m: _Member = key.data
                         if events & selectors.EVENT_WRITE:
@@ -194,7 +258,7 @@ class _Worker:
             self.conn.send({"stopped": True})
             return
         if cmd == "counters":
-            self.conn.send({"messages": self.stats.sent + self.stats.received})
+            self.conn.send({"messages": self.stats.sent + self.stats.received, "relay_messages": self.relay_msgs})
             return
         if cmd == "collect":  # a full collection now (what may a worker collect? see worker_main)
             self.conn.send({"collected": gc.collect()})
@@ -219,7 +283,8 @@ class _Worker:
             n = int(kw["steps"])
             self.steps = {"n": n, "voters": voters, "base": {m.id: m.committed for m in voters},
                           "t_vote": [float("inf")] * n, "t_done": [0.0] * n, "left": [len(voters)] * n,
-                          "messages": self.stats.sent + self.stats.received, "reason": ""}
+                          "messages": self.stats.sent + self.stats.received, "reason": "",
+                          "relay_messages": self.relay_msgs}
             for m in voters:
                 self._vote(m, now)
         elif cmd != "await_gen":
@@ -247,7 +312,8 @@ class _Worker:
                                           f"step {committed} of the call within the timeout")
                 reply = {"voters": len(st["voters"]), "committed": committed, "t_vote": st["t_vote"],
                          "t_done": st["t_done"], "reason": reason,
-                         "messages": self.stats.sent + self.stats.received - st["messages"]}
+                         "messages": self.stats.sent + self.stats.received - st["messages"],
+                         "relay_messages": self.relay_msgs - st["relay_messages"]}
                 for m in st["voters"]:
                     m.voted = None
         elif cmd == "await_gen":
@@ -300,6 +366,7 @@ class _Worker:
                 if mode == _HANG and m.state == "joined" and m.sock is not None:
                     m.state = "hung"
                     self.sel.unregister(m.sock)  # no reads, no writes: the socket stays open, silent
+                    self._silence_relay(m)
                 else:
                     self._drop(m)
                     m.state = "killed"
@@ -357,6 +424,8 @@ class _Worker:
         self.queue.insert(0, m)
 
     def _drop(self, m: _Member) -> None:
+        if m.state != "hung":
+            self._close_relay(m)
         if m.sock is None:
             return
         if m.state == "shaking":
@@ -460,7 +529,12 @@ class _Worker:
             return
         if kind == "gen":
             self._enter(m, msg, now)
+        elif kind == "relay":
+            self._relay_named(m, msg, now)
         elif kind == "decision":
+            chunk = m.chunk
+            if chunk is not None and msg["gen"] == chunk.gen and msg.get("next") is None and m.inbound:
+                self._fan_out(m, msg)
             mine = m.voted is not None and msg["gen"] == m.gen and msg["step"] == m.committed
             m.committed = max(m.committed, msg["committed"])
             if msg.get("next") is not None:  # a grow between steps: the next vote is in the next generation
@@ -488,6 +562,8 @@ class _Worker:
             }
             if m.size > 1:  # a group session: the leader joins its followers with it
                 hello["followers"] = [{"step": 0}] * (m.size - 1)
+                if self.relays:
+                    hello["relay"] = self._listen(m)
             self._send(m, encode(hello))
             m.challenge = msg["nonce"]  # needed to verify the coordinator's proof
         elif kind == "welcome" and m.nonce:
@@ -544,13 +620,283 @@ class _Worker:
         m.voted = k
         if now < st["t_vote"][k]:
             st["t_vote"][k] = now
-        key = (m.gen, m.committed)
+        chunk = m.chunk
+        if chunk is not None and chunk.gen == m.gen:  # a relay: its own vote is one of its chunk's
+            m.via_relay = False
+            self._send_up(m, chunk.vote(m.id, m.gen, m.committed))
+            return
+        data = self._vote_line(m.gen, m.committed)
+        up = m.up
+        if up is not None and up.state == "joined" and m.relay_gen == m.gen:
+            m.via_relay = True
+            m.sent_at = now  # it said something: its coordinator heartbeat waits (the relay vouches for it)
+            self._peer_send(up, data)
+            return
+        m.via_relay = False
+        self._send(m, data)
+
+    def _vote_line(self, gen: int, step: int) -> bytes:
+        key = (gen, step)
         data = self.votes.get(key)
         if data is None:
             if len(self.votes) > 64:
                 self.votes.clear()
-            data = self.votes[key] = encode({"t": "vote", "gen": m.gen, "step": m.committed})
-        self._send(m, data)
+            data = self.votes[key] = encode({"t": "vote", "gen": gen, "step": step})
+        return data
+
+    # ----------------------------------------------------------------------------------------------- relays
+    def _listen(self, m: _Member) -> str:
+        """Open ``m``'s relay listener (once); its ``host:port``."""
+        if m.listener is None:
+            family = socket.AF_INET6 if ":" in self.addr[0] else socket.AF_INET
+            sock = socket.create_server((self.addr[0], 0), family=family, backlog=256)
+            sock.setblocking(False)
+            m.listener = _Listen(sock, m)
+            self.sel.register(sock, selectors.EVENT_READ, m.listener)
+        host, port = m.listener.sock.getsockname()[:2]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def _send_up(self, m: _Member, vote: dict[str, Any] | None) -> None:
+        """A relay's chunk is ready: its vote to the coordinator."""
+        if vote is not None:
+            self._send(m, encode(vote))
+
+    def _relay_named(self, m: _Member, msg: dict[str, Any], now: float) -> None:
+        """The coordinator named ``m``'s relay for generation ``msg["gen"]``: be it, or connect to it."""
+        if msg["gen"] != m.gen:
+            return  # another generation's (a newer one follows)
+        if msg["relay"] == m.id:
+            chunk = m.chunk = RelayChunk(msg["gen"], m.id, msg["chunk"])
+            self._close_up(m)
+            if m.voted is not None:  # its open vote went directly before it was named: it counts here too
+                self._send_up(m, chunk.vote(m.id, m.gen, m.committed))
+            for h, peer in list(m.inbound.items()):
+                if not chunk.connect(h):
+                    self._peer_close(peer)
+                elif peer.vote is not None:
+                    self._send_up(m, chunk.vote(h, *peer.vote))
+            return
+        m.chunk = None
+        for peer in list(m.inbound.values()):
+            self._peer_close(peer)
+        up = m.up
+        if up is not None and up.sock is not None and (up.relay, up.at) == (msg["relay"], msg["at"]):
+            m.relay_gen = msg["gen"]  # the same relay as before: the channel goes on
+            return
+        self._close_up(m)
+        m.relay_gen = msg["gen"]
+        try:
+            host, port = parse_address(msg["at"])
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        except (ValueError, OSError):
+            return  # it votes directly
+        sock.setblocking(False)
+        if sock.connect_ex((host, port)) not in (0, errno.EINPROGRESS, errno.EAGAIN):
+            sock.close()
+            return
+        tune_socket(sock)
+        m.up = _Peer(sock, m, False, now, self._relayed_line)
+        m.up.relay, m.up.at = msg["relay"], msg["at"]
+        self.sel.register(sock, selectors.EVENT_READ, m.up)
+
+    def _accept(self, listen: _Listen, now: float) -> None:
+        for _ in range(64):
+            try:
+                sock, _ = listen.sock.accept()
+            except OSError:
+                return
+            try:
+                tune_socket(sock)
+                sock.setblocking(False)
+            except OSError:
+                sock.close()
+                continue
+            peer = _Peer(sock, listen.owner, True, now)
+            self.sel.register(sock, selectors.EVENT_READ, peer)
+            self._peer_send(peer, encode(relay_challenge(peer.challenge)))
+
+    def _peer_readable(self, peer: _Peer, now: float) -> None:
+        try:
+            data = peer.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._peer_close(peer)
+            return
+        inbound = bool(peer.challenge) and peer.relay < 0
+        try:
+            msgs = peer.reader.feed(data)
+            if inbound:
+                msgs = [check(x, RELAY_PEER_MESSAGES) for x in msgs]
+        except ProtocolError:
+            self._peer_close(peer)  # hostile or broken: that channel goes, nothing else
+            return
+        self.relay_msgs += len(msgs)
+        for msg in msgs:
+            if peer.sock is None:
+                return
+            if inbound:
+                self._at_relay(peer, msg)
+            else:
+                self._at_session(peer, msg, now)
+
+    def _at_relay(self, peer: _Peer, msg: dict[str, Any]) -> None:
+        """A message from a session of ``peer.owner``'s chunk (``peer.owner`` is the relay)."""
+        m = peer.owner
+        if peer.state == "shaking":
+            why = verify_hello(self.token, peer.challenge, msg)
+            if why is not None:
+                code, _, reason = why.partition(": ")
+                self._peer_send(peer, encode({"t": "reject", "code": code, "reason": reason}))
+                self._peer_close(peer)
+                return
+            peer.state, peer.member = "joined", msg["member"]
+            old = m.inbound.get(peer.member)
+            if old is not None:
+                self._peer_close(old)
+            m.inbound[peer.member] = peer
+            self._peer_send(peer, encode(relay_welcome(self.token, msg["nonce"], peer.challenge, m.id)))
+            if m.chunk is not None:
+                m.chunk.connect(peer.member)
+            return
+        if msg["t"] == "vote":
+            peer.vote = (msg["gen"], msg["step"])
+            if m.chunk is not None and m.state == "joined":
+                self._send_up(m, m.chunk.vote(peer.member, msg["gen"], msg["step"]))
+        elif msg["t"] == "hello":
+            self._peer_close(peer)
+
+    def _at_session(self, peer: _Peer, msg: dict[str, Any], now: float) -> None:
+        """A message from ``peer.owner``'s relay."""
+        m = peer.owner
+        kind = msg["t"]
+        if peer.state == "shaking":
+            if kind == "challenge" and not peer.nonce:
+                peer.nonce, peer.challenge = new_nonce(), msg["nonce"]
+                self._peer_send(peer, encode(relay_hello(self.token, msg["nonce"], peer.nonce, m.id, m.gen)))
+            elif (kind == "welcome" and peer.nonce and msg["relay"] == peer.relay
+                  and verify_welcome(self.token, peer.nonce, peer.challenge, msg)):
+                peer.state = "joined"
+                if m.voted is not None and m.relay_gen == m.gen:  # its open vote went directly: the relay, which
+                    self._peer_send(peer, self._vote_line(m.gen, m.committed))  # counts it as connected, needs it
+            else:
+                self._peer_close(peer)
+            return
+        if kind == "decision" and m.state == "joined":
+            self._handle(m, msg, now)
+
+    def _relayed_line(self, line: bytes) -> dict[str, Any]:
+        """``check(decode(line), RELAY_MESSAGES)`` once per process for the same bytes (every session of every chunk
+        here receives the same decision line; the message is read-only)."""
+        hit = self.relayed.get(line)
+        if hit is None:
+            hit = check(decode(line), RELAY_MESSAGES)
+            if len(self.relayed) >= 64:
+                self.relayed.clear()
+            self.relayed[line] = hit
+        return hit
+
+    def _fan_out(self, m: _Member, msg: dict[str, Any]) -> None:
+        key = (msg["gen"], msg["step"])
+        line = self.decisions.get(key)
+        if line is None:
+            if len(self.decisions) > 64:
+                self.decisions.clear()
+            line = self.decisions[key] = encode(msg)
+        for h, peer in m.inbound.items():
+            if h != m.id:
+                self._peer_send(peer, line)
+
+    def _peer_send(self, peer: _Peer, data: bytes) -> None:
+        if peer.sock is None:
+            return
+        self.relay_msgs += 1
+        if peer.out:
+            peer.out += data
+            return
+        try:
+            n = peer.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError:
+            self._peer_close(peer)
+            return
+        if n < len(data):
+            peer.out = data[n:]
+            self.sel.modify(peer.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, peer)
+
+    def _peer_flush(self, peer: _Peer) -> None:
+        if peer.sock is None or not peer.out:
+            return
+        try:
+            n = peer.sock.send(peer.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._peer_close(peer)
+            return
+        peer.out = peer.out[n:]
+        if not peer.out:
+            self.sel.modify(peer.sock, selectors.EVENT_READ, peer)
+
+    def _peer_close(self, peer: _Peer) -> None:
+        """A relay channel closed (either end): a relay stops waiting for that session; a session whose vote went
+        to its relay sends it directly."""
+        if peer.sock is None:
+            return
+        try:
+            self.sel.unregister(peer.sock)
+        except (KeyError, ValueError):
+            pass
+        peer.sock.close()
+        peer.sock = None  # type: ignore[assignment]
+        m = peer.owner
+        if peer.relay < 0 and peer.challenge:  # at the relay
+            if m.inbound.get(peer.member) is peer:
+                del m.inbound[peer.member]
+                if m.chunk is not None and m.state == "joined":
+                    self._send_up(m, m.chunk.disconnect(peer.member))
+            return
+        if m.up is peer:
+            m.up = None
+            if m.via_relay and m.voted is not None and m.state == "joined":
+                m.via_relay = False
+                self._send(m, self._vote_line(m.gen, m.committed))
+
+    def _close_up(self, m: _Member) -> None:
+        up, m.up = m.up, None
+        if up is not None:
+            self._peer_close(up)
+
+    def _close_relay(self, m: _Member) -> None:
+        """``m`` is gone: its relay listener and channels close."""
+        self._close_up(m)
+        for peer in list(m.inbound.values()):
+            self._peer_close(peer)
+        m.chunk = None
+        if m.listener is not None:
+            try:
+                self.sel.unregister(m.listener.sock)
+            except (KeyError, ValueError):
+                pass
+            m.listener.sock.close()
+            m.listener = None
+
+    def _silence_relay(self, m: _Member) -> None:
+        """``m`` hangs: its relay channels stay open and unread."""
+        for peer in [*m.inbound.values(), *([m.up] if m.up is not None else [])]:
+            if peer.sock is not None:
+                try:
+                    self.sel.unregister(peer.sock)
+                except (KeyError, ValueError):
+                    pass
+        if m.listener is not None:
+            try:
+                self.sel.unregister(m.listener.sock)
+            except (KeyError, ValueError):
+                pass
 
     def _decided(self, m: _Member, now: float) -> None:
         st = self.steps

@@ -109,6 +109,11 @@ class SimConfig:
     """Protocol 4's group sessions: one connection per replica group, its leader's (rank 0), joining, heartbeating and
     voting for the group; the followers are simulated inside their leader (their local channel costs the leader,
     not the coordinator). False: every rank connects itself (flat membership, protocol 3's way, for comparison)."""
+    relays: bool = True
+    """With :attr:`hierarchy`: every leader offers a relay listener (protocol 5, ``hello.relay``), so that the
+    coordinator may name relays (at least its ``relay_min_groups`` sessions): a session of a chunk votes to its relay
+    over an authenticated channel, the relay votes for the chunk and fans the decision out. False: no listener, every
+    session votes directly."""
 
     def __post_init__(self) -> None:
         parse_address(self.address)
@@ -173,6 +178,8 @@ class Commits:
     reason: str = ""
     sim_late_s: float = 0.0
     """As :attr:`Formation.sim_late_s`."""
+    relay_messages: int = 0
+    """Messages on relay channels during the call (sent and received, counted at both ends; not the coordinator's)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -316,7 +323,8 @@ class MemberSim:
         ok = committed == steps and not reasons
         reason = reasons[0] if reasons else ("" if ok else f"{committed} of {steps} steps committed")
         return Commits(ok=ok, committed=committed, rounds_s=rounds, messages=sum(r["messages"] for r in replies),
-                       reason=_explain(reason, replies), sim_late_s=_late(replies))
+                       reason=_explain(reason, replies), sim_late_s=_late(replies),
+                       relay_messages=sum(r["relay_messages"] for r in replies))
 
     def kill_group(self, group: int, mode: KillMode = KillMode.CRASH) -> float:
         """Kill replica group ``group`` (all its members, see :class:`KillMode`); returns ``time.monotonic()`` at
@@ -407,7 +415,8 @@ def _explain(reason: str, replies: list[dict[str, Any]]) -> str:
 
 def _config_dict(cfg: SimConfig, stacks: str) -> dict[str, Any]:
     return {"address": cfg.address, "token": cfg.token, "group_size": cfg.group_size,
-            "max_handshakes": cfg.max_handshakes, "stacks": stacks, "hierarchy": cfg.hierarchy and cfg.group_size > 1}
+            "max_handshakes": cfg.max_handshakes, "stacks": stacks, "hierarchy": cfg.hierarchy and cfg.group_size > 1,
+            "relays": cfg.relays}
 
 
 def _stacks_of(proc: Any, path: str) -> str:
