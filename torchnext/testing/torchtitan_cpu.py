@@ -395,8 +395,10 @@ def _store_per_run(index: int, base: dist.Store) -> Iterator[None]:
             kwargs.update(store=dist.PrefixStore(f"torchnext-run-{restart}-{index}/", base), rank=int(os.environ["RANK"]),
                           world_size=int(os.environ["WORLD_SIZE"]))
         out = original(*args, **kwargs)
-        print(f"torchtitan_cpu: run {index} rank {dist.get_rank()} backend {dist.get_backend()}", file=sys.stderr,
-              flush=True)
+        # one write() of the whole line: print() writes the text and its newline separately, and two ranks sharing
+        # the log interleaved them ("...backend glootorchtitan_cpu: run 0 rank 0 ...": a line lost to the parser)
+        sys.stderr.write(f"torchtitan_cpu: run {index} rank {dist.get_rank()} backend {dist.get_backend()}\n")
+        sys.stderr.flush()
         return out
 
     c10d.init_process_group = dist.init_process_group = init_process_group
