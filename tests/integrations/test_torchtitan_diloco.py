@@ -9,7 +9,11 @@ trainer recorded around each synchronization (:mod:`torchnext.integrations.torch
 synchronization's result -- on each group and each rank -- must be bitwise the outer step of the average
 pseudo-gradient of the groups that contributed, from the initial parameters on. With ``TORCHNEXT_LONG=1`` the same
 run with ``semi_sync_method local_sgd`` too (about one minute more), whose oracle is the mean itself (``global -=
-mean pseudo-gradient``)."""
+mean pseudo-gradient``).
+
+The training job (about a minute on 2 cores) runs with ``TORCHNEXT_LONG=1`` only: the CI suite reached its 20-minute
+budget (2026-12-06: 20:18). CI keeps this file's unit tests, the torchtitan FT-HSDP job (kill + rejoin, bitwise)
+and ``tests/ft/test_ft_diloco.py`` / ``test_ft_streaming_diloco.py`` (DiLoCo's own kill/heal tests)."""
 
 from __future__ import annotations
 
@@ -31,7 +35,8 @@ from torchnext.testing.torchtitan_cpu import CPU_FLAGS, write_tiny_assets  # noq
 from torchnext.testing.torchtitan_jobs import TitanJob, replica_group_env, run_jobs, worker_pids  # noqa: E402
 
 NPROC, STEPS, H, HOLD_AT = 2, 12, 3, 4
-METHODS = ("diloco", "local_sgd") if os.environ.get("TORCHNEXT_LONG", "") not in ("", "0") else ("diloco",)
+LONG = os.environ.get("TORCHNEXT_LONG", "") not in ("", "0")
+METHODS = ("diloco", "local_sgd")
 SYNC_STEPS = list(range(H, STEPS + 1, H))
 RECORDED = ["layers.1.", "lm_head"]
 TOKEN = "titan-diloco-test-token"
@@ -86,6 +91,8 @@ def _load(path: Path) -> Any:
     return torch.load(path, weights_only=False)
 
 
+@pytest.mark.skipif(not LONG, reason="the torchtitan DiLoCo/LocalSGD jobs (~1 min each) run with TORCHNEXT_LONG=1 "
+                    "(CI budget); CI keeps the FT-HSDP torchtitan job and tests/ft's DiLoCo kill/heal tests")
 def test_semi_sync_every_h_steps_survives_a_kill_and_matches_the_oracle(run: dict[str, Any]) -> None:
     g0, g1 = run["results"]["g0"], run["results"]["g1"]
     g0.check()

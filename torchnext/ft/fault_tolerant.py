@@ -62,13 +62,13 @@ import torch.distributed as dist
 from torchnext.comms.cancellable_store import CancellableStore
 from torchnext.comms.communicator import Communicator
 from torchnext.comms.errors import CommError
-from torchnext.comms.hooks import HookList, PostHookArgs, RemovableHandle
-from torchnext.comms.work import WorkStatus
+from torchnext.comms.hooks import HookList, RemovableHandle
 from torchnext.ft.config import FaultTolerantConfig, Reconfiguration
 from torchnext.ft.errors import quiet_abort
 from torchnext.ft.healing import HealStats, recv_state, send_state
 from torchnext.ft.member import ARRIVED_AFTER, MemberClient
 from torchnext.ft.membership import JobFinished, QuorumLost, RemovedFromGroup
+from torchnext.ft.quarantine import quarantine_cancelled
 from torchnext.ft.session import connect as connect_session
 from torchnext.ft.session import plan as plan_session
 from torchnext.ft.step import Step, _FailedAttempts
@@ -783,7 +783,7 @@ class FaultTolerant:
                 c = Communicator(store, rank, size, backend=cfg.backend, name=name,
                                  timeout=timedelta(seconds=cfg.timeout_s), device=cfg.device,
                                  global_ranks=members, check_collectives=cfg.check_collectives)
-                c.register_post_hook(_quarantine_cancelled)
+                c.register_post_hook(quarantine_cancelled)
                 with self._lock:
                     if box.get("abandoned"):
                         quiet_abort(c, "abandoned build")
@@ -907,18 +907,3 @@ def _replica_group(cfg: FaultTolerantConfig, env_group: int) -> tuple[int | None
     return group, rank, size
 
 
-def _quarantine_cancelled(args: PostHookArgs) -> None:
-    """Post hook: give the tensors of an aborted op fresh storage, so the abandoned backend's late writes land in
-    the old storage -- kept alive by the communicator (``Communicator.retain``) until its backend is released, when
-    no late write can land any more (:mod:`torchnext.comms.reaper`), then freed."""
-    if args.status is not WorkStatus.ABORTED:
-        return
-    comm = args.work.communicator
-    with torch.no_grad():
-        for t in args.info.outputs:
-            try:
-                comm.retain(t.untyped_storage())
-                fresh = t.clone()
-                t.set_(fresh.untyped_storage(), fresh.storage_offset(), fresh.size(), fresh.stride())
-            except RuntimeError:
-                pass

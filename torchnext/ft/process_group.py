@@ -56,6 +56,7 @@ from torchnext.comms.process_group.group import BACKEND_NAME
 from torchnext.comms.process_group.profiling import annotate
 from torchnext.comms.process_group.work import mark_invalid
 from torchnext.ft.errors import FailureKind, classify_failure, quiet_abort
+from torchnext.ft.quarantine import quarantine_cancelled
 
 if TYPE_CHECKING:
     from torchnext.ft.config import Reconfiguration
@@ -192,14 +193,13 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         self._native = None
         native = None
         if comm is not None:
-            from torchnext.ft.fault_tolerant import _quarantine_cancelled  # ft imports this module lazily
 
             def failed(op: str, exc: CommError, comm: Communicator = comm) -> None:
                 self._note_native_failure(comm, op, exc)
 
             try:
                 native = _native.attach_generation(self, comm, self._switch, on_failure=failed,
-                                                   covered=(_quarantine_cancelled,))
+                                                   covered=(quarantine_cancelled,))
             except Exception as exc:  # never fail a reconfiguration over the data path: the Python one works
                 _LOG.warning("fault-tolerant group %r: generation %d on the Python path (native path failed: %s)",
                              self._group_name, self._ft.generation, exc)
