@@ -36,3 +36,19 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
     long = os.environ.get("TORCHNEXT_LONG", "") not in ("", "0")
     return [_kernels(), _native(), f"long-haul sizes: {'on' if long else 'off (CI sizes; TORCHNEXT_LONG=1 for the full ones)'}"]
+
+
+@pytest.fixture(autouse=True)
+def _no_active_ddp_module_left() -> object:
+    """torch's DDP marks the module whose forward runs in a class attribute (``_active_ddp_module``) and restores
+    the previous value on exit -- not thread-safe: two members training as threads of this process (the fault
+    tolerance tests) can leave one of their DDPs marked. Every later ``torch.compile`` in the process then takes the
+    DDPOptimizer path with that module's bucket size (CI, 2026-12-06: 48 compile tests failed with "First bucket
+    should be smaller/equal to other buckets" after test_ft_vote_early's 256-byte buckets). Cleared after each
+    test."""
+    yield
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # pragma: no cover
+        return
+    DistributedDataParallel._active_ddp_module = None

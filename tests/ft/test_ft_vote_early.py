@@ -63,6 +63,12 @@ torch.manual_seed(0)
 _INIT = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
 
 
+_FORWARD = threading.Lock()
+"""Members are threads of one process here: their DDP forwards run one at a time (torch's DDP records the active
+module in a class attribute, saved and restored around each forward -- two overlapping forwards leave one marked,
+and every later torch.compile in the process would take it for a DDP region; see tests/conftest.py)."""
+
+
 def _model() -> torch.nn.Module:
     """The same initial weights in every thread (the threads share torch's generator: no seeding in them)."""
     return copy.deepcopy(_INIT)
@@ -89,7 +95,9 @@ def test_the_vote_is_sent_before_commit_and_training_matches_the_vote_at_commit(
             while ft.step_count < steps:
                 with ft.step() as step:
                     x = torch.full((4, 8), float(i + 1 + ft.step_count))
-                    net(x).square().sum().backward()
+                    with _FORWARD:
+                        loss = net(x).square().sum()
+                    loss.backward()
                     # the completion of the last op voted already: wait for it *before* calling commit()
                     want = ft.step_count + 1
                     if vote_early:
@@ -124,7 +132,9 @@ def test_a_fault_tolerant_collective_after_the_early_vote_raises() -> None:
             model = _model()
             net = DistributedDataParallel(model, ft, vote_early=True)
             with ft.step() as step:
-                net(torch.ones(2, 8)).sum().backward()
+                with _FORWARD:
+                    loss = net(torch.ones(2, 8)).sum()
+                loss.backward()
                 assert _wait_for(lambda: ft.early_votes == 1)
                 with pytest.raises(RuntimeError, match="after this step's vote was sent"):
                     ft.process_group.allreduce([torch.ones(2)])
@@ -150,7 +160,9 @@ def test_a_transient_error_after_a_committed_early_vote_leaves_the_group() -> No
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             while ft.step_count < 3:
                 with ft.step() as step:
-                    net(torch.ones(2, 8)).sum().backward()
+                    with _FORWARD:
+                        loss = net(torch.ones(2, 8)).sum()
+                    loss.backward()
                     if i == 1 and ft.step_count == 1:
                         assert _wait_for(lambda: ft.early_votes == 2)
                         raise CommAborted("injected after the early vote")
