@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from torchnext.ft import (
     MembershipConfig,
 )
 from torchnext.ft.membership import Rejected
+from torchnext.testing import run_each
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,23 +42,6 @@ def _train(coord: Coordinator, i: int, steps: int, n: int = 3) -> FaultTolerant:
     return ft
 
 
-def _threads(fns: list[Any], timeout: float = 90.0) -> dict[int, Any]:
-    out: dict[int, Any] = {}
-
-    def run(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as exc:  # reported to the test below
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout)
-    assert not any(th.is_alive() for th in threads), "a member thread hung"
-    return out
-
 
 def test_members_finish_in_any_order_without_reconfiguring() -> None:
     with Coordinator(CoordinatorConfig(membership=MembershipConfig(min_size=3, initial_size=3))) as coord:
@@ -73,7 +56,7 @@ def test_members_finish_in_any_order_without_reconfiguring() -> None:
                 ft.close()
             return steps
 
-        out = _threads([lambda i=i: member(i) for i in range(3)])
+        out = run_each([lambda i=i: member(i) for i in range(3)], timeout=90)
         assert out == {0: 3, 1: 3, 2: 3}, out
         assert coord.wait_until(lambda c: len([h for h in c.history() if h["event"] in ("finish", "left_after_finish")]) == 3, 10)
         events = [h["event"] for h in coord.history()]
@@ -107,7 +90,7 @@ def test_member_training_past_the_finish_gets_job_finished() -> None:
                 ft.close()
             return "no error"
 
-        out = _threads([first, second])
+        out = run_each([first, second], timeout=90)
         assert out[0] == 2 and "finished at step 2" in str(out[1]), out
         assert coord.generation == 1
 

@@ -34,6 +34,7 @@ from torchnext.ft import (
     classify_failure,
 )
 from torchnext.ft.process_group import FaultTolerantProcessGroup
+from torchnext.testing import run_each
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -50,25 +51,6 @@ def _member(coord: Coordinator, i: int) -> FaultTolerant:
     return FaultTolerant(FaultTolerantConfig(coordinator=coord.address, token=coord.token, member_id=i, min_size=N,
                                              reconfigure_timeout_s=15.0, timeout_s=20.0))
 
-
-def _threads(fns: list[Callable[[], Any]], timeout: float = 60.0) -> dict[int, Any]:
-    """Run each fn in a thread; its result or the exception it raised, by index. Fails if one hangs."""
-    out: dict[int, Any] = {}
-
-    def run(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as exc:  # reported to the test
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
-    for th in threads:
-        th.start()
-    deadline = time.monotonic() + timeout
-    for th in threads:
-        th.join(max(0.0, deadline - time.monotonic()))
-    assert not any(th.is_alive() for th in threads), f"a thread hung (results so far: {out})"
-    return out
 
 
 @pytest.fixture(autouse=True)
@@ -119,7 +101,7 @@ def test_the_group_is_on_the_native_path_after_join_and_back_to_python_while_a_h
             finally:
                 ft.finish()
 
-        out = _threads([lambda i=i: member(i) for i in range(N)])
+        out = run_each([lambda i=i: member(i) for i in range(N)])
         for i in range(N):
             assert not isinstance(out[i], BaseException), out[i]
             o = out[i]
@@ -148,7 +130,7 @@ def test_the_python_path_without_the_flag(monkeypatch: pytest.MonkeyPatch) -> No
             finally:
                 ft.finish()
 
-        out = _threads([lambda i=i: member(i) for i in range(N)])
+        out = run_each([lambda i=i: member(i) for i in range(N)])
         for i in range(N):
             assert out[i] == (False, FaultTolerantProcessGroup, [2.0] * 3), out[i]
 
@@ -202,7 +184,7 @@ def test_a_failed_op_is_recorded_not_raised_and_the_step_does_not_commit(monkeyp
             finally:
                 ft.finish()
 
-        out = _threads([lambda i=i: member(i) for i in range(N)])
+        out = run_each([lambda i=i: member(i) for i in range(N)])
         for i in range(N):
             assert not isinstance(out[i], BaseException), out[i]
         o0 = out[0]
@@ -239,6 +221,19 @@ class _Member:
         self.ft._comm = self.ft.comm = comm
         self.pg._reconfigured(SimpleNamespace(rank=self.rank))
         return comm
+
+
+def _run_members(members: list[Any], run: Callable[[int], dict[str, Any]], *, timeout: float) -> dict[int, Any]:
+    """``run(r)`` for every member at once, each in its thread; every member's communicators aborted afterwards,
+    whatever happened; fails the test if one raised."""
+    try:
+        out = run_each([lambda r=r: run(r) for r in range(len(members))], timeout=timeout)
+    finally:
+        for m in members:
+            for c in m.comms:
+                c.abort("test over")
+    assert not any(isinstance(o, BaseException) for o in out.values()), out
+    return out
 
 
 def test_an_abandoned_ops_late_write_never_reaches_the_caller_and_the_next_generation_runs_native() -> None:
@@ -311,13 +306,7 @@ def test_an_abandoned_ops_late_write_never_reaches_the_caller_and_the_next_gener
         out["py_ops_g3"] = int(m.comms[-1]._op_counter)
         return out
 
-    try:
-        out = _threads([lambda r=r: run(r) for r in range(2)], timeout=90)
-    finally:
-        for m in members:
-            for c in m.comms:
-                c.abort("test over")
-    assert not any(isinstance(o, BaseException) for o in out.values()), out
+    out = _run_members(members, run, timeout=90)
     for r in range(2):
         o = out[r]
         assert o["g1_native"] and o["g2_native"] and o["g3_native"]
@@ -360,13 +349,7 @@ def test_a_native_ops_future_callbacks_run_before_its_waiters_are_released() -> 
         seen["waited"] = time.monotonic()
         return seen
 
-    try:
-        out = _threads([lambda r=r: run(r) for r in range(2)], timeout=60)
-    finally:
-        for m in members:
-            for c in m.comms:
-                c.abort("test over")
-    assert not any(isinstance(o, BaseException) for o in out.values()), out
+    out = _run_members(members, run, timeout=60)
     for r in range(2):
         o = out[r]
         assert o["native"] and o["inner_wait"] is True

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -29,6 +28,7 @@ from torchnext.ft import (
 )
 from torchnext.ft.errors import raised_on_every_member
 from torchnext.ft.membership import Membership
+from torchnext.testing import run_each
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,25 +47,6 @@ def _member(coord: Coordinator, i: int, **cfg: Any) -> FaultTolerant:
     return FaultTolerant(FaultTolerantConfig(coordinator=coord.address, token=coord.token, member_id=i, min_size=N,
                                              reconfigure_timeout_s=15.0, **cfg))
 
-
-def _threads(fns: list[Callable[[], Any]], timeout: float = BOUND_S) -> dict[int, Any]:
-    """Run each fn in a thread; its result or the exception it raised, by index. Fails if one hangs."""
-    out: dict[int, Any] = {}
-
-    def run(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as exc:  # reported to the test
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
-    for th in threads:
-        th.start()
-    deadline = time.monotonic() + timeout
-    for th in threads:
-        th.join(max(0.0, deadline - time.monotonic()))
-    assert not any(th.is_alive() for th in threads), f"a member thread hung (results so far: {out})"
-    return out
 
 
 def _events(coord: Coordinator, kind: str) -> list[dict[str, Any]]:
@@ -148,7 +129,7 @@ def test_collective_mismatch_is_raised_on_every_member_without_a_new_generation(
             finally:
                 ft.finish()
 
-        out = _threads([lambda i=i: member(i) for i in range(N)])
+        out = run_each([lambda i=i: member(i) for i in range(N)])
         for i in range(N):
             assert not isinstance(out[i], BaseException), out[i]
             err, gen, steps = out[i]
@@ -181,7 +162,7 @@ def test_collective_mismatch_through_process_group_ends_the_step() -> None:
             finally:
                 ft.close()
 
-        out = _threads([lambda i=i: member(i) for i in range(N)])
+        out = run_each([lambda i=i: member(i) for i in range(N)])
         for i in range(N):
             assert not isinstance(out[i], BaseException), out[i]
             err, nan, gen = out[i]
@@ -214,7 +195,7 @@ def test_user_error_on_one_member_ends_the_step_on_every_member() -> None:
             finally:
                 ft.close()
 
-        out = _threads([lambda i=i: member(i) for i in range(N)])
+        out = run_each([lambda i=i: member(i) for i in range(N)])
         err1, _ = out[1]
         assert isinstance(err1, ValueError) and not isinstance(err1, StepFailed), err1
         assert any("the job was ended" in n for n in err1.__notes__)
@@ -252,7 +233,7 @@ def test_transient_failure_is_retried_until_the_step_commits() -> None:
             finally:
                 ft.finish()
 
-        out = _threads([lambda i=i: member(i) for i in range(N)])
+        out = run_each([lambda i=i: member(i) for i in range(N)])
         for i in range(N):
             assert not isinstance(out[i], BaseException), out[i]
         assert out[0][0] == out[1][0] == 4
@@ -284,7 +265,7 @@ def test_retry_cap_raises_retries_exhausted_on_every_member() -> None:
             finally:
                 ft.close()
 
-        out = _threads([lambda i=i: member(i) for i in range(N)])
+        out = run_each([lambda i=i: member(i) for i in range(N)])
         err0, attempts0 = out[0]
         assert isinstance(err0, RetriesExhausted), err0
         assert err0.step == 1 and err0.attempts == 3 and attempts0 == 4  # 1 commit + 3 failed attempts

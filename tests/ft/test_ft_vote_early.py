@@ -24,10 +24,10 @@ from torchnext.ft import (
     FaultTolerantConfig,
     MembershipConfig,
 )
+from torchnext.testing import run_each
 
 pytestmark = pytest.mark.timeout(120)
 
-BOUND_S = 60.0
 
 
 def _coordinator(n: int, min_size: int) -> Coordinator:
@@ -39,24 +39,6 @@ def _member(coord: Coordinator, i: int, min_size: int) -> FaultTolerant:
     return FaultTolerant(FaultTolerantConfig(coordinator=coord.address, token=coord.token, member_id=i,
                                              min_size=min_size, timeout_s=20.0, reconfigure_timeout_s=15.0))
 
-
-def _threads(fns: list[Callable[[], Any]]) -> dict[int, Any]:
-    out: dict[int, Any] = {}
-
-    def run(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as exc:
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
-    for th in threads:
-        th.start()
-    deadline = time.monotonic() + BOUND_S
-    for th in threads:
-        th.join(max(0.0, deadline - time.monotonic()))
-    assert not any(th.is_alive() for th in threads), f"a member thread hung (results so far: {out})"
-    return out
 
 
 torch.manual_seed(0)
@@ -113,7 +95,7 @@ def test_the_vote_is_sent_before_commit_and_training_matches_the_vote_at_commit(
     results = {}
     for vote_early in (True, False):
         with _coordinator(2, 2) as coord:
-            results[vote_early] = _threads([lambda i=i, v=vote_early, c=coord: train(i, v, c) for i in range(2)])
+            results[vote_early] = run_each([lambda i=i, v=vote_early, c=coord: train(i, v, c) for i in range(2)])
     early, late = results[True], results[False]
     for i in range(2):
         assert not isinstance(early[i], BaseException), early[i]
@@ -144,7 +126,7 @@ def test_a_fault_tolerant_collective_after_the_early_vote_raises() -> None:
             return committed
 
     with _coordinator(2, 2) as coord:
-        out = _threads([lambda i=i: train(i, coord) for i in range(2)])
+        out = run_each([lambda i=i: train(i, coord) for i in range(2)])
     assert out == {0: True, 1: True}, out
 
 
@@ -177,7 +159,7 @@ def test_a_transient_error_after_a_committed_early_vote_leaves_the_group() -> No
             ft.close()
 
     with _coordinator(2, 1) as coord:
-        out = _threads([lambda i=i: train(i, coord) for i in range(2)])
+        out = run_each([lambda i=i: train(i, coord) for i in range(2)])
     assert out[0] == ("done", 3, 1), out
     kind, count, note = out[1]
     assert (kind, count) == ("left", 2) and "left the group" in note, out

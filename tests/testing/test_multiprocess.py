@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
 
-from torchnext.testing import RankContext, RankExited, RankFailure, run_ranks, run_threads
+from torchnext.testing import RankContext, RankExited, RankFailure, run_each, run_ranks, run_threads
 
 
 def _echo(ctx: RankContext, base: int) -> tuple[int, int, int]:
@@ -106,3 +107,15 @@ def test_a_childs_exit_code_is_read_once_when_many_threads_ask_at_once() -> None
             k.join(10)
         seen += [k.exitcode for k in kids]
     assert seen == [i % 3 for _ in range(12) for i in range(20)]
+
+
+def test_run_each_returns_results_and_exceptions_by_index_and_names_a_hung_thread() -> None:
+    release = threading.Event()
+    out = run_each([lambda: 1, lambda: (_ for _ in ()).throw(ValueError("two"))], timeout=5)
+    assert out[0] == 1 and isinstance(out[1], ValueError) and str(out[1]) == "two"
+    try:
+        with pytest.raises(RankFailure, match="1 of 2 threads hung") as info:
+            run_each([lambda: 0, lambda: release.wait(30)], timeout=0.3)
+        assert set(info.value.details) == {1}
+    finally:
+        release.set()

@@ -16,6 +16,7 @@ from torchnext.testing.member_sim import SimConfig as SimConfig
 from torchnext.testing.multiprocess import RankContext as RankContext
 from torchnext.testing.multiprocess import RankExited as RankExited
 from torchnext.testing.multiprocess import RankFailure as RankFailure
+from torchnext.testing.multiprocess import run_each as run_each
 from torchnext.testing.multiprocess import run_ranks as run_ranks
 from torchnext.testing.multiprocess import run_threads as run_threads
 from torchnext.testing.netns import NetLab as NetLab
@@ -23,5 +24,5 @@ from torchnext.testing.netns import NetLab as NetLab
 __all__ = [
     "CoordinatorProcess", "Fault", "FaultInjector", "FaultKind", "FaultPoint", "KillMode", "MemberSim", "NetLab",
     "RankContext", "RankExited", "RankFailure", "SimConfig", "crash_now", "drop_coordinator", "freeze_self", "kill",
-    "resume", "run_ranks", "run_threads",
+    "resume", "run_each", "run_ranks", "run_threads",
 ]

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["Child", "RankContext", "RankExited", "RankFailure", "run_ranks", "run_threads"]
+__all__ = ["Child", "RankContext", "RankExited", "RankFailure", "run_each", "run_ranks", "run_threads"]
 
 _PRELOAD = ["torch", "torch.distributed", "torchnext.comms", "torch._dynamo", "torch.distributed.fsdp", "torchnext.ft",
             "torchnext.testing.ft_parallel"]
@@ -259,3 +259,32 @@ def run_threads(
     if errors:
         raise RankFailure(f"{len(errors)} of {world_size} ranks failed running {getattr(fn, '__name__', fn)}", errors)
     return [got[r] for r in range(world_size)]
+
+
+def run_each(fns: Sequence[Callable[[], Any]], *, timeout: float = 60.0) -> dict[int, Any]:
+    """Run every ``fns[i]`` in a daemon thread of its own, all at once; ``{i: its result, or the exception it
+    raised}`` -- an exception is a result here, for the test to check. Reference::
+
+        return {i: fn() or the BaseException it raised for i, fn in enumerate(fns)}   # concurrently
+
+    Raises :class:`RankFailure` naming every thread still running ``timeout`` seconds after the start (left
+    behind: threads cannot be killed) with the results so far.
+    """
+    out: dict[int, Any] = {}
+
+    def body(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as exc:  # a result: the caller checks it
+            out[i] = exc
+
+    threads = [threading.Thread(target=body, args=(i,), name=f"each{i}", daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    hung = {i: f"still running after {timeout}s" for i, t in enumerate(threads) if t.is_alive()}
+    if hung:
+        raise RankFailure(f"{len(hung)} of {len(fns)} threads hung (results so far: {out})", hung)
+    return out
