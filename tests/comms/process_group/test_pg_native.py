@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import torchnext  # noqa: F401  (registers the "torchnext" backend)
 from torchnext.comms import CommAborted, CommTimeout
 from torchnext.comms import native as native_ext
 from torchnext.comms.flight_recorder import analyze_dir
+from torchnext.comms.flight_recorder.entries import format_entries
 from torchnext.comms.native import _build
 from torchnext.testing import RankContext, run_ranks
 
@@ -371,22 +373,30 @@ def rendered_dump_body(ctx: RankContext, dump_dir: str) -> dict[str, Any]:
     try:
         path = rec.dump(dump_dir + os.sep + f"r{ctx.rank}.json", format="json")
         reference = rec.entries()
+        pickled = rec.dump(dump_dir + os.sep + f"r{ctx.rank}.pickle", format="pickle")
+        reference_compat = format_entries(rec._live(), rec._groups, rec.rank, torch_compat=True)
     finally:
         dumped.set()
         worker.join(60)
     return {"dump": json.loads(Path(path).read_text())["entries"], "reference": reference,
-            "native_sources": sum(hasattr(src, "render") for _, src in rec._sources)}
+            "pickle": pickle.loads(Path(pickled).read_bytes())["entries"], "reference_compat": reference_compat,
+            "native_sources": sum(hasattr(src, "render") and hasattr(src, "dicts") for _, src in rec._sources)}
 
 
-def test_the_json_dump_of_native_entries_is_rendered_in_cpp_and_equals_the_reference(tmp_path: Path) -> None:
-    """The JSON dump writes the C++ ring's entries in C++ (``fr_render``), merged with the Python recorder's by
-    creation time: parsed, it equals the reference formatter's ``entries()`` on the same records, field for field."""
+def test_the_dumps_of_native_entries_are_made_in_cpp_and_equal_the_reference(tmp_path: Path) -> None:
+    """The JSON dump writes the C++ ring's entries in C++ (``fr_render``), the pickle dump has their dicts built
+    there (``fr_dicts``), both merged with the Python recorder's by creation time: each equals the reference
+    formatter on the same records (``entries()``; ``format_entries(..., torch_compat=True)``), field for field."""
     for r in run_ranks(rendered_dump_body, 2, args=(str(tmp_path),), timeout=120):
         assert r["native_sources"] >= 1
         assert [e["op"] for e in r["dump"]] == ["all_reduce", "broadcast", "all_reduce", "all_gather_single"]
         assert r["dump"] == r["reference"]
         assert r["dump"][2]["thread_name"] == 'w\u00f6rker "q" \\ \n \U0001f600'
         assert r["dump"][2]["reduce_op"] == "max" and r["dump"][1]["input_dtypes"] == ["Long"]
+        assert r["pickle"] == r["reference_compat"]
+        assert [e["record_id"] for e in r["pickle"]] == [0, 1, 2, 3]
+        assert r["pickle"][0]["process_group"] == tuple(r["dump"][0]["process_group"])
+        assert r["pickle"][2]["thread_name"] == r["dump"][2]["thread_name"]
 
 
 def premul_body(ctx: RankContext) -> dict[str, Any]:

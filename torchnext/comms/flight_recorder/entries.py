@@ -17,7 +17,8 @@ from typing import Any, Protocol
 
 from torchnext.comms.flight_recorder.format import dtype_name
 
-__all__ = ["P2P_OPS", "WINDOW_OPS", "Rendered", "entries_json", "format_entries", "group_fields"]
+__all__ = ["P2P_OPS", "WINDOW_OPS", "Built", "Rendered", "entries_json", "format_entries", "group_dict",
+           "group_fields", "merge_built"]
 
 WINDOW_OPS = frozenset(
     {"window.put", "window.get", "window.get_rows", "window.accumulate", "window.signal", "window.wait_signal"}
@@ -170,6 +171,41 @@ def group_fields(g: Any, op: str, peer: int | None, global_rank: int) -> str:
             f'"profiling_name":{_j(_profiling_name(g, op, peer, False))},"op":{_j(op)},'
             f'"backend":{_j(g.backend)},"rank":{g.rank},"global_rank":{global_rank},"peer":{_n(peer)},'
             f'"peer_global":{_n(g.ranks[peer] if peer is not None and 0 <= peer < len(g.ranks) else None)}')
+
+
+def group_dict(g: Any, op: str, peer: int | None, global_rank: int) -> dict[str, Any]:
+    """The group-dependent fields of one pickle-dump entry (``format_entries(..., torch_compat=True)``), with a
+    ``"record_id"`` placeholder first: what a source that builds its entries' dicts -- the native ring -- copies into
+    each entry of ``(op, peer)``."""
+    return {"record_id": None, "pg_id": g.pg_id, "process_group": (g.key, g.desc),
+            "profiling_name": _profiling_name(g, op, peer, True), "op": op, "backend": g.backend, "rank": g.rank,
+            "global_rank": global_rank, "peer": peer,
+            "peer_global": g.ranks[peer] if peer is not None and 0 <= peer < len(g.ranks) else None}
+
+
+Built = tuple[int, int, dict[str, Any]]
+"""An entry a source built itself for the pickle dump: ``(time_created_ns, record id, dict)``, the dict being the
+entry of ``format_entries(..., torch_compat=True)`` but for its ``record_id`` (see :func:`group_dict` and
+``csrc/native.cpp``'s ``entry_dicts``)."""
+
+
+def merge_built(live: list[list[Any]], groups: list[Any], global_rank: int, built: Sequence[Built]) -> list[dict[str, Any]]:
+    """Slots and built entries -> the pickle dump's entries, merged by creation time and numbered anew, as
+    :func:`entries_json` merges rendered ones::
+
+        [{**entry, "record_id": i} for i, entry in enumerate(sorted(live + built, key=(t_created, rid)))]
+    """
+    live = [e for e in live if e[_OP] not in WINDOW_OPS]  # format_entries drops them in torch_compat
+    merged: list[tuple[int, int, dict[str, Any]]] = [
+        (e[_TCREATED], e[_RID], d)
+        for e, d in zip(live, format_entries(live, groups, global_rank, torch_compat=True), strict=True)]
+    merged.extend(built)
+    merged.sort(key=lambda x: (x[0], x[1]))
+    out = []
+    for i, (_, _, d) in enumerate(merged):
+        d["record_id"] = i
+        out.append(d)
+    return out
 
 
 Rendered = tuple[int, int, str]

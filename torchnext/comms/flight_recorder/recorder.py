@@ -59,9 +59,11 @@ from torchnext.comms.flight_recorder.entries import (
     _TDONE,
     _TSTARTED,
     P2P_OPS,
+    Built,
     Rendered,
     entries_json,
     format_entries,
+    merge_built,
 )
 from torchnext.comms.flight_recorder.format import (
     FORMAT_NAME,
@@ -86,6 +88,14 @@ class RecordSource(Protocol):
 
     def counters(self) -> list[int]:
         """The group's 8 sequence counters as the source sees them (see ``groups.py``)."""
+        ...
+
+
+class BuildingSource(RecordSource, Protocol):
+    """A source that also builds its entries' pickle-dump dicts itself (the native ring, in C++)."""
+
+    def dicts(self, group: Group, global_rank: int, thread_names: dict[int, str]) -> list[Built]:
+        """The live records as :data:`~torchnext.comms.flight_recorder.entries.Built`, oldest first."""
         ...
 
 
@@ -595,17 +605,40 @@ class FlightRecorder:
             return live
         extra: list[list[Any]] = []
         for pg_id, src in list(self._sources):
-            for slot in src.slots():
-                slot[_PG] = pg_id
-                if slot[_GEN] is None:
-                    slot[_GEN] = self._groups[pg_id].generation
-                extra.append(slot)
+            extra.extend(self._source_slots(pg_id, src))
         if not extra:
             return live
         merged = sorted([list(e) for e in live] + extra, key=lambda e: (e[_TCREATED], e[_RID]))
         for i, e in enumerate(merged):
             e[_RID] = i
         return merged
+
+    def _source_slots(self, pg_id: int, src: RecordSource) -> list[list[Any]]:
+        """``src``'s slots with their group and (if the source left it out) generation filled in."""
+        slots = src.slots()
+        for slot in slots:
+            slot[_PG] = pg_id
+            if slot[_GEN] is None:
+                slot[_GEN] = self._groups[pg_id].generation
+        return slots
+
+    def _entries_compat(self) -> list[dict[str, Any]]:
+        """The pickle dump's ``entries``: ``format_entries(self._live(), ..., torch_compat=True)``, with the entries
+        of building sources (:class:`BuildingSource`: the native ring, dicts made in C++) built by the source."""
+        building = [(pg_id, src) for pg_id, src in self._sources if hasattr(src, "dicts")]
+        if not self.capacity or not building:
+            return format_entries(self._live(), self._groups, self.rank, torch_compat=True)
+        live = [e for e in list(self._ring) if e is not None]
+        for pg_id, src in self._sources:
+            if not hasattr(src, "dicts"):
+                live.extend(self._source_slots(pg_id, src))
+        thread_names = {t.ident: t.name for t in threading.enumerate() if t.ident is not None}
+        built: list[Built] = []
+        for pg_id, src in building:
+            built.extend(src.dicts(self._groups[pg_id], self.rank, thread_names))
+        if not built:  # nothing built: _live() numbers as entries() does
+            return format_entries(self._live(), self._groups, self.rank, torch_compat=True)
+        return merge_built(live, self._groups, self.rank, built)
 
     def _entries_json(self) -> str:
         """The dump's ``entries`` as JSON text: what :meth:`entries` returns, with the entries of rendering sources
@@ -618,11 +651,7 @@ class FlightRecorder:
         others = [(pg_id, src) for pg_id, src in self._sources if not hasattr(src, "render")]
         live = [e for e in list(self._ring) if e is not None]
         for pg_id, src in others:
-            for slot in src.slots():
-                slot[_PG] = pg_id
-                if slot[_GEN] is None:
-                    slot[_GEN] = self._groups[pg_id].generation
-                live.append(slot)
+            live.extend(self._source_slots(pg_id, src))
         thread_names = {t.ident: t.name for t in threading.enumerate() if t.ident is not None}
         rendered: list[Rendered] = []
         for pg_id, src in rendering:
@@ -649,7 +678,8 @@ class FlightRecorder:
     def snapshot(self, *, reason: str = "manual", as_tuple: bool = False) -> dict[str, Any]:
         """The whole dump as a dict (what :meth:`dump` writes)."""
         snap = self._header(reason)
-        snap["entries"] = format_entries(self._live(), self._groups, self.rank, torch_compat=as_tuple)
+        snap["entries"] = (self._entries_compat() if as_tuple
+                           else format_entries(self._live(), self._groups, self.rank, torch_compat=False))
         return snap
 
     def _header(self, reason: str) -> dict[str, Any]:

@@ -63,7 +63,7 @@ from torchnext._config import env_config
 from torchnext.comms import native as _native_ext
 from torchnext.comms.communicator import Communicator
 from torchnext.comms.errors import CommAborted, CommError, CommTimeout, PeerFailure, classify_backend_error
-from torchnext.comms.flight_recorder.entries import group_fields
+from torchnext.comms.flight_recorder.entries import group_dict, group_fields
 from torchnext.comms.hooks import AbortHookArgs, mirrored_natively
 
 if TYPE_CHECKING:
@@ -167,6 +167,13 @@ class _FrSource:
         texts = {(op, peer): group_fields(group, op, peer, global_rank) for op, peer in self._mod.fr_keys(self._backend)}
         return list(self._mod.fr_render(self._backend, texts, int(group.generation), [int(r) for r in group.ranks],
                                         thread_names))
+
+    def dicts(self, group: Any, global_rank: int, thread_names: dict[int, str]) -> list[Any]:
+        """The ring's entries as the pickle dump's dicts, built in C++ (``BuildingSource``): the group's fields once
+        per ``(op, peer)`` here, copied into each entry there."""
+        fields = {(op, peer): group_dict(group, op, peer, global_rank) for op, peer in self._mod.fr_keys(self._backend)}
+        return list(self._mod.fr_dicts(self._backend, fields, int(group.generation), [int(r) for r in group.ranks],
+                                       thread_names))
 
 
 class _Native:
