@@ -18,6 +18,27 @@
 Semantics of one backward, per bucket ``b``::
 
     b = mean over live replica groups of b        # ft.process_group.allreduce([b], AVG)
+
+**Data path.** Which code issues those ops is chosen once per DDP, at construction, and then per op::
+
+    if native and not vote_early and the module is on CPU:     # TORCHNEXT_NATIVE_PG=1 and the extension loads
+        comm hook: C++ (csrc/ddp.cpp AverageHook)          used map: C++ (_DDPGroup's all_reduce -> RouteBackend)
+        per op:    backend = the current generation's native backend (ft.process_group.native_route())
+                   backend ? backend.allreduce(...)       # no Python (the backend itself takes the group's Python
+                                                           #   path when a hook or check_collectives asks for it)
+                           : ft.process_group.allreduce(...)  # that generation is on the Python path: its method,
+                                                              #   through torch's trampoline (one GIL take)
+    else:
+        comm hook: Python (_average_over_live_groups; with vote_early _average_and_track, which counts the ops)
+        used map:  Python (_DDPGroup.allreduce -> ft.process_group.allreduce)
+
+Both give the same op on the same backend, so the same bits; a failure is recorded the same way (the staged
+backend's future completes with NaN, ``step.commit()`` drains the failure before the vote). Costs per bucket: the
+C++ hook adds one mutex read of the route to the op; the Python hook adds a Python call under the GIL when the
+bucket is ready, the op's arguments converted by pybind, and a ``then`` callback that takes the GIL again on the
+thread completing the op. The used map costs one GIL take on the C++ path (torch's trampoline finds no Python
+override on the group) instead of a Python call. ``vote_early`` keeps the Python hook: its tracker counts the
+step's ops in Python (``_Backward``). Which branch each op took: :meth:`DistributedDataParallel.native_counts`.
 """
 
 # No `from __future__ import annotations`: DDP checks the comm hook's annotations as objects.
@@ -29,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchnext.comms import native as _native_ext
 from torchnext.comms.communicator import Communicator
 from torchnext.comms.process_group import TorchnextProcessGroup
 
@@ -58,10 +80,25 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._ft_local = local
         self._ft_group = ft.process_group
         self.vote_early = vote_early
-        if tracker is None:
+        self._ft_counts: Any = None
+        route = self._ft_group.native_route() if tracker is None and self.device_type == "cpu" else None
+        if route is not None:
+            mod = _native_ext.module()
+            self._ft_counts = mod.RouteCounts()
+            mod.register_ddp_hook(self.reducer, route, self._ft_group, self._ft_counts)
+            if self.logger is not None:
+                self.logger._set_comm_hook_name("torchnext.ft average over live groups (C++)")
+            group.route_all_reduce(mod.create_route_backend(route, self._ft_group, self._ft_counts, 0, 1))
+        elif tracker is None:
             self.register_comm_hook(self._ft_group, _average_over_live_groups)
         else:
             self.register_comm_hook(tracker, _average_and_track)
+
+    def native_counts(self) -> dict[str, int] | None:
+        """How many of this DDP's ops took each branch of the C++ data path (see the module docstring):
+        ``bucket_native``/``bucket_group`` (comm hook: the native backend / the group's own method) and
+        ``used_map_native``/``used_map_group``; None when this DDP uses the Python hook."""
+        return None if self._ft_counts is None else dict(self._ft_counts.as_dict())
 
 
 class _DDPGroup(TorchnextProcessGroup):
@@ -84,6 +121,18 @@ class _DDPGroup(TorchnextProcessGroup):
                 self._tracker.add(work.get_future(), used_map=True)
             return work
         return super().allreduce(tensors, opts)
+
+    def route_all_reduce(self, backend: Any) -> None:
+        """From now on all_reduce runs in C++ on ``backend`` (a ``RouteBackend``: through the fault-tolerant
+        group's route); every other op stays on the Python methods (the one-rank local group)."""
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, backend)
+        object.__setattr__(self, "__class__", _RoutedDDPGroup)
+
+
+class _RoutedDDPGroup(_DDPGroup):
+    """A :class:`_DDPGroup` whose all_reduce is torch's C++ ``ProcessGroup`` method (its CPU backend: the route)."""
+
+    allreduce = dist.ProcessGroup.__dict__["allreduce"]
 
 
 class _Backward:
