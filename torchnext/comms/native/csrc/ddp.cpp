@@ -17,6 +17,8 @@
 // * RouteBackend: the c10d::Backend the DDP's own group (ft/ddp.py: _DDPGroup) takes its all_reduce from after
 //   construction -- the used-parameter map of find_unused_parameters (int32 SUM) -- through the same route.
 // * Counters (per DDP) say which branch ran: what tests check, what a user may look at.
+// * Tracker: DistributedDataParallel(vote_early=True)'s count of one backward's ops (ft/ddp.py's _Backward is the
+//   reference); `on_ready()` -- ft's early vote, the one Python call -- from the thread that completed the last op.
 
 #include <torch/extension.h>
 
@@ -70,6 +72,63 @@ struct RouteCounts {
   }
 };
 
+// The early vote's tracker (ft/ddp.py: _Backward, the same rules)::
+//
+//     on each op issued: pending += 1          on each completion: pending -= 1
+//     if the last bucket and (the used map, if expected) were issued and pending == 0: on_ready()
+class Tracker : public std::enable_shared_from_this<Tracker> {
+ public:
+  Tracker(bool expect_used_map, py::object on_ready)
+      : expect_used_map_(expect_used_map), on_ready_(std::move(on_ready)) {}
+
+  ~Tracker() {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      on_ready_ = py::object();
+    } else {
+      on_ready_.release();
+    }
+  }
+
+  // Count `fut` (an op just issued); its completion is counted by a callback (run at once if it is complete).
+  void add(const c10::intrusive_ptr<c10::ivalue::Future>& fut, bool last_bucket, bool used_map) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      last_bucket_ = last_bucket_ || last_bucket;  // the used map comes after the last bucket; a new backward
+      used_map_ = used_map_ || used_map;           // starts over once the vote left
+      ++pending_;
+    }
+    std::weak_ptr<Tracker> me = weak_from_this();
+    fut->addCallback([me](c10::ivalue::Future&) {
+      if (auto t = me.lock()) t->done();
+    });
+  }
+
+ private:
+  void done() {
+    bool ready;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      --pending_;
+      ready = pending_ == 0 && last_bucket_ && (used_map_ || !expect_used_map_);
+      if (ready) last_bucket_ = used_map_ = false;
+    }
+    if (!ready) return;
+    py::gil_scoped_acquire gil;
+    try {
+      on_ready_();
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("torchnext DistributedDataParallel: the early vote");
+    }
+  }
+
+  const bool expect_used_map_;
+  py::object on_ready_;
+  std::mutex mu_;
+  int64_t pending_ = 0;
+  bool last_bucket_ = false, used_map_ = false;
+};
+
 // One all_reduce through the route (see the top of this file); `native_slot`: the counter of the native branch
 // (the group branch's is the next one).
 c10::intrusive_ptr<c10d::Work> route_allreduce(const Route& route, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
@@ -87,14 +146,20 @@ c10::intrusive_ptr<c10d::Work> route_allreduce(const Route& route, const c10::in
 class AverageHook : public c10d::CommHookInterface {
  public:
   AverageHook(std::shared_ptr<Route> route, c10::intrusive_ptr<c10d::ProcessGroup> pg,
-              std::shared_ptr<RouteCounts> counts)
-      : route_(std::move(route)), pg_(std::move(pg)), counts_(std::move(counts)) {
+              std::shared_ptr<RouteCounts> counts, std::shared_ptr<Tracker> tracker)
+      : route_(std::move(route)), pg_(std::move(pg)), counts_(std::move(counts)), tracker_(std::move(tracker)) {
     opts_.reduceOp = c10d::ReduceOp(c10d::ReduceOp::AVG);
   }
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
     std::vector<at::Tensor> ts{bucket.getBufferRef()};
-    return route_allreduce(*route_, pg_, *counts_, RouteCounts::kBucketNative, ts, opts_)->getFuture();
+    auto fut = route_allreduce(*route_, pg_, *counts_, RouteCounts::kBucketNative, ts, opts_)->getFuture();
+    if (!tracker_) return fut;
+    tracker_->add(fut, bucket.isLast(), false);
+    // The reducer waits on the future returned here, and a Future releases its waiters before it runs its
+    // callbacks: a future completed by the tracker's callback (registered first, so run first) keeps the training
+    // thread in backward until the vote left -- the Python hook's `fut.then(...)` order.
+    return fut->then([](c10::ivalue::Future& f) { return f.value(); }, fut->elementType());
   }
 
   // The native branch's future holds [buffer]; the group branch's (a Python Work's) the Python list [buffer].
@@ -104,6 +169,7 @@ class AverageHook : public c10d::CommHookInterface {
   std::shared_ptr<Route> route_;
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   std::shared_ptr<RouteCounts> counts_;
+  std::shared_ptr<Tracker> tracker_;  // vote_early, else null
   c10d::AllreduceOptions opts_;
 };
 
@@ -112,19 +178,26 @@ class AverageHook : public c10d::CommHookInterface {
 class RouteBackend : public c10d::Backend {
  public:
   RouteBackend(std::shared_ptr<Route> route, c10::intrusive_ptr<c10d::ProcessGroup> pg,
-               std::shared_ptr<RouteCounts> counts, int rank, int size)
-      : Backend(rank, size), route_(std::move(route)), pg_(std::move(pg)), counts_(std::move(counts)) {}
+               std::shared_ptr<RouteCounts> counts, std::shared_ptr<Tracker> tracker, int rank, int size)
+      : Backend(rank, size),
+        route_(std::move(route)),
+        pg_(std::move(pg)),
+        counts_(std::move(counts)),
+        tracker_(std::move(tracker)) {}
 
   const std::string getBackendName() const override { return "torchnext-ft-route"; }
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& ts, const c10d::AllreduceOptions& opts) override {
-    return route_allreduce(*route_, pg_, *counts_, RouteCounts::kUsedMapNative, ts, opts);
+    auto work = route_allreduce(*route_, pg_, *counts_, RouteCounts::kUsedMapNative, ts, opts);
+    if (tracker_) tracker_->add(work->getFuture(), false, true);
+    return work;
   }
 
  private:
   std::shared_ptr<Route> route_;
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   std::shared_ptr<RouteCounts> counts_;
+  std::shared_ptr<Tracker> tracker_;  // vote_early, else null
 };
 
 void init_ddp(py::module_& m) {
@@ -142,24 +215,29 @@ void init_ddp(py::module_& m) {
   py::class_<RouteCounts, std::shared_ptr<RouteCounts>>(m, "RouteCounts")
       .def(py::init<>())
       .def("as_dict", &RouteCounts::as_dict);
-  // register_ddp_hook(reducer, route, group, counts): AverageHook on torch's Reducer (once per Reducer: torch
-  // refuses a second hook).
+  py::class_<Tracker, std::shared_ptr<Tracker>>(m, "Tracker")
+      .def(py::init<bool, py::object>(), py::arg("expect_used_map"), py::arg("on_ready"));
+  // register_ddp_hook(reducer, route, group, counts, tracker): AverageHook on torch's Reducer (once per Reducer:
+  // torch refuses a second hook).
   m.def(
       "register_ddp_hook",
       [](const std::shared_ptr<c10d::Reducer>& reducer, std::shared_ptr<Route> route, GroupPtr pg,
-         std::shared_ptr<RouteCounts> counts) {
+         std::shared_ptr<RouteCounts> counts, std::shared_ptr<Tracker> tracker) {
         TORCH_CHECK(reducer && route && pg && counts, "register_ddp_hook: missing argument");
-        reducer->register_comm_hook(std::make_unique<AverageHook>(std::move(route), std::move(pg), std::move(counts)));
+        reducer->register_comm_hook(
+            std::make_unique<AverageHook>(std::move(route), std::move(pg), std::move(counts), std::move(tracker)));
       },
-      py::arg("reducer"), py::arg("route"), py::arg("group"), py::arg("counts"));
+      py::arg("reducer"), py::arg("route"), py::arg("group"), py::arg("counts"), py::arg("tracker").none(true));
   m.def(
       "create_route_backend",
-      [](std::shared_ptr<Route> route, GroupPtr pg, std::shared_ptr<RouteCounts> counts, int rank,
-         int size) -> BackendPtr {
+      [](std::shared_ptr<Route> route, GroupPtr pg, std::shared_ptr<RouteCounts> counts,
+         std::shared_ptr<Tracker> tracker, int rank, int size) -> BackendPtr {
         TORCH_CHECK(route && pg && counts, "create_route_backend: missing argument");
-        return c10::make_intrusive<RouteBackend>(std::move(route), std::move(pg), std::move(counts), rank, size);
+        return c10::make_intrusive<RouteBackend>(std::move(route), std::move(pg), std::move(counts),
+                                                 std::move(tracker), rank, size);
       },
-      py::arg("route"), py::arg("group"), py::arg("counts"), py::arg("rank"), py::arg("size"));
+      py::arg("route"), py::arg("group"), py::arg("counts"), py::arg("tracker").none(true), py::arg("rank"),
+      py::arg("size"));
 }
 
 }  // namespace torchnext_native
