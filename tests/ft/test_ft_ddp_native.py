@@ -81,11 +81,11 @@ def _extension(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _train(i: int, coord: Coordinator, *, mode: str) -> dict[str, Any]:
     """``STEPS`` committed steps of SGD on a copy of ``_INIT``; inputs depend on the member and the step.
-    ``mixed``: step 1 with a user hook on the generation's Communicator (the group on its Python path), step 2 with
+    ``early``: ``vote_early=True`` (the C++ tracker votes). ``mixed``: step 1 with a user hook on the generation's Communicator (the group on its Python path), step 2 with
     the route pointed at nothing (the hook calls the group's own allreduce)."""
     with _member(coord, i) as ft:
         model = copy.deepcopy(_INIT)
-        net = DistributedDataParallel(model, ft, bucket_cap_mb=256 / (1 << 20))
+        net = DistributedDataParallel(model, ft, bucket_cap_mb=256 / (1 << 20), vote_early=mode == "early")
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         seen: list[str] = []
         while ft.step_count < STEPS:
@@ -105,7 +105,7 @@ def _train(i: int, coord: Coordinator, *, mode: str) -> dict[str, Any]:
             if handle is not None:
                 handle.remove()
         out = {"params": [p.detach().clone() for p in model.parameters()], "counts": net.native_counts(),
-               "seen": seen, "hook": net._get_ddp_logging_data().get("comm_hook")}
+               "seen": seen, "hook": net._get_ddp_logging_data().get("comm_hook"), "early": ft.early_votes}
         ft.finish()
         return out
 
@@ -141,6 +141,14 @@ def test_the_cpp_hook_gives_bitwise_the_python_hooks_parameters(python_hook: dic
         assert native[i]["counts"] == {"bucket_native": STEPS * BUCKETS, "bucket_group": 0,
                                        "used_map_native": STEPS, "used_map_group": 0}, native[i]["counts"]
         assert "C++" in native[i]["hook"] and "_average_over_live_groups" in python_hook[i]["hook"]
+
+
+def test_the_early_vote_counted_in_cpp_votes_every_step_bitwise_the_same(python_hook: dict[int, Any]) -> None:
+    early = _run("early")
+    _assert_same_params(early, python_hook)
+    for i in range(N):
+        assert early[i]["early"] == STEPS, early[i]["early"]
+        assert early[i]["counts"]["bucket_native"] == STEPS * BUCKETS, early[i]["counts"]
 
 
 def test_the_group_on_its_python_path_and_an_empty_route_fall_back_bitwise(python_hook: dict[int, Any]) -> None:
