@@ -4,6 +4,7 @@ time at the default settings, and torchft 0.2.0's DDP measured the same way in t
     python benchmarks/ft/bench_parallel.py                                   # everything, default sizes
     python benchmarks/ft/bench_parallel.py --quick                           # smoke run of every section (< 2 min)
     python benchmarks/ft/bench_parallel.py --only overhead --steps 40 --compute-ms 0 20
+    python benchmarks/ft/bench_parallel.py --only overhead --parallel ddp --python-hook --vote-early  # C++ vs Python
     python benchmarks/ft/bench_parallel.py --only recovery --trials 30 --hsdp-trials 10
     python benchmarks/ft/bench_parallel.py --only torchft --torchft-python /work/venvs/torchft/bin/python
 
@@ -98,7 +99,9 @@ def _ddp_overhead_rank(ctx: Any, addr: str, token: str, p: dict[str, Any]) -> di
     ft = FaultTolerant(FaultTolerantConfig(coordinator=addr, token=token, member_id=r))
     kw = {"bucket_cap_mb": p["bucket_mb"]}
     early = bool(p.get("vote_early"))
-    models = {name: W.model(p["hidden"]) for name in ("gloo", "plain", "ft", *(["ft_early"] if early else []))}
+    py_hook = bool(p.get("python_hook"))
+    models = {name: W.model(p["hidden"]) for name in ("gloo", "plain", "ft", *(["ft_early"] if early else []),
+                                                       *(["ft_py"] if py_hook else []))}
     wrapped = {
         "gloo": TorchDDP(models["gloo"], process_group=gloo, **kw),
         "plain": TorchDDP(models["plain"], process_group=plain, **kw),
@@ -106,6 +109,11 @@ def _ddp_overhead_rank(ctx: Any, addr: str, token: str, p: dict[str, Any]) -> di
     }
     if early:  # the same ft, its own DDP: the vote leaves when backward's last bucket is reduced
         wrapped["ft_early"] = DistributedDataParallel(models["ft_early"], ft, vote_early=True, **kw)
+    if py_hook:  # the same ft, its own DDP built as without the native extension: the Python comm hook and used map
+        from unittest import mock
+
+        with mock.patch.object(type(ft.process_group), "native_route", lambda self: None):
+            wrapped["ft_py"] = DistributedDataParallel(models["ft_py"], ft, **kw)
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     phases = _Phases()
     compute = lambda ms: W.compute(ms, p["compute_kind"])  # noqa: E731
@@ -149,9 +157,12 @@ def _plain_step(phases: _Phases, name: str, net: Any, opt: Any, batch: Any, comp
     return step
 
 
-FT_VARIANTS = ("ft", "ft_early")
-"""The fault-tolerant variants: voting at ``commit()``, and (DDP, ``--vote-early``) voting when backward's last
-bucket is reduced (``DistributedDataParallel(vote_early=True)``)."""
+FT_VARIANTS = ("ft", "ft_early", "ft_py")
+"""The fault-tolerant variants: voting at ``commit()``, (DDP, ``--vote-early``) voting when backward's last
+bucket is reduced (``DistributedDataParallel(vote_early=True)``), and (DDP, ``--python-hook``) the Python comm hook
+and used map (what a DDP gets without the native extension), for an A/B against the C++ path in the same run."""
+
+_VARIANT_LABELS = {"ft": "", "ft_early": " (vote early)", "ft_py": " (Python hook)"}
 
 
 def _ft_step(phases: _Phases, ft: Any, net: Any, opt: Any, batch: Any, compute: Any, name: str = "ft") -> Any:
@@ -285,7 +296,7 @@ def print_overhead(res: dict[str, Any], p: dict[str, Any]) -> list[dict[str, Any
                 raw = f"{med['gloo']:.2f}" if med["gloo"] == med["gloo"] else "-"
                 ok = "met" if ovh <= goal else f"**missed by {ovh - goal:.1f} pts**"
                 label = "FT-DDP" if kind == "ddp" else f"FT-HSDP {p['ranks'] // p['shard']}x{p['shard']}"
-                label += " (vote early)" if variant == "ft_early" else ""
+                label += _VARIANT_LABELS[variant]
                 vcommit = _phase(reports, f"{variant}.commit")
                 print(f"| {label} | {ms:g} ms | {raw} | {med[base]:.2f} | {med[variant]:.2f} | {ovh:+.1f} % | "
                       f"{W.pct(spread, 25):+.1f} .. {W.pct(spread, 75):+.1f} % | <= {goal:g} % {ok} | {vcommit:.2f} | "
@@ -307,7 +318,7 @@ def print_overhead(res: dict[str, Any], p: dict[str, Any]) -> list[dict[str, Any
         for v in FT_VARIANTS:
             if not any(f"{v}.commit" in rep["phases"] for rep in reports):
                 continue
-            label = ("FT-DDP" if kind == "ddp" else "FT-HSDP") + (" (vote early)" if v == "ft_early" else "")
+            label = ("FT-DDP" if kind == "ddp" else "FT-HSDP") + _VARIANT_LABELS[v]
             print(f"| {label} | {_phase(reports, 'plain.fwd_bwd'):.2f} | {_phase(reports, f'{v}.fwd_bwd'):.2f} | "
                   f"{_phase(reports, f'{v}.enter'):.3f} | {_phase(reports, f'{v}.commit'):.2f} | "
                   f"{_phase(reports, f'{v}.exit'):.3f} |")
@@ -692,6 +703,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket-mb", type=float, default=1.0, help="DDP bucket size (MiB)")
     ap.add_argument("--vote-early", action="store_true",
                     help="FT-DDP: also time DistributedDataParallel(vote_early=True) in the same run")
+    ap.add_argument("--python-hook", action="store_true",
+                    help="FT-DDP: also time it on the Python comm hook and used map (A/B against the C++ path)")
     ap.add_argument("--trials", type=int, default=100, help="FT-DDP recovery trials")
     ap.add_argument("--hsdp-trials", type=int, default=30, help="FT-HSDP recovery trials")
     ap.add_argument("--recovery-compute-ms", type=float, default=5.0, help="sleep per step in the recovery jobs")
@@ -717,7 +730,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({sum(x.numel() for x in W.model(args.hidden).parameters()):,} fp32 params), batch {W.BATCH}; "
           f"defaults: FaultTolerantConfig(), {MembershipConfig()}", flush=True)
     p: dict[str, Any] = {k: getattr(args, k) for k in ("parallel", "ranks", "shard", "steps", "block", "compute_ms", "compute_kind",
-                                                       "hidden", "bucket_mb", "vote_early", "timeout", "torchft_python",
+                                                       "hidden", "bucket_mb", "vote_early", "python_hook", "timeout",
+                                                       "torchft_python",
                                                        "torchft_trials", "torchft_timeout")}
     out: dict[str, Any] = {"argv": sys.argv[1:], "load_start": os.getloadavg()}
     rows: list[dict[str, Any]] = []

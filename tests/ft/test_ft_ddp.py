@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from torchnext.comms import native as native_ext
 from torchnext.ft import Coordinator, CoordinatorConfig, MembershipConfig
 from torchnext.testing.faults import Fault, FaultKind, FaultPoint
 from torchnext.testing.ft_parallel import ParallelSpec, ddp_expected_weights, run_parallel
@@ -59,12 +60,18 @@ def test_no_fault_equals_the_replay() -> None:
     reports = _run(2, 4, [])
     assert check_ddp_survivors(reports) == [0, 1]
     assert all(len(g) == 2 for _, g in reports[0]["history"])
+    if native_ext.status().available:  # the C++ comm hook and used map (tests/ft/test_ft_ddp_native.py)
+        counts = reports[0]["ddp_counts"]
+        assert counts is not None and counts["bucket_native"] > 0 and counts["used_map_native"] > 0, counts
 
 
 def test_kill_inside_backward_during_bucket_all_reduce() -> None:
-    """Member 2 dies inside backward of step 3 while the others are blocked in DDP's bucket all-reduces."""
+    """Member 2 dies inside backward of step 3 while the others are blocked in DDP's bucket all-reduces (issued by
+    the C++ comm hook where the extension is available)."""
     reports = _run(4, 8, [Fault(kind=KILL, member=2, step=3, where=COLL)])
     assert check_ddp_survivors(reports) == [0, 1, 3]
+    for m in (0, 1, 3):
+        assert (reports[m]["ddp_counts"] is not None) == native_ext.status().available, reports[m]["ddp_counts"]
     sizes = [len(g) for _, g in reports[0]["history"]]
     assert sizes[:3] == [4, 4, 4] and sizes[-1] == 3, sizes
 

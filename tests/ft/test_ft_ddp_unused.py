@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from torchnext.comms import native as native_ext
 from torchnext.ft import Coordinator, CoordinatorConfig, MembershipConfig
 from torchnext.testing.ft_workload import FTJob
 
@@ -54,7 +55,8 @@ def _worker(spec: _Spec) -> dict[str, Any]:
                 net(x, use_b=spec.member_id == 1).backward()  # only member 1 uses b
                 if st.commit():
                     opt.step()
-        return {"a": model.a.detach().tolist(), "b": model.b.detach().tolist(), "steps": ft.step_count}
+        return {"a": model.a.detach().tolist(), "b": model.b.detach().tolist(), "steps": ft.step_count,
+                "counts": net.native_counts()}
     finally:
         ft.finish()
 
@@ -71,3 +73,5 @@ def test_a_parameter_used_by_one_replica_group_gets_the_average_on_all() -> None
         assert reports[m]["steps"] == 3
         assert reports[m]["a"] == [-4.5] * 4, (m, reports[m])
         assert reports[m]["b"] == [-3.0] * 4, (m, reports[m])
+        if native_ext.status().available:  # the used map went through the C++ route (csrc/ddp.cpp)
+            assert reports[m]["counts"]["used_map_native"] >= 3, reports[m]["counts"]

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from torchnext.comms import native as native_ext
 from torchnext.ft import Coordinator, CoordinatorConfig, MembershipConfig
 from torchnext.testing.ft_parallel import ParallelSpec, check_sessions, ddp_expected_weights, run_parallel
 from torchnext.testing.ft_workload import FTJob
@@ -98,6 +99,8 @@ def test_ddp_chaos_10_schedules(tmp_path: Any, vote_early: bool) -> None:
         # vote_early: most commits were voted from the completion of backward's last op (a joiner's first
         # attempts and attempts of a broken generation vote at commit, or not at all)
         assert (r["early_votes"] > len(r["commits"]) // 2) if vote_early else r["early_votes"] == 0, r["early_votes"]
+        # the C++ comm hook and used map where the extension is available (tests/ft/test_ft_ddp_native.py)
+        assert (r["ddp_counts"] is not None) == native_ext.status().available, r["ddp_counts"]
     replay = ddp_expected_weights(_step_members(history, first["step"]))
     for got, want in zip(first["params"], replay, strict=True):
         assert torch.equal(torch.tensor(got, dtype=torch.float64), want), "differs from the exact replay"

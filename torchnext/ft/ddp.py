@@ -18,6 +18,33 @@
 Semantics of one backward, per bucket ``b``::
 
     b = mean over live replica groups of b        # ft.process_group.allreduce([b], AVG)
+
+**Data path.** Which code issues those ops is chosen once per DDP, at construction, and then per op::
+
+    if native and the module is on CPU:     # TORCHNEXT_NATIVE_PG=1 and the extension loads (compiler, cache)
+        comm hook: C++ (csrc/ddp.cpp AverageHook)          used map: C++ (_DDPGroup's all_reduce -> RouteBackend)
+        vote_early: C++ (csrc/ddp.cpp Tracker: _Backward's rules; one Python call per step, the vote itself)
+        per op:    backend = the current generation's native backend (ft.process_group.native_route())
+                   backend ? backend.allreduce(...)       # no Python (the backend itself takes the group's Python
+                                                           #   path when a hook or check_collectives asks for it)
+                           : ft.process_group.allreduce(...)  # that generation is on the Python path: its method,
+                                                              #   through torch's trampoline (one GIL take)
+    else:                                   # TORCHNEXT_NATIVE_PG=0, no compiler, a CUDA module
+        comm hook: Python (_average_over_live_groups; with vote_early _average_and_track, which counts the ops
+                   in a _Backward)
+        used map:  Python (_DDPGroup.allreduce -> ft.process_group.allreduce)
+
+The per-op branch follows the group between generations and paths: a generation on the Python path (its
+Communicator not Gloo on CPU, or the native backend failed to attach) empties the route; a user hook or
+``check_collectives`` added mid-generation turns the native backend to the group's Python path for every op.
+Both give the same op on the same backend, so the same bits; a failure is recorded the same way (the staged
+backend's future completes with NaN, ``step.commit()`` drains the failure before the vote). Costs per bucket: the
+C++ hook adds one mutex read of the route to the op; the Python hook adds a Python call under the GIL when the
+bucket is ready, the op's arguments converted by pybind, and a ``then`` callback that takes the GIL again on the
+thread completing the op. The used map costs one GIL take on the C++ path (torch's trampoline finds no Python
+override on the group) instead of a Python call. ``vote_early`` on the C++ path counts the ops in C++ (a mutex
+and a future callback per op) and takes the GIL once per step, to vote. Which branch each op took:
+:meth:`DistributedDataParallel.native_counts`.
 """
 
 # No `from __future__ import annotations`: DDP checks the comm hook's annotations as objects.
@@ -29,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchnext.comms import native as _native_ext
 from torchnext.comms.communicator import Communicator
 from torchnext.comms.process_group import TorchnextProcessGroup
 
@@ -58,10 +86,27 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._ft_local = local
         self._ft_group = ft.process_group
         self.vote_early = vote_early
-        if tracker is None:
+        self._ft_counts: Any = None
+        route = self._ft_group.native_route() if self.device_type == "cpu" else None
+        if route is not None:
+            mod = _native_ext.module()
+            self._ft_counts = mod.RouteCounts()
+            native_tracker = None if tracker is None else mod.Tracker(tracker.expect_used_map, ft._vote_early)
+            mod.register_ddp_hook(self.reducer, route, self._ft_group, self._ft_counts, native_tracker)
+            if self.logger is not None:
+                self.logger._set_comm_hook_name("torchnext.ft average over live groups (C++)")
+            group.route_all_reduce(mod.create_route_backend(route, self._ft_group, self._ft_counts, native_tracker,
+                                                            0, 1))
+        elif tracker is None:
             self.register_comm_hook(self._ft_group, _average_over_live_groups)
         else:
             self.register_comm_hook(tracker, _average_and_track)
+
+    def native_counts(self) -> dict[str, int] | None:
+        """How many of this DDP's ops took each branch of the C++ data path (see the module docstring):
+        ``bucket_native``/``bucket_group`` (comm hook: the native backend / the group's own method) and
+        ``used_map_native``/``used_map_group``; None when this DDP uses the Python hook."""
+        return None if self._ft_counts is None else dict(self._ft_counts.as_dict())
 
 
 class _DDPGroup(TorchnextProcessGroup):
@@ -69,7 +114,8 @@ class _DDPGroup(TorchnextProcessGroup):
     shape check and broadcast; a joining replica gets its state from healing); once ``constructed``, all-reduces --
     DDP issues exactly one on its own group, the used-parameter map of ``find_unused_parameters``, after every
     bucket -- go to the live replica groups (``ft.process_group``: a failure there is recorded, not raised).
-    Buckets never come here: the comm hook sends them to ``ft.process_group`` itself."""
+    Buckets never come here: the comm hook sends them to ``ft.process_group`` itself. On the C++ path
+    (:meth:`route_all_reduce`) its all_reduce is C++ from then on (:class:`_RoutedDDPGroup`)."""
 
     def __init__(self, local: Communicator, ft_group: Any, tracker: "_Backward | None" = None) -> None:
         super().__init__({local.device.type: local}, description=local.name)
@@ -85,6 +131,19 @@ class _DDPGroup(TorchnextProcessGroup):
             return work
         return super().allreduce(tensors, opts)
 
+    def route_all_reduce(self, backend: Any) -> None:
+        """From now on all_reduce runs in C++ on ``backend`` (a ``RouteBackend``: through the fault-tolerant
+        group's route); every other op stays on the Python methods (the one-rank local group)."""
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, backend)
+        self._tracker = None  # the backend counts the used map for the early vote (its own tracker)
+        object.__setattr__(self, "__class__", _RoutedDDPGroup)
+
+
+class _RoutedDDPGroup(_DDPGroup):
+    """A :class:`_DDPGroup` whose all_reduce is torch's C++ ``ProcessGroup`` method (its CPU backend: the route)."""
+
+    allreduce = dist.ProcessGroup.__dict__["allreduce"]
+
 
 class _Backward:
     """The early vote of ``DistributedDataParallel(vote_early=True)``: one backward's fault-tolerant ops (every
@@ -95,6 +154,9 @@ class _Backward:
         on each op issued: pending += 1          on each completion: pending -= 1
         if the last bucket and (the used map, if expected) were issued and pending == 0: ft._vote_early()
 
+    The C++ path counts the same way (``csrc/ddp.cpp``: ``Tracker``); on both, the future backward waits on
+    completes only after the vote left (the Python hook's ``then``; the C++ hook's chained future).
+
     Contract: no fault-tolerant collective follows backward in the step (``ft.process_group`` raises), and the
     optimizer step is applied iff ``step.commit()``; a block that raises after the vote leaves the group if the
     others committed (see :func:`torchnext.ft.step._voted_then_raised`)."""
@@ -102,7 +164,7 @@ class _Backward:
     def __init__(self, ft: "FaultTolerant", *, expect_used_map: bool) -> None:
         self.ft = ft
         self.group = ft.process_group
-        self._expect_used_map = expect_used_map
+        self.expect_used_map = expect_used_map
         self._lock = threading.Lock()
         self._pending = 0
         self._last_bucket = False
@@ -120,7 +182,7 @@ class _Backward:
         with self._lock:
             self._pending -= 1
             ready = (self._pending == 0 and self._last_bucket
-                     and (self._used_map or not self._expect_used_map))
+                     and (self._used_map or not self.expect_used_map))
             if ready:
                 self._last_bucket = self._used_map = False
         if ready:

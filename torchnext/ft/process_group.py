@@ -31,7 +31,9 @@ the group's one switch backend (:mod:`torchnext.comms.process_group.native`, "A 
 ``broadcast`` and ``reduce`` then run in C++ with the same staging and the same never-raise semantics; every other
 op, and every op once the generation is broken, runs on this module's Python methods. A native failure is recorded
 as a Python one is (:meth:`FaultTolerantProcessGroup._note_native_failure`): on the waiting thread, or -- a future
-nobody waited on -- before ``ft.vote()`` (:meth:`FaultTolerantProcessGroup._drain_native`). After an early vote
+nobody waited on -- before ``ft.vote()`` (:meth:`FaultTolerantProcessGroup._drain_native`). Callers in C++
+(:class:`~torchnext.ft.DistributedDataParallel`'s comm hook) issue on the current generation's native backend
+through :meth:`FaultTolerantProcessGroup.native_route`, or on the group's own method while there is none. After an early vote
 the native backend is held on the Python path (which refuses the step's later ops) until the step is over. With
 ``TORCHNEXT_NATIVE_PG=0``, no compiler, or a CUDA Communicator: the Python path for every op, as before.
 """
@@ -167,6 +169,8 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         self._native = None
         self._switch: Any = None  # the native switch backend, registered for CPU with the first native generation
         self._held: Any = None  # the native backend held on the Python path since this step's early vote
+        self._route: Any = None  # the C++ route of callers in C++ (native_route), made on first use
+        self._route_lock = threading.Lock()
         name = f"torchnext:{ft.config.name}:member{ft.member_id}:{next(_IDS)}"
         self._group_name = name
         _register(self, name, dist.HashStore(), self._mapping)
@@ -206,9 +210,28 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
                 native = None
         if native is None:  # the Python path for this generation
             object.__setattr__(self, "__class__", getattr(type(self), "_native_twin_of", type(self)))
-            return
-        self._switch = native.switch
-        self._native = native
+        else:
+            self._switch = native.switch
+            self._native = native
+        with self._route_lock:
+            if self._route is not None:
+                self._route.set(None if native is None else native.backend)
+
+    def native_route(self) -> Any:
+        """The route of this group's all-reduces for callers in C++ (:class:`~torchnext.ft.DistributedDataParallel`'s
+        comm hook and used-parameter map): a ``Route`` of the native extension that points at the current
+        generation's native backend, or at nothing while that generation runs on the Python path (then a C++
+        caller calls the group's own ``allreduce``), kept current at every reconfiguration. Made on first use; None
+        when the native data path is off (``TORCHNEXT_NATIVE_PG=0``) or the extension is unavailable."""
+        with self._route_lock:
+            if self._route is None:
+                route = _native.new_route()
+                if route is None:
+                    return None
+                native = self._native
+                route.set(None if native is None else native.backend)
+                self._route = route
+            return self._route
 
     def set_timeout(self, timeout: timedelta) -> None:
         """The default op timeout of the current generation's Communicator and of every later one (instead of

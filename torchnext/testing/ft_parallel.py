@@ -235,6 +235,7 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
         if hsdp and dist.is_initialized():
             dist.destroy_process_group()
         return report
+    ddp: Any = None
     try:
         ft = FaultTolerant(
             FaultTolerantConfig(coordinator=spec.coordinator, token=spec.token, member_id=spec.member_id,
@@ -268,6 +269,7 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
             net = DistributedDataParallel(model, ft, bucket_cap_mb=DIM * 8 / (1 << 20),  # one bucket per parameter
                                           vote_early=spec.vote_early)
             model.ws[0].register_hook(_backward_fault(spec, ft, injector, doomed))  # type: ignore[index]
+            ddp = net
         ft.join()
         report["joined_at"] = time.time()
         _train(spec, ft, net, opt, injector, doomed, report, record)
@@ -292,6 +294,7 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
                 digest=_digest(state), params=[t.detach().tolist() for t in state["model"].values()],  # lists: a tensor
                 # would travel as a shared-memory handle that dies with this process
             )
+            report["ddp_counts"] = None if ddp is None else ddp.native_counts()  # which data path DDP's ops took
             if report["error"] is None:
                 ft.finish()
             else:

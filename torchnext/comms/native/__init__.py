@@ -29,7 +29,7 @@ __all__ = ["ABI_VERSION", "NativeStatus", "NativeUnavailable", "module", "status
 
 log = logging.getLogger("torchnext.comms.native")
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 """Must equal ``kAbiVersion`` in csrc/native.cpp (the loader refuses another extension)."""
 
 

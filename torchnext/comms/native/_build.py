@@ -1,8 +1,8 @@
 """Build and load the native process-group extension with ``torch.utils.cpp_extension``: cache key, one file lock.
 
-``torch.utils.cpp_extension.load`` compiles ``csrc/native.cpp`` against the installed torch (its headers, libtorch,
-libtorch_python and pybind11: the extension takes and returns torch's own ``c10d::Backend``/``Work`` objects) with
-ninja, into ``<TORCHNEXT_KERNEL_CACHE>/torchnext_native-<key>/``; ``key`` hashes the sources, the flags and torch's
+``torch.utils.cpp_extension.load`` compiles ``csrc/native.cpp`` and ``csrc/ddp.cpp`` against the installed torch
+(its headers, libtorch, libtorch_python and pybind11: the extension takes and returns torch's own
+``c10d::Backend``/``Work`` objects and registers a comm hook on torch's DDP ``Reducer``) with ninja, into ``<TORCHNEXT_KERNEL_CACHE>/torchnext_native-<key>/``; ``key`` hashes the sources, the flags and torch's
 version, so a new torch builds anew and an unchanged one loads in milliseconds. Concurrent first builds (every rank of
 a job starting at once) serialize on ``fcntl.flock`` of ``.torchnext_native-<key>.lock`` next to the folder: the
 first builds, the others wait and load what it built (``build.json`` marks a finished build).
@@ -36,7 +36,7 @@ __all__ = ["BuildResult", "build", "cache_folder", "compile_here", "load_cached"
 
 NAME = "torchnext_native"
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("native.cpp",)
+SOURCES = ("native.cpp", "ddp.cpp")
 FLAGS = ("-O2", "-std=c++17", "-fvisibility=hidden")
 TYPICAL_SECONDS = 45.0
 """A first build's duration on a 2-core machine (what the start line says before any build here was timed)."""

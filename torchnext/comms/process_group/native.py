@@ -37,6 +37,8 @@ Communicator's counter, as the Python path does (one Flight Recorder group per g
         staged = pool.take_like(t); staged.copy_(t)      # C++ pool keyed by shape and dtype, per generation
         op(staged) -> ok ? t.copy_(staged); pool.put(staged)
                          : mark_invalid(t)                # the buffer dropped; Gloo's own Work keeps it alive
+        all_reduce AVG: SUM(staged), then t = staged / size on the copy back   # Gloo's AVG is SUM then
+                                                          # staged /= size: the same quotients, one pass less
     every other op: the Python path (the group's methods; out-of-place outputs are quarantined there)
     every op: its future's callbacks run before wait() returns (the Python path's order)
     a failed op: wait() returns True, the future completes with the (invalid) outputs -- never raises;
@@ -44,7 +46,9 @@ Communicator's counter, as the Python path does (one Flight Recorder group per g
                  never waited on (DDP's futures): found by sync_failure() before ft's commit vote
 
 ``on_failure`` is the group's: it records a deterministic error on ``ft`` and aborts the op's generation
-otherwise, as the Python path does for a failed op.
+otherwise, as the Python path does for a failed op. Callers in C++ (ft's DDP comm hook, ``csrc/ddp.cpp``) reach
+the current generation's backend through the group's ``Route`` (:func:`new_route`), kept current at every
+reconfiguration, without the dispatcher or torch's Python trampoline.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ from torchnext.comms.hooks import AbortHookArgs, mirrored_natively
 if TYPE_CHECKING:
     from torchnext.comms.process_group.group import TorchnextProcessGroup
 
-__all__ = ["NATIVE_OPS", "attach", "attach_generation", "native_class", "python_needed"]
+__all__ = ["NATIVE_OPS", "attach", "attach_generation", "native_class", "new_route", "python_needed"]
 
 _LOG = logging.getLogger("torchnext.comms")
 
@@ -147,6 +151,14 @@ def attach_generation(pg: TorchnextProcessGroup, comm: Communicator, switch: Any
 
 
 _NEW_SWITCH = object()
+
+
+def new_route() -> Any | None:
+    """A new ``Route`` of the native extension (``csrc/ddp.cpp``: a staged group's current native backend, for
+    callers in C++), or None when the flag is off or the extension is unavailable."""
+    if not enabled() or not _native_ext.status().available:
+        return None
+    return _native_ext.module().Route()
 
 
 class _FrSource:

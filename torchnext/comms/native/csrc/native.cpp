@@ -24,6 +24,8 @@
 #include <torch/extension.h>
 #include <pybind11/chrono.h>
 
+#include <ATen/ScalarOps.h>
+
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/PyProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
@@ -51,7 +53,7 @@ namespace py = pybind11;
 
 namespace torchnext_native {
 
-constexpr int kAbiVersion = 3;
+constexpr int kAbiVersion = 4;
 
 using Clock = std::chrono::steady_clock;
 using c10d::OpType;
@@ -635,7 +637,12 @@ class NativeWork : public Work {
       if (to == kCompleted) {
         try {
           at::NoGradGuard g;
-          for (size_t i = 0; i < staged_.size() && i < outputs_.size(); ++i) outputs_[i].copy_(staged_[i]);
+          for (size_t i = 0; i < staged_.size() && i < outputs_.size(); ++i) {
+            if (divide_by_ > 0)  // AVG: the division fused with the copy back (one pass, not two)
+              at::div_out(outputs_[i], staged_[i], at::native::wrapped_scalar_tensor(c10::Scalar(divide_by_)));
+            else
+              outputs_[i].copy_(staged_[i]);
+          }
           if (pool_)
             for (auto& b : staged_) pool_->put(b);
         } catch (...) {
@@ -842,6 +849,7 @@ class NativeWork : public Work {
   std::function<void()> finalize_;
   std::vector<at::Tensor> staged_;     // staging buffers of an in-place op (outputs_: the caller's tensors)
   std::shared_ptr<StagingPool> pool_;  // where they go back after a success
+  int64_t divide_by_ = 0;              // > 0: an AVG run as SUM on the staging buffers; outputs = staged / this
   bool op_type_is_recv_any_ = false;
   bool breaks_ = true;
 
@@ -1205,6 +1213,15 @@ class NativeBackend : public c10d::Backend {
     const char* rop = ts.size() == 1 && plain(ts[0]) ? reduce_name(opts.reduceOp, ts[0].scalar_type()) : nullptr;
     if (!fast(true) || rop == nullptr || opts.sparseIndices.has_value())
       return python_op("allreduce", [&] { return py::make_tuple(py::cast(ts), py::cast(opts, py::return_value_policy::copy)); });
+    if (staged() && opts.reduceOp.op_ == c10d::ReduceOp::AVG) {
+      // Gloo's AVG is SUM, then `t /= size` over the result: here SUM on the staging buffer, and the division done
+      // by the copy back into the caller's tensor (bitwise the same quotient, one pass over the buffer less)
+      c10d::AllreduceOptions sum = opts;
+      sum.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+      return issue_staged("all_reduce", OpType::ALLREDUCE, ts, -1, rop, opts.timeout, opts.asyncOp,
+                          [&](c10d::Backend& b, std::vector<at::Tensor>& s) { return b.allreduce(s, sum); },
+                          getSize());
+    }
     if (staged())
       return issue_staged("all_reduce", OpType::ALLREDUCE, ts, -1, rop, opts.timeout, opts.asyncOp,
                           [&](c10d::Backend& b, std::vector<at::Tensor>& s) { return b.allreduce(s, opts); });
@@ -1448,18 +1465,18 @@ class NativeBackend : public c10d::Backend {
   }
 
   // An in-place op of a staged backend: `launch(inner, staged)` on private copies of `ts`, whose result reaches
-  // `ts` only when the op succeeded (NativeWork::finish).
+  // `ts` only when the op succeeded (NativeWork::finish); `divide_by` > 0: divided by it on the way (AVG).
   template <class Launch>
   c10::intrusive_ptr<Work> issue_staged(const char* op, OpType type, std::vector<at::Tensor>& ts, int64_t root,
                                         const char* rop, std::chrono::milliseconds timeout, bool async,
-                                        Launch&& launch) {
+                                        Launch&& launch, int64_t divide_by = 0) {
     NoGil nogil;  // the copy in needs no GIL
     std::vector<at::Tensor> staged;
     staged.reserve(ts.size());
     for (const auto& t : ts) staged.push_back(pool_->take(t));
     c10::intrusive_ptr<NativeWork> work = hand_over(
         op, type, ts, ts, root, -1, 0, rop, timeout, async,
-        [&](c10d::Backend& b) { return launch(b, staged); }, nullptr, &staged);
+        [&](c10d::Backend& b) { return launch(b, staged); }, nullptr, &staged, divide_by);
     if (!async) work->settle();
     return work;
   }
@@ -1469,7 +1486,7 @@ class NativeBackend : public c10d::Backend {
                                            const std::vector<at::Tensor>& outs, int64_t root, int64_t peer,
                                            int64_t tag, const char* rop, std::chrono::milliseconds timeout,
                                            bool async, Launch&& launch, std::function<void()> finalize,
-                                           const std::vector<at::Tensor>* staged = nullptr) {
+                                           const std::vector<at::Tensor>* staged = nullptr, int64_t divide_by = 0) {
     std::lock_guard<std::mutex> order(issue_mu_);  // one op handed over at a time (see issue_mu_)
     auto td = op_timeout(timeout);
     int64_t op_id = ++op_counter_;
@@ -1480,6 +1497,7 @@ class NativeBackend : public c10d::Backend {
     if (staged != nullptr) {
       work->staged_ = *staged;
       work->pool_ = pool_;
+      work->divide_by_ = divide_by;
     }
     c10::intrusive_ptr<c10d::Backend> inner;
     {
@@ -1756,6 +1774,8 @@ py::list entry_dicts(const std::vector<Entry>& entries, const py::dict& group_di
   return out;
 }
 
+void init_ddp(py::module_& m);  // csrc/ddp.cpp
+
 }  // namespace torchnext_native
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1763,6 +1783,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using BackendPtr = c10::intrusive_ptr<c10d::Backend>;
   m.doc() = "torchnext's native process-group backend (see torchnext/comms/native/__init__.py)";
   m.def("abi_version", [] { return kAbiVersion; });
+  init_ddp(m);
   m.def(
       "create",
       [](BackendPtr inner, int rank, int size, std::chrono::milliseconds timeout, int64_t fr_capacity,
