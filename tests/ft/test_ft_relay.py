@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from torchnext.ft import Coordinator, CoordinatorConfig
-from torchnext.ft._wire import PROTOCOL_VERSION, LineReader, encode, mac, new_nonce
+from torchnext.ft._wire import PROTOCOL_VERSION, LineReader, ProtocolError, encode, mac, new_nonce
 from torchnext.ft.membership import Membership, MembershipConfig
-from torchnext.ft.relay import RelayChunk, relay_hello
+from torchnext.ft.relay import RelayChunk, SessionHandshake, answer_hello, relay_challenge, relay_hello
 from torchnext.ft.relay_link import RelayHub
 from torchnext.testing.member_sim import KillMode, MemberSim, SimConfig
 
@@ -57,6 +57,32 @@ def test_a_chunk_does_not_wait_for_a_session_without_a_channel() -> None:
     assert c.vote(2, 1, 0) == {"t": "vote", "gen": 1, "step": 0, "heads": [2]}  # late, forwarded alone
     with pytest.raises(ValueError):
         RelayChunk(1, 5, [0, 1])
+
+
+def test_the_relay_handshake_without_sockets_proves_the_token_both_ways() -> None:
+    challenge = new_nonce()
+    shake = SessionHandshake(TOKEN, member=4, gen=2, relay=7)
+    hello = shake.feed(relay_challenge(challenge))
+    assert hello is not None and hello["member"] == 4 and hello["gen"] == 2
+    welcome, member = answer_hello(TOKEN, challenge, 7, hello)
+    assert member == 4 and welcome["t"] == "welcome"
+    assert shake.feed(welcome) is None and shake.done
+    reject, member = answer_hello("wrong-token", challenge, 7, hello)  # the relay side refuses a wrong proof
+    assert member is None and reject == {"t": "reject", "code": "auth", "reason": "wrong job token"}
+    other = SessionHandshake(TOKEN, member=4, gen=2, relay=8)  # the listener is relay 7's, not 8's
+    hello = other.feed(relay_challenge(challenge))
+    assert hello is not None
+    with pytest.raises(ProtocolError, match="not relay 8's"):
+        other.feed(answer_hello(TOKEN, challenge, 7, hello)[0])
+    for bad in ({"t": "reject", "code": "auth", "reason": ""}, {"t": "decision"}, welcome):  # refused, out of order
+        with pytest.raises(ProtocolError):
+            SessionHandshake(TOKEN, member=4, gen=2, relay=7).feed(bad)
+    forged = SessionHandshake(TOKEN, member=4, gen=2, relay=7)
+    hello = forged.feed(relay_challenge(challenge))
+    assert hello is not None
+    with pytest.raises(ProtocolError, match="prove"):
+        forged.feed(answer_hello("wrong-token", challenge, 7, dict(hello, proof=mac("wrong-token", "member",
+                                                                                     challenge, hello["nonce"])))[0])
 
 
 # ------------------------------------------------------------------------------------------------ Membership

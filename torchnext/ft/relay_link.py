@@ -27,31 +27,25 @@ from collections.abc import Callable
 from typing import Any
 
 from torchnext.ft._wire import (
+    HELLO_TIMEOUT_S,
     RELAY_MESSAGES,
     RELAY_PEER_MESSAGES,
     LineReader,
     ProtocolError,
+    accept_tuned,
     check,
     encode,
     new_nonce,
+    recv_or_closed,
     tune_socket,
 )
 from torchnext.ft.member import parse_address
-from torchnext.ft.relay import (
-    RelayChunk,
-    relay_challenge,
-    relay_hello,
-    relay_welcome,
-    verify_hello,
-    verify_welcome,
-)
+from torchnext.ft.relay import RelayChunk, SessionHandshake, answer_hello, relay_challenge
 
 __all__ = ["HELLO_TIMEOUT_S", "MAX_PENDING", "RelayHub", "route_host"]
 
 _LOG = logging.getLogger("torchnext.ft")
 
-HELLO_TIMEOUT_S = 10.0
-"""A connection to a relay listener that proves nothing within this long is closed."""
 MAX_PENDING = 64
 """Relay-listener connections still in their handshake at once; beyond this the oldest is closed."""
 _LINK_TIMEOUT_S = 1.0
@@ -252,16 +246,11 @@ class RelayHub:
             tune_socket(sock)
             deadline = time.monotonic() + _LINK_TIMEOUT_S
             reader = LineReader()
-            challenge = _read(sock, reader, deadline)
-            if challenge["t"] != "challenge":
-                raise ProtocolError(f"the relay sent {challenge['t']!r} before its challenge")
-            nonce = new_nonce()
-            sock.sendall(encode(relay_hello(self._token, challenge["nonce"], nonce, member, gen)))
-            welcome = _read(sock, reader, deadline)
-            if welcome["t"] != "welcome" or not verify_welcome(self._token, nonce, challenge["nonce"], welcome):
-                raise ProtocolError(f"the relay at {at} did not prove it knows the job token ({welcome['t']})")
-            if welcome["relay"] != relay:
-                raise ProtocolError(f"{at} is session {welcome['relay']}'s relay listener, not relay {relay}'s")
+            shake = SessionHandshake(self._token, member=member, gen=gen, relay=relay)
+            while not shake.done:
+                reply = shake.feed(_read(sock, reader, deadline))
+                if reply is not None:
+                    sock.sendall(encode(reply))
             sock.settimeout(1.0)  # bounds sendall; reads happen after select says readable
         except (OSError, ValueError, ProtocolError) as exc:
             _LOG.info("torchnext relay hub %s: no channel to relay %s at %s (votes go directly): %s", member, relay,
@@ -287,10 +276,7 @@ class RelayHub:
             link = self._link
         if link is None:
             return
-        try:
-            data = link.recv(1 << 16)
-        except OSError:
-            data = b""
+        data = recv_or_closed(link)
         msgs: list[dict[str, Any]] = []
         if data:
             try:
@@ -316,15 +302,8 @@ class RelayHub:
                 self._deliver(msg)
 
     def _accept(self, now: float) -> None:
-        try:
-            sock, _ = self._listener.accept()
-        except OSError:
-            return
-        try:
-            tune_socket(sock)
-            sock.settimeout(1.0)
-        except OSError:
-            _close(sock)
+        sock = accept_tuned(self._listener, 1.0)  # the timeout bounds sendall; reads follow select
+        if sock is None:
             return
         p = _Peer(sock, now)
         with self.lock:
@@ -340,10 +319,7 @@ class RelayHub:
             p = self._peers.get(sock)
         if p is None:
             return
-        try:
-            data = sock.recv(1 << 16)
-        except OSError:
-            data = b""
+        data = recv_or_closed(sock)
         up: list[dict[str, Any] | None] = []
         with self.lock:
             if not data:
@@ -366,17 +342,16 @@ class RelayHub:
     def _message(self, p: _Peer, msg: dict[str, Any]) -> dict[str, Any] | None:
         """One checked message from a relay channel (lock held); the chunk's vote to send up, if ready."""
         if p.member is None:
-            why = verify_hello(self._token, p.challenge, msg)
-            if why is not None:
-                code, _, reason = why.partition(": ")
-                self._write(p, encode({"t": "reject", "code": code, "reason": reason}))
+            reply, member = answer_hello(self._token, p.challenge, self.member, msg)
+            if member is None:
+                self._write(p, encode(reply))
                 self._drop(p)
                 return None
-            old = self._by_member.get(msg["member"])
+            old = self._by_member.get(member)
             out = self._gone(old) if old is not None else None
-            p.member = msg["member"]
-            self._by_member[p.member] = p
-            self._write(p, encode(relay_welcome(self._token, msg["nonce"], p.challenge, self.member)))
+            p.member = member
+            self._by_member[member] = p
+            self._write(p, encode(reply))
             if self.chunk is not None:
                 self.chunk.connect(p.member)
             return out
@@ -433,8 +408,6 @@ def _read(sock: socket.socket, reader: LineReader, deadline: float) -> dict[str,
             raise ProtocolError("the relay closed the channel during the handshake")
         msgs = reader.feed(data)
         if msgs:
-            if msgs[0]["t"] == "reject":
-                raise ProtocolError(f"the relay refused: {msgs[0].get('code')}")
             return check(msgs[0], RELAY_MESSAGES)
 
 

@@ -34,6 +34,7 @@ from torchnext.ft._wire import (
     RELAY_PEER_MESSAGES,
     LineReader,
     ProtocolError,
+    accept_tuned,
     check,
     decode,
     encode,
@@ -43,14 +44,7 @@ from torchnext.ft._wire import (
     verify,
 )
 from torchnext.ft.member import parse_address
-from torchnext.ft.relay import (
-    RelayChunk,
-    relay_challenge,
-    relay_hello,
-    relay_welcome,
-    verify_hello,
-    verify_welcome,
-)
+from torchnext.ft.relay import RelayChunk, SessionHandshake, answer_hello, relay_challenge
 
 __all__ = ["worker_main"]
 
@@ -66,7 +60,7 @@ _HANG = "hang"
 class _Peer:
     """One relay channel end: at a relay, a session of its chunk (``inbound``); at a session, its relay (``up``)."""
 
-    __slots__ = ("at", "challenge", "member", "nonce", "opened", "out", "owner", "reader", "relay", "sock", "state",
+    __slots__ = ("at", "challenge", "member", "opened", "out", "owner", "reader", "relay", "shake", "sock", "state",
                  "vote")
 
     def __init__(self, sock: socket.socket, owner: _Member, inbound: bool, now: float,
@@ -76,7 +70,8 @@ class _Peer:
         self.out = b""
         self.state = "shaking"
         self.challenge = new_nonce() if inbound else ""
-        self.nonce = ""
+        self.shake: SessionHandshake | None = None
+        """At a session: its side of the handshake (until the welcome)."""
         self.member = -1
         self.relay = -1
         self.at = ""
@@ -701,16 +696,9 @@ class _Worker:
 
     def _accept(self, listen: _Listen, now: float) -> None:
         for _ in range(64):
-            try:
-                sock, _ = listen.sock.accept()
-            except OSError:
-                return
-            try:
-                tune_socket(sock)
-                sock.setblocking(False)
-            except OSError:
-                sock.close()
-                continue
+            sock = accept_tuned(listen.sock, 0.0)  # non-blocking
+            if sock is None:
+                return  # the rest (if any) on the next select
             peer = _Peer(sock, listen.owner, True, now)
             self.sel.register(sock, selectors.EVENT_READ, peer)
             self._peer_send(peer, encode(relay_challenge(peer.challenge)))
@@ -746,18 +734,17 @@ class _Worker:
         """A message from a session of ``peer.owner``'s chunk (``peer.owner`` is the relay)."""
         m = peer.owner
         if peer.state == "shaking":
-            why = verify_hello(self.token, peer.challenge, msg)
-            if why is not None:
-                code, _, reason = why.partition(": ")
-                self._peer_send(peer, encode({"t": "reject", "code": code, "reason": reason}))
+            reply, member = answer_hello(self.token, peer.challenge, m.id, msg)
+            if member is None:
+                self._peer_send(peer, encode(reply))
                 self._peer_close(peer)
                 return
-            peer.state, peer.member = "joined", msg["member"]
-            old = m.inbound.get(peer.member)
+            peer.state, peer.member = "joined", member
+            old = m.inbound.get(member)
             if old is not None:
                 self._peer_close(old)
-            m.inbound[peer.member] = peer
-            self._peer_send(peer, encode(relay_welcome(self.token, msg["nonce"], peer.challenge, m.id)))
+            m.inbound[member] = peer
+            self._peer_send(peer, encode(reply))
             if m.chunk is not None:
                 m.chunk.connect(peer.member)
             return
@@ -773,16 +760,19 @@ class _Worker:
         m = peer.owner
         kind = msg["t"]
         if peer.state == "shaking":
-            if kind == "challenge" and not peer.nonce:
-                peer.nonce, peer.challenge = new_nonce(), msg["nonce"]
-                self._peer_send(peer, encode(relay_hello(self.token, msg["nonce"], peer.nonce, m.id, m.gen)))
-            elif (kind == "welcome" and peer.nonce and msg["relay"] == peer.relay
-                  and verify_welcome(self.token, peer.nonce, peer.challenge, msg)):
-                peer.state = "joined"
+            if peer.shake is None:
+                peer.shake = SessionHandshake(self.token, member=m.id, gen=m.gen, relay=peer.relay)
+            try:
+                reply = peer.shake.feed(msg)
+            except ProtocolError:
+                self._peer_close(peer)
+                return
+            if reply is not None:
+                self._peer_send(peer, encode(reply))
+            elif peer.shake.done:
+                peer.state, peer.shake = "joined", None
                 if m.voted is not None and m.relay_gen == m.gen:  # its open vote went directly: the relay, which
                     self._peer_send(peer, self._vote_line(m.gen, m.committed))  # counts it as connected, needs it
-            else:
-                self._peer_close(peer)
             return
         if kind == "decision" and m.state == "joined":
             self._handle(m, msg, now)
