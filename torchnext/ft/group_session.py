@@ -456,6 +456,10 @@ class GroupLeaderClient(MemberClient):
         super()._install(sock, welcome, addr, reader)
         if self._hub is not None:
             self._hub.member = self.member_id
+            try:  # the relay channel's liveness: the coordinator level's heartbeat settings
+                self._hub.liveness(float(welcome["heartbeat_interval_s"]), float(welcome["heartbeat_timeout_s"]))
+            except ValueError as exc:  # (a coordinator validates them; the hub keeps its defaults otherwise)
+                _LOG.warning("torchnext group session %s: %s", self.member_id, exc)
         if first:
             self._relay.welcome_all(list(welcome["members"]), welcome, self.store_host)
         else:  # a new coordinator took the group: its store, then the losses it must hear of again

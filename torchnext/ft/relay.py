@@ -21,9 +21,10 @@ A session never waits for a relay it cannot reach: with no channel (refused, clo
 directly, and the relay does not wait for it either (it is not ``connected``). A session whose open vote went
 directly sends it through the channel too once the relay welcomes it (the relay counts it as connected from its
 hello on), and a relay named after its own vote went directly counts that vote in its chunk; the coordinator counts
-each session once however many ways its vote arrives, and ignores a relay's vote for a step already decided. A relay that is connected but stalls
-holds its chunk's step like a missing vote does today: the members' commit timeout refuses the step, and the next
-generation names other relays (the relay of a chunk rotates with the generation number).
+each session once however many ways its vote arrives, and ignores a relay's vote for a step already decided. A relay or
+a session that is connected but stalls (or a channel black-holed between them) is found by the relay channel's
+liveness rule (:mod:`torchnext.ft.relay_link`, "Liveness"): within one heartbeat timeout the session votes directly
+and the relay stops waiting for it.
 
 Relay channel handshake (the job token never crosses the wire)::
 

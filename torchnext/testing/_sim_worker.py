@@ -56,12 +56,15 @@ _SHARED_LINE = 512
 """Lines at least this long (generations, decisions) are decoded and checked once per process (``_Worker._line``)."""
 _HANG = "hang"
 """``KillMode.HANG.value`` (the other mode closes the sockets)."""
+_CUT = "cut-relay"
+"""``KillMode.CUT_RELAY.value``: a session's relay channel goes dead, its sockets open."""
+_PING = encode({"t": "ping"})
 
 class _Peer:
     """One relay channel end: at a relay, a session of its chunk (``inbound``); at a session, its relay (``up``)."""
 
-    __slots__ = ("at", "challenge", "member", "opened", "out", "owner", "reader", "relay", "shake", "sock", "state",
-                 "vote")
+    __slots__ = ("at", "challenge", "heard", "member", "opened", "out", "owner", "reader", "relay", "shake", "since",
+                 "sock", "state", "vote", "wrote")
 
     def __init__(self, sock: socket.socket, owner: _Member, inbound: bool, now: float,
                  decoder: Any = None) -> None:
@@ -77,6 +80,12 @@ class _Peer:
         self.at = ""
         self.vote: tuple[int, int] | None = None
         self.opened = now
+        self.heard = now
+        """When something last came through this channel."""
+        self.wrote = False
+        """Something was written to it since the owner's last liveness check (then no ping is due)."""
+        self.since = 0.0
+        """At a session: when its open vote went through this channel."""
 
 
 class _Listen:
@@ -88,8 +97,8 @@ class _Listen:
 
 class _Member:
     __slots__ = ("challenge", "chunk", "committed", "error", "gen", "group", "id", "ids", "inbound", "listener",
-                 "lost_due", "members", "nonce", "out", "rank", "reader", "relay_gen", "retry_at", "sent_at", "size",
-                 "slot", "sock", "state", "t_gen", "up", "via_relay", "voted")
+                 "lost_due", "members", "nonce", "open_since", "out", "rank", "reader", "relay_gen", "retry_at",
+                 "sent_at", "size", "slot", "sock", "state", "t_gen", "up", "via_relay", "voted")
 
     def __init__(self, group: int, rank: int, slot: int, size: int = 1) -> None:
         self.group, self.rank, self.slot = group, rank, slot
@@ -129,6 +138,8 @@ class _Member:
         """The generation of the ``relay`` message ``up`` was opened for."""
         self.via_relay = False
         """Its open vote went to its relay (resent directly if that channel closes before the decision)."""
+        self.open_since: float | None = None
+        """As a relay: since when its chunk holds a vote not yet decided."""
 
 
 _DONE = frozenset({"joined", "rejected", "failed", "killed", "hung", "removed"})
@@ -172,6 +183,10 @@ class _Worker:
         self.sel.register(conn.fileno(), selectors.EVENT_READ, None)
         self.stats = _Stats()
         self.interval = 0.1
+        self.hb_timeout = 0.6
+        """The coordinator's heartbeat timeout (the welcome's): also the relay channels' silence timeout."""
+        self.cut: list[socket.socket] = []
+        """Relay channel sockets cut by ``KillMode.CUT_RELAY``: kept open, never read or written."""
         self.next_slot = 0.0
         self.slot = 0
         self.shaking = 0
@@ -235,6 +250,8 @@ class _Worker:
         for m in self.slots[self.slot]:
             if m.state == "joined" and m.sent_at < recent:  # a vote within the interval said it is alive
                 self._send(m, self.hb)
+            if (m.up is not None or m.chunk is not None) and m.state == "joined":
+                self._relay_liveness(m, now)
         self.slot = (self.slot + 1) % _SLOTS
         self.next_slot += self.interval / _SLOTS
         if self.next_slot < now - self.interval:  # we fell behind by a whole interval: do not burst
@@ -350,6 +367,13 @@ class _Worker:
         """Kill group ``group`` (``rank`` None), or one of its ranks. A group session's follower (``rank`` > 0) is
         reported by its leader: at once for a crash, after ``group_heartbeat_timeout_s`` for a hang."""
         t = time.monotonic()
+        if mode == _CUT:
+            for m in self.members:
+                up = m.up
+                if m.group == group and up is not None and up.sock is not None and up.state != "cut":
+                    self.sel.unregister(up.sock)
+                    up.state = "cut"
+            return {"t_kill": t}
         if self.hierarchy and rank:
             for m in self.members:
                 if m.group == group and m.state == "joined":
@@ -578,6 +602,7 @@ class _Worker:
                 self.group_timeout = float(msg["group_heartbeat_timeout_s"])
             if not self.next_slot:
                 self.interval = float(msg["heartbeat_interval_s"])
+                self.hb_timeout = float(msg["heartbeat_timeout_s"])
                 self.next_slot = now + self.interval / _SLOTS
         elif kind == "reject":
             self._drop(m)
@@ -622,9 +647,9 @@ class _Worker:
             return
         data = self._vote_line(m.gen, m.committed)
         up = m.up
-        if up is not None and up.state == "joined" and m.relay_gen == m.gen:
+        if up is not None and up.state in ("joined", "cut") and m.relay_gen == m.gen:
             m.via_relay = True
-            m.sent_at = now  # it said something: its coordinator heartbeat waits (the relay vouches for it)
+            m.sent_at = up.since = now  # it said something: its coordinator heartbeat waits (the relay vouches)
             self._peer_send(up, data)
             return
         m.via_relay = False
@@ -713,6 +738,7 @@ class _Worker:
         if not data:
             self._peer_close(peer)
             return
+        peer.heard = now
         inbound = bool(peer.challenge) and peer.relay < 0
         try:
             msgs = peer.reader.feed(data)
@@ -776,6 +802,8 @@ class _Worker:
             return
         if kind == "decision" and m.state == "joined":
             self._handle(m, msg, now)
+        elif kind == "ping":  # the relay holds our vote or waits for it
+            self._peer_send(peer, self.hb)
 
     def _relayed_line(self, line: bytes) -> dict[str, Any]:
         """``check(decode(line), RELAY_MESSAGES)`` once per process for the same bytes (every session of every chunk
@@ -800,8 +828,9 @@ class _Worker:
                 self._peer_send(peer, line)
 
     def _peer_send(self, peer: _Peer, data: bytes) -> None:
-        if peer.sock is None:
+        if peer.sock is None or peer.state == "cut":
             return
+        peer.wrote = True
         self.relay_msgs += 1
         if peer.out:
             peer.out += data
@@ -836,11 +865,14 @@ class _Worker:
         to its relay sends it directly."""
         if peer.sock is None:
             return
-        try:
-            self.sel.unregister(peer.sock)
-        except (KeyError, ValueError):
-            pass
-        peer.sock.close()
+        if peer.state == "cut":  # dead both ways: the other end never sees it close
+            self.cut.append(peer.sock)
+        else:
+            try:
+                self.sel.unregister(peer.sock)
+            except (KeyError, ValueError):
+                pass
+            peer.sock.close()
         peer.sock = None  # type: ignore[assignment]
         m = peer.owner
         if peer.relay < 0 and peer.challenge:  # at the relay
@@ -887,6 +919,29 @@ class _Worker:
                 self.sel.unregister(m.listener.sock)
             except (KeyError, ValueError):
                 pass
+
+    def _relay_liveness(self, m: _Member, now: float) -> None:
+        """Relay-channel liveness, once per heartbeat interval per session (as :class:`RelayHub`'s): a session
+        whose vote waits at a silent relay votes directly; a relay with an undecided vote in its chunk pings the
+        channels it wrote nothing to since the last check and stops waiting for a session silent for the timeout."""
+        up = m.up
+        if (up is not None and up.sock is not None and m.via_relay and m.voted is not None
+                and now - max(up.heard, up.since) > self.hb_timeout):
+            self._peer_close(up)  # sends the vote directly
+        chunk = m.chunk
+        if chunk is None:
+            return
+        if not any(s >= m.committed for s in chunk.voted.values()):
+            m.open_since = None
+            return
+        if m.open_since is None:
+            m.open_since = now
+        for peer in list(m.inbound.values()):
+            if now - max(peer.heard, m.open_since) > self.hb_timeout:
+                self._peer_close(peer)  # the chunk stops waiting for it: it votes directly
+            elif not peer.wrote:
+                self._peer_send(peer, _PING)
+            peer.wrote = False
 
     def _decided(self, m: _Member, now: float) -> None:
         st = self.steps

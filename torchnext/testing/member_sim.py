@@ -80,6 +80,11 @@ class KillMode(str, enum.Enum):
     """Close the sockets (a crashed process: the coordinator reads EOF)."""
     HANG = "hang"
     """Stop heartbeating and reading, keep the sockets open (a hung process: only its silence tells)."""
+    CUT_RELAY = "cut-relay"
+    """The group's session lives on with its coordinator, but its channel to its vote relay goes dead both ways,
+    sockets open (a partition between two leaders, or a stuck relay-channel thread): only the relay channel's
+    liveness tells (:mod:`torchnext.ft.relay_link`, "Liveness"). :meth:`kill_group` only; a no-op for a session
+    without a relay channel."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -345,6 +350,8 @@ class MemberSim:
         if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < self.config.groups:
             raise ValueError(f"group must be in [0, {self.config.groups}), got {group!r}")
         mode = KillMode(mode)
+        if mode is KillMode.CUT_RELAY and rank is not None:
+            raise ValueError("KillMode.CUT_RELAY cuts a group session's relay channel: use kill_group")
         i = next(i for i, (lo, hi) in enumerate(self._ranges) if lo <= group < hi)
         (reply,) = self._call("kill", 5.0, only=i, group=group, mode=mode.value, rank=rank)
         return float(reply["t_kill"])
