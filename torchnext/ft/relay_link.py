@@ -282,7 +282,7 @@ class RelayHub:
                         if p is not None:
                             self._gone(p)
             self._expire(now)
-            self._liveness(time.monotonic())
+            self._liveness(now)  # judged at select's return: whatever arrived before it has been read
 
     def _connect(self, relay: int, at: str, gen: int) -> None:
         """Open and authenticate this session's channel to its relay (bounded); on failure it votes directly."""

@@ -17,6 +17,7 @@ import errno
 import faulthandler
 import gc
 import os
+import select
 import selectors
 import signal
 import socket
@@ -60,15 +61,81 @@ _CUT = "cut-relay"
 """``KillMode.CUT_RELAY.value``: a session's relay channel goes dead, its sockets open."""
 _PING = encode({"t": "ping"})
 
+class _Poller:
+    """``selectors.DefaultSelector``'s calls this worker makes, without its per-event key objects: ``select``
+    returns ``[(data, events)]`` (``selectors.EVENT_READ | EVENT_WRITE``), read also on hang-up or error, as there.
+    Linux's epoll where there is one (thousands of sockets per process), else the stdlib selector."""
+
+    def __init__(self) -> None:
+        self._ep = select.epoll() if hasattr(select, "epoll") else None
+        self._sel = selectors.DefaultSelector() if self._ep is None else None
+        self._data: dict[int, Any] = {}
+
+    @staticmethod
+    def _fd(fileobj: Any) -> int:
+        return fileobj if isinstance(fileobj, int) else int(fileobj.fileno())
+
+    @staticmethod
+    def _mask(events: int) -> int:
+        return ((select.EPOLLIN if events & selectors.EVENT_READ else 0)
+                | (select.EPOLLOUT if events & selectors.EVENT_WRITE else 0))
+
+    def register(self, fileobj: Any, events: int, data: Any) -> None:
+        if self._sel is not None:
+            self._sel.register(fileobj, events, data)
+            return
+        fd = self._fd(fileobj)
+        assert self._ep is not None
+        self._ep.register(fd, self._mask(events))
+        self._data[fd] = data
+
+    def modify(self, fileobj: Any, events: int, data: Any) -> None:
+        if self._sel is not None:
+            self._sel.modify(fileobj, events, data)
+            return
+        fd = self._fd(fileobj)
+        assert self._ep is not None
+        self._ep.modify(fd, self._mask(events))
+        self._data[fd] = data
+
+    def unregister(self, fileobj: Any) -> None:
+        """KeyError when ``fileobj`` was not registered (as ``selectors``)."""
+        if self._sel is not None:
+            self._sel.unregister(fileobj)
+            return
+        fd = self._fd(fileobj)
+        if self._data.pop(fd, _Poller) is _Poller:
+            raise KeyError(fileobj)
+        assert self._ep is not None
+        try:
+            self._ep.unregister(fd)
+        except OSError:
+            pass  # already closed: the kernel dropped it
+
+    def select(self, timeout: float) -> list[tuple[Any, int]]:
+        if self._sel is not None:
+            return [(key.data, events) for key, events in self._sel.select(timeout)]
+        assert self._ep is not None
+        data, out = self._data, []
+        for fd, ev in self._ep.poll(timeout):
+            d = data.get(fd, _Poller)
+            if d is not _Poller:
+                out.append((d, (_READ if ev & ~select.EPOLLOUT else 0) | (_WRITE if ev & select.EPOLLOUT else 0)))
+        return out
+
+
+_READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
+
+
 class _Peer:
     """One relay channel end: at a relay, a session of its chunk (``inbound``); at a session, its relay (``up``)."""
 
-    __slots__ = ("at", "challenge", "heard", "member", "opened", "out", "owner", "reader", "relay", "shake", "since",
-                 "sock", "state", "vote", "wrote")
+    __slots__ = ("at", "challenge", "heard", "inbound", "member", "opened", "out", "owner", "reader", "relay", "shake",
+                 "since", "sock", "state", "vote", "wrote")
 
     def __init__(self, sock: socket.socket, owner: _Member, inbound: bool, now: float,
                  decoder: Any = None) -> None:
-        self.sock, self.owner = sock, owner
+        self.sock, self.owner, self.inbound = sock, owner, inbound
         self.reader = LineReader(decoder=decoder)
         self.out = b""
         self.state = "shaking"
@@ -172,6 +239,7 @@ class _Worker:
         """Messages on relay channels (sent and received, both ends): not the coordinator's."""
         self.decisions: dict[tuple[int, int], bytes] = {}
         self.relayed: dict[bytes, dict[str, Any]] = {}
+        self.peer_lines: dict[bytes, dict[str, Any]] = {}
         if self.hierarchy:  # one session per group: its leader (rank 0) speaks for every rank
             self.members = [_Member(g, 0, i % _SLOTS, gsize) for i, g in enumerate(range(lo, hi))]
         else:
@@ -179,12 +247,14 @@ class _Worker:
                             enumerate((g, r) for g in range(lo, hi) for r in range(gsize))]
         self.group_timeout = 0.6
         self.slots: list[list[_Member]] = [[m for m in self.members if m.slot == s] for s in range(_SLOTS)]
-        self.sel = selectors.DefaultSelector()
+        self.sel = _Poller()
         self.sel.register(conn.fileno(), selectors.EVENT_READ, None)
         self.stats = _Stats()
         self.interval = 0.1
         self.hb_timeout = 0.6
         """The coordinator's heartbeat timeout (the welcome's): also the relay channels' silence timeout."""
+        self.live_due: list[_Member] = []
+        """Sessions whose relay-channel liveness is checked after the current batch of events."""
         self.cut: list[socket.socket] = []
         """Relay channel sockets cut by ``KillMode.CUT_RELAY``: kept open, never read or written."""
         self.next_slot = 0.0
@@ -202,6 +272,12 @@ class _Worker:
         """Delta generations expanded, by (base, generation): the coordinator sends one delta to every holder."""
         self.lost: list[_Member] = []
         """Leaders with follower deaths to report."""
+        self.profile = str(cfg.get("profile") or "")
+        self.prof: Any = None
+        if self.profile:
+            import cProfile
+
+            self.prof = cProfile.Profile()
 
     # -------------------------------------------------------------------------------------------------- loop
     def run(self) -> None:
@@ -212,28 +288,33 @@ class _Worker:
                 wait = 0.05
                 if self.next_slot:
                     wait = min(wait, max(0.0, self.next_slot - now))
-                for key, events in self.sel.select(timeout=wait):
+                ready = self.sel.select(timeout=wait)
+                polled = time.monotonic()
+                for data, events in ready:
                     if self.next_slot and time.monotonic() >= self.next_slot:  # a long batch must not delay them
                         self._heartbeat_slot(time.monotonic())
-                    if key.data is None:
+                    if data is None:
                         self._command()
-                    elif isinstance(key.data, _Peer):
-                        peer: _Peer = key.data
-                        if events & selectors.EVENT_WRITE:
-                            self._peer_flush(peer)
-                        if events & selectors.EVENT_READ and peer.sock is not None:
-                            self._peer_readable(peer, time.monotonic())
-                    elif isinstance(key.data, _Listen):
-                        self._accept(key.data, time.monotonic())
+                    elif type(data) is _Peer:
+                        if events & _WRITE:
+                            self._peer_flush(data)
+                        if events & _READ and data.sock is not None:
+                            self._peer_readable(data, time.monotonic())
+                    elif type(data) is _Listen:
+                        self._accept(data, time.monotonic())
                     else:
-                        m: _Member = key.data
-                        if events & selectors.EVENT_WRITE:
+                        m: _Member = data
+                        if events & _WRITE:
                             self._flush(m)
-                        if events & selectors.EVENT_READ and m.sock is not None and m.state in ("shaking", "joined"):
+                        if events & _READ and m.sock is not None and m.state in ("shaking", "joined"):
                             self._readable(m)
                 now = time.monotonic()
                 if self.next_slot and now >= self.next_slot:
                     self._heartbeat_slot(now)
+                if self.live_due:  # judged at `polled`: every byte that arrived before it has been read by now
+                    for m in self.live_due:
+                        self._relay_liveness(m, polled)
+                    self.live_due = []
                 if self.lost:
                     self._report_lost(now)
                 self._connect_more(now)
@@ -243,6 +324,9 @@ class _Worker:
         finally:
             for m in self.members:
                 self._drop(m)
+            if self.prof is not None:
+                self.prof.disable()
+                self.prof.dump_stats(f"{self.profile}.{os.getpid()}")
 
     def _heartbeat_slot(self, now: float) -> None:
         self.stats.late = max(self.stats.late, now - self.next_slot)
@@ -250,8 +334,8 @@ class _Worker:
         for m in self.slots[self.slot]:
             if m.state == "joined" and m.sent_at < recent:  # a vote within the interval said it is alive
                 self._send(m, self.hb)
-            if (m.up is not None or m.chunk is not None) and m.state == "joined":
-                self._relay_liveness(m, now)
+            if (m.chunk is not None or (m.via_relay and m.up is not None)) and m.state == "joined":
+                self.live_due.append(m)  # a relay, or a session whose vote waits at its relay
         self.slot = (self.slot + 1) % _SLOTS
         self.next_slot += self.interval / _SLOTS
         if self.next_slot < now - self.interval:  # we fell behind by a whole interval: do not burst
@@ -297,6 +381,8 @@ class _Worker:
                           "t_vote": [float("inf")] * n, "t_done": [0.0] * n, "left": [len(voters)] * n,
                           "messages": self.stats.sent + self.stats.received, "reason": "",
                           "relay_messages": self.relay_msgs}
+            if self.prof is not None:
+                self.prof.enable()
             for m in voters:
                 self._vote(m, now)
         elif cmd != "await_gen":
@@ -342,6 +428,8 @@ class _Worker:
                                     "within the timeout") if behind else
                                    (f"live members hold generations {sorted(gens)}" if len(gens) > 1 else "")}
         if reply is not None:
+            if cmd == "steps" and self.prof is not None:
+                self.prof.disable()
             self.pending = None
             reply["late"] = self.stats.late
             reply["states"] = dict(Counter(m.state for m in self.members))
@@ -724,7 +812,7 @@ class _Worker:
             sock = accept_tuned(listen.sock, 0.0)  # non-blocking
             if sock is None:
                 return  # the rest (if any) on the next select
-            peer = _Peer(sock, listen.owner, True, now)
+            peer = _Peer(sock, listen.owner, True, now, self._peer_line)
             self.sel.register(sock, selectors.EVENT_READ, peer)
             self._peer_send(peer, encode(relay_challenge(peer.challenge)))
 
@@ -739,24 +827,19 @@ class _Worker:
             self._peer_close(peer)
             return
         peer.heard = now
-        inbound = bool(peer.challenge) and peer.relay < 0
         try:
-            msgs = peer.reader.feed(data)
-            if inbound:
-                msgs = [check(x, RELAY_PEER_MESSAGES) for x in msgs]
+            msgs = peer.reader.feed(data)  # checked against the channel's schemas by its decoder
         except ProtocolError:
             self._peer_close(peer)  # hostile or broken: that channel goes, nothing else
             return
         self.relay_msgs += len(msgs)
+        handle = self._at_relay if peer.inbound else self._at_session
         for msg in msgs:
             if peer.sock is None:
                 return
-            if inbound:
-                self._at_relay(peer, msg)
-            else:
-                self._at_session(peer, msg, now)
+            handle(peer, msg, now)
 
-    def _at_relay(self, peer: _Peer, msg: dict[str, Any]) -> None:
+    def _at_relay(self, peer: _Peer, msg: dict[str, Any], now: float) -> None:
         """A message from a session of ``peer.owner``'s chunk (``peer.owner`` is the relay)."""
         m = peer.owner
         if peer.state == "shaking":
@@ -804,6 +887,20 @@ class _Worker:
             self._handle(m, msg, now)
         elif kind == "ping":  # the relay holds our vote or waits for it
             self._peer_send(peer, self.hb)
+
+    def _peer_line(self, line: bytes) -> dict[str, Any]:
+        """``check(decode(line), RELAY_PEER_MESSAGES)`` for a line from a session to its relay; a short one (a
+        vote, a heartbeat: the same bytes from every session of every chunk here each step) once per process (the
+        message is read-only). A hello (a fresh nonce each) is never kept."""
+        if len(line) > 96:
+            return check(decode(line), RELAY_PEER_MESSAGES)
+        hit = self.peer_lines.get(line)
+        if hit is None:
+            hit = check(decode(line), RELAY_PEER_MESSAGES)
+            if len(self.peer_lines) >= 64:
+                self.peer_lines.clear()
+            self.peer_lines[line] = hit
+        return hit
 
     def _relayed_line(self, line: bytes) -> dict[str, Any]:
         """``check(decode(line), RELAY_MESSAGES)`` once per process for the same bytes (every session of every chunk
@@ -936,6 +1033,8 @@ class _Worker:
             return
         if m.open_since is None:
             m.open_since = now
+        if now - m.open_since < self.interval:
+            return  # a round open for less than an interval: nobody is late yet (no ping, nobody silent)
         for peer in list(m.inbound.values()):
             if now - max(peer.heard, m.open_since) > self.hb_timeout:
                 self._peer_close(peer)  # the chunk stops waiting for it: it votes directly

@@ -120,6 +120,10 @@ class SimConfig:
     over an authenticated channel, the relay votes for the chunk and fans the decision out. False: no listener, every
     session votes directly."""
 
+    profile: str = ""
+    """Non-empty: each worker runs its loop under cProfile during :meth:`MemberSim.commit` calls only, and writes
+    the stats to ``f"{profile}.{pid}"`` (the worker's process id) when it stops."""
+
     def __post_init__(self) -> None:
         parse_address(self.address)
         if not isinstance(self.token, str) or not self.token:
@@ -272,6 +276,11 @@ class MemberSim:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids (e.g. for their CPU time in ``/proc``)."""
+        return [int(proc.pid) for proc in self._procs]
+
     # -------------------------------------------------------------------------------------------------- calls
     def join(self, *, timeout_s: float) -> Formation:
         """Connect and join every member; return once each one holds a generation, was refused or failed, or after
@@ -423,7 +432,7 @@ def _explain(reason: str, replies: list[dict[str, Any]]) -> str:
 def _config_dict(cfg: SimConfig, stacks: str) -> dict[str, Any]:
     return {"address": cfg.address, "token": cfg.token, "group_size": cfg.group_size,
             "max_handshakes": cfg.max_handshakes, "stacks": stacks, "hierarchy": cfg.hierarchy and cfg.group_size > 1,
-            "relays": cfg.relays}
+            "relays": cfg.relays, "profile": cfg.profile}
 
 
 def _stacks_of(proc: Any, path: str) -> str:
