@@ -295,10 +295,11 @@ class LineReader:
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         """Append ``data``; return the complete messages. :class:`ProtocolError` on the first malformed line (the
         messages before it in this call are lost with the connection, which the caller closes)."""
-        if not self._buf and data[-1:] == b"\n" and data.find(b"\n") == len(data) - 1 and len(data) <= self.max_line:
-            # the common case, one whole line in one read: no buffer copies (the loop below is the reference)
-            line = data[:-1]
-            return [self.decoder(line)] if line.strip() else []
+        n = len(data)
+        if not self._buf and data.find(b"\n") == n - 1 and 1 < n <= self.max_line and data[0] == 0x7B:
+            # the common case, one whole message line ("{...") in one read: no buffer copies (the loop below is
+            # the reference: find(...) == n - 1 means the only newline is the last byte)
+            return [self.decoder(data[:-1])]
         self._buf += data
         limit = self.max_line
         out: list[dict[str, Any]] = []

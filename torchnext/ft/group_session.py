@@ -456,8 +456,8 @@ class GroupLeaderClient(MemberClient):
         super()._install(sock, welcome, addr, reader)
         if self._hub is not None:
             self._hub.member = self.member_id
-            try:  # the relay channel's liveness: the coordinator level's heartbeat settings
-                self._hub.liveness(float(welcome["heartbeat_interval_s"]), float(welcome["heartbeat_timeout_s"]))
+            try:  # the relay channel's liveness: pinged at the coordinator's interval, silent at twice its timeout
+                self._hub.liveness(float(welcome["heartbeat_interval_s"]), 2 * float(welcome["heartbeat_timeout_s"]))
             except ValueError as exc:  # (a coordinator validates them; the hub keeps its defaults otherwise)
                 _LOG.warning("torchnext group session %s: %s", self.member_id, exc)
         if first:

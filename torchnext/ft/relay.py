@@ -23,8 +23,8 @@ directly sends it through the channel too once the relay welcomes it (the relay 
 hello on), and a relay named after its own vote went directly counts that vote in its chunk; the coordinator counts
 each session once however many ways its vote arrives, and ignores a relay's vote for a step already decided. A relay or
 a session that is connected but stalls (or a channel black-holed between them) is found by the relay channel's
-liveness rule (:mod:`torchnext.ft.relay_link`, "Liveness"): within one heartbeat timeout the session votes directly
-and the relay stops waiting for it.
+liveness rule (:mod:`torchnext.ft.relay_link`, "Liveness"): within two heartbeat timeouts the session votes
+directly and the relay stops waiting for it.
 
 Relay channel handshake (the job token never crosses the wire)::
 

@@ -16,8 +16,11 @@ directly (a vote already sent through it is sent again to the coordinator, which
 committed with that decision again).
 
 Liveness (a relay or a session that hangs with its socket open, or a channel black-holed between two leaders that
-both still reach the coordinator). ``interval, timeout`` are the coordinator's heartbeat settings (:meth:`liveness`,
-from the welcome); nothing extra is sent while every round is decided within an interval, nor while idle::
+both still reach the coordinator). ``interval`` is the coordinator's heartbeat interval and ``timeout`` twice its
+heartbeat timeout (:meth:`liveness`, from the welcome: a relay whose whole process hangs is its group's failure,
+found by the coordinator within one heartbeat timeout; this rule is for what the coordinator cannot see, and twice
+the timeout keeps a busy relay host from being taken for a dead one). Nothing extra is sent while every round is
+decided within an interval, nor while idle::
 
     relay, while its chunk holds a vote not yet decided (open since t_open):
         every connected session p:  silent since max(p.heard, t_open) > timeout  -> close p's channel
@@ -27,9 +30,10 @@ from the welcome); nothing extra is sent while every round is decided within an 
     session, while its vote went through the channel undecided (sent at t_vote):
         silent since max(heard, t_vote) > timeout  -> close the channel, send the vote directly
     a hub whose own thread has not gone round its loop for a timeout: vote() returns False (the vote goes directly)
+    a loop round that spent over two intervals off the CPU beyond its wait: every channel counts as heard now
 
-A hung relay thus costs its chunk one heartbeat timeout (plus one loop round, at most ``interval / 2``), not the
-members' commit timeout; a slow session (it answers pings) is waited for as long as it takes.
+A hung relay channel thus costs its chunk two heartbeat timeouts (plus one loop round, at most ``interval / 2``),
+not the members' commit timeout; a slow session (it answers pings) is waited for as long as it takes.
 """
 
 from __future__ import annotations
@@ -256,15 +260,19 @@ class RelayHub:
             want = self._want
             if want is not None:
                 self._connect(*want)
+            start, cpu = time.monotonic(), time.thread_time()
             with self.lock:
                 socks = [self._listener, self._wake_r, *self._peers]
                 if self._link is not None:
                     socks.append(self._link)
             try:
-                ready, _, _ = select.select(socks, [], [], min(0.1, self.interval / 2))
+                wait = min(0.1, self.interval / 2)
+                ready, _, _ = select.select(socks, [], [], wait)
             except (OSError, ValueError):
                 continue  # a socket closed under us: the next round rebuilds the list
             now = time.monotonic()
+            if now - start - (time.thread_time() - cpu) - wait > 2 * self.interval:
+                self._forgive(now)  # this thread was off the CPU: the channels' silence may be ours
             for sock in ready:
                 try:
                     if sock is self._listener:
@@ -363,6 +371,15 @@ class RelayHub:
                 self._close_link()
         if resend is not None:  # its vote may be lost with the channel: the coordinator hears it directly
             self._send_up({"t": "vote", "gen": resend[0], "step": resend[1]})
+
+    def _forgive(self, now: float) -> None:
+        """Count every relay channel as heard at ``now``."""
+        with self.lock:
+            self._link_heard = now
+            for p in self._peers.values():
+                p.heard = now
+            if self._open_since is not None:
+                self._open_since = now
 
     def _liveness(self, now: float) -> None:
         """Relay-channel liveness (module docstring, "Liveness"): a session whose vote waits at a silent relay

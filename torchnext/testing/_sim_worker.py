@@ -251,8 +251,8 @@ class _Worker:
         self.sel.register(conn.fileno(), selectors.EVENT_READ, None)
         self.stats = _Stats()
         self.interval = 0.1
-        self.hb_timeout = 0.6
-        """The coordinator's heartbeat timeout (the welcome's): also the relay channels' silence timeout."""
+        self.relay_timeout = 1.2
+        """The relay channels' silence timeout: twice the coordinator's heartbeat timeout (the welcome's)."""
         self.live_due: list[_Member] = []
         """Sessions whose relay-channel liveness is checked after the current batch of events."""
         self.cut: list[socket.socket] = []
@@ -288,8 +288,11 @@ class _Worker:
                 wait = 0.05
                 if self.next_slot:
                     wait = min(wait, max(0.0, self.next_slot - now))
+                cpu = time.process_time()
                 ready = self.sel.select(timeout=wait)
                 polled = time.monotonic()
+                if polled - now - (time.process_time() - cpu) - wait > 2 * self.interval:
+                    self._forgive(polled)  # this process was off the CPU: the relay channels' silence may be ours
                 for data, events in ready:
                     if self.next_slot and time.monotonic() >= self.next_slot:  # a long batch must not delay them
                         self._heartbeat_slot(time.monotonic())
@@ -334,7 +337,7 @@ class _Worker:
         for m in self.slots[self.slot]:
             if m.state == "joined" and m.sent_at < recent:  # a vote within the interval said it is alive
                 self._send(m, self.hb)
-            if (m.chunk is not None or (m.via_relay and m.up is not None)) and m.state == "joined":
+            if (m.chunk is not None or (m.via_relay and m.voted is not None)) and m.state == "joined":
                 self.live_due.append(m)  # a relay, or a session whose vote waits at its relay
         self.slot = (self.slot + 1) % _SLOTS
         self.next_slot += self.interval / _SLOTS
@@ -639,15 +642,7 @@ class _Worker:
         elif kind == "relay":
             self._relay_named(m, msg, now)
         elif kind == "decision":
-            chunk = m.chunk
-            if chunk is not None and msg["gen"] == chunk.gen and msg.get("next") is None and m.inbound:
-                self._fan_out(m, msg)
-            mine = m.voted is not None and msg["gen"] == m.gen and msg["step"] == m.committed
-            m.committed = max(m.committed, msg["committed"])
-            if msg.get("next") is not None:  # a grow between steps: the next vote is in the next generation
-                self._enter(m, msg["next"], now, planned=True)
-            if mine:
-                self._decided(m, now)
+            self._decision(m, msg, now)
         elif kind in ("removed", "fatal", "wait", "finished"):
             if kind in ("removed", "fatal"):
                 self._drop(m)
@@ -656,6 +651,20 @@ class _Worker:
                 self.steps["reason"] = self.steps["reason"] or f"member {m.id} got {kind!r}: {msg.get('reason')}"
         elif kind in ("challenge", "welcome", "reject"):
             self._fail(m, f"the coordinator sent {kind!r} during the session")
+
+    def _decision(self, m: _Member, msg: dict[str, Any], now: float) -> None:
+        """A decision for joined member ``m`` (from its coordinator, or through its relay)."""
+        chunk = m.chunk
+        nxt = msg.get("next")
+        if chunk is not None and nxt is None and m.inbound and msg["gen"] == chunk.gen:
+            self._fan_out(m, msg)
+        mine = m.voted is not None and msg["gen"] == m.gen and msg["step"] == m.committed
+        if msg["committed"] > m.committed:
+            m.committed = msg["committed"]
+        if nxt is not None:  # a grow between steps: the next vote is in the next generation
+            self._enter(m, nxt, now, planned=True)
+        if mine:
+            self._decided(m, now)
 
     def _handshake(self, m: _Member, msg: dict[str, Any], now: float) -> None:
         kind = msg["t"]
@@ -690,7 +699,7 @@ class _Worker:
                 self.group_timeout = float(msg["group_heartbeat_timeout_s"])
             if not self.next_slot:
                 self.interval = float(msg["heartbeat_interval_s"])
-                self.hb_timeout = float(msg["heartbeat_timeout_s"])
+                self.relay_timeout = 2 * float(msg["heartbeat_timeout_s"])
                 self.next_slot = now + self.interval / _SLOTS
         elif kind == "reject":
             self._drop(m)
@@ -884,7 +893,7 @@ class _Worker:
                     self._peer_send(peer, self._vote_line(m.gen, m.committed))  # counts it as connected, needs it
             return
         if kind == "decision" and m.state == "joined":
-            self._handle(m, msg, now)
+            self._decision(m, msg, now)
         elif kind == "ping":  # the relay holds our vote or waits for it
             self._peer_send(peer, self.hb)
 
@@ -1017,13 +1026,23 @@ class _Worker:
             except (KeyError, ValueError):
                 pass
 
+    def _forgive(self, now: float) -> None:
+        """Count every relay channel as heard at ``now`` (as :class:`RelayHub` after its thread was descheduled)."""
+        for m in self.members:
+            if m.up is not None:
+                m.up.heard = now
+            for peer in m.inbound.values():
+                peer.heard = now
+            if m.open_since is not None:
+                m.open_since = now
+
     def _relay_liveness(self, m: _Member, now: float) -> None:
         """Relay-channel liveness, once per heartbeat interval per session (as :class:`RelayHub`'s): a session
         whose vote waits at a silent relay votes directly; a relay with an undecided vote in its chunk pings the
         channels it wrote nothing to since the last check and stops waiting for a session silent for the timeout."""
         up = m.up
         if (up is not None and up.sock is not None and m.via_relay and m.voted is not None
-                and now - max(up.heard, up.since) > self.hb_timeout):
+                and now - max(up.heard, up.since) > self.relay_timeout):
             self._peer_close(up)  # sends the vote directly
         chunk = m.chunk
         if chunk is None:
@@ -1033,10 +1052,8 @@ class _Worker:
             return
         if m.open_since is None:
             m.open_since = now
-        if now - m.open_since < self.interval:
-            return  # a round open for less than an interval: nobody is late yet (no ping, nobody silent)
         for peer in list(m.inbound.values()):
-            if now - max(peer.heard, m.open_since) > self.hb_timeout:
+            if now - max(peer.heard, m.open_since) > self.relay_timeout:
                 self._peer_close(peer)  # the chunk stops waiting for it: it votes directly
             elif not peer.wrote:
                 self._peer_send(peer, _PING)
