@@ -24,7 +24,9 @@ authenticated with the job token). Figures, all from one run:
   decision; members vote again as soon as they have the decision) over ``--steps`` steps after 5 warm-up steps;
 * ``coordinator_cpu_ms_per_step`` and ``coordinator_msgs_per_step`` over those steps (messages = everything the
   members sent to or received from the coordinator: votes, decisions, heartbeats, pings); ``relay_msgs_per_step``:
-  messages on relay channels (counted at both ends), which the coordinator never sees;
+  messages on relay channels (counted at both ends), which the coordinator never sees; ``sim_cpu_ms_per_step``: the
+  simulator processes' CPU (all of them, /proc) per committed step -- meaningful on a loaded machine, where wall
+  figures are not;
 * ``sim_late_s``: the simulator's own worst heartbeat lateness: a member removed for silence while it nears the
   timeout was starved on the simulator's side (the 2 cores are shared by the coordinator and the simulator);
 * ``detect_s``: one replica group hangs (heartbeats stop, sockets stay open) -> the last survivor received the next
@@ -99,7 +101,7 @@ def measure(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
         coord.start()
         sim = MemberSim(SimConfig(address=coord.address, token=token, ranks=ranks, group_size=g,
                                   processes=args.processes, hierarchy=not args.flat,
-                                  relays=not args.no_relays)).start()
+                                  relays=not args.no_relays, profile=args.profile_sim)).start()
         formed = sim.join(timeout_s=args.formation_timeout)
         out["retries"] = formed.retries
         out["sim_late_s"] = formed.sim_late_s  # the simulator's own worst heartbeat lateness (all calls so far)
@@ -121,9 +123,9 @@ def measure(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
         if not warm.ok:
             out["reason"] = f"warm-up commits failed: {warm.reason}"
             return out
-        c0, t0 = cpu_s(pid), time.monotonic()
+        c0, t0, s0 = cpu_s(pid), time.monotonic(), sum(cpu_s(p) for p in sim.pids)
         run = sim.commit(args.steps, timeout_s=step_timeout + args.steps * ranks * 0.002)
-        c1, t1 = cpu_s(pid), time.monotonic()
+        c1, t1, s1 = cpu_s(pid), time.monotonic(), sum(cpu_s(p) for p in sim.pids)
         out["sim_late_s"] = run.sim_late_s
         if not run.ok:
             out["reason"] = f"commits failed after {run.committed} steps: {run.reason}"
@@ -132,7 +134,8 @@ def measure(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
             out.update(commit_p50_ms=pct(ms, 50), commit_p99_ms=pct(ms, 99), committed=run.committed,
                        coordinator_cpu_ms_per_step=(c1 - c0) * 1e3 / run.committed,
                        coordinator_msgs_per_step=run.messages / run.committed, commit_wall_s=t1 - t0,
-                       relay_msgs_per_step=run.relay_messages / run.committed)
+                       relay_msgs_per_step=run.relay_messages / run.committed,
+                       sim_cpu_ms_per_step=(s1 - s0) * 1e3 / run.committed)
         if not run.ok:
             return out
 
@@ -242,6 +245,8 @@ def main() -> int:
                                                             "4's way: one vote and one decision per group and step)")
     p.add_argument("--relay-fanout", type=int, default=0, help="the coordinator's sessions per relay chunk (default: "
                                                               "its own, max(64, ceil(sqrt(sessions))))")
+    p.add_argument("--profile-sim", default="", help="cProfile the simulator's workers during the commits into "
+                   "PATH.<pid> (one file per worker)")
     p.add_argument("--json", action="store_true", help="one JSON object per size instead of the table")
     p.add_argument("--profile", default="", help="cProfile the coordinator's loop into this file (.<ranks> added "
                                                  "when several sizes); figures are then inflated")

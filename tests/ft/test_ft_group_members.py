@@ -191,27 +191,43 @@ def test_a_follower_with_the_wrong_token_is_refused_by_the_leader() -> None:
         assert coord.members == ()
 
 
-def test_group_sessions_fail_over_to_a_standby() -> None:
+@pytest.mark.parametrize("relays", [False, True], ids=["direct", "relays"])
+def test_group_sessions_fail_over_to_a_standby(relays: bool) -> None:
     """The primary coordinator stops after step 3: each leader fails over with one report for its group (its
     followers are told ``failover``, then ``store``), the standby takes office over both groups, and every rank
-    trains on to the end; every committed step applied exactly once."""
+    trains on to the end; every committed step applied exactly once. ``relays`` (``relay_min_groups=2`` on both):
+    the votes went through a relay before the failover and do again after it (the standby names relays from the
+    listeners in the reports), and every rank ends in the standby's generation."""
     token = "group-failover-token"
-    member_cfg = MembershipConfig(min_size=1, initial_size=GROUPS)
+    member_cfg = MembershipConfig(min_size=1, initial_size=GROUPS, relay_min_groups=2 if relays else 64)
     with Coordinator(CoordinatorConfig(token=token, membership=member_cfg)) as primary, \
             Coordinator(CoordinatorConfig(token=token, standby=True, membership=member_cfg)) as standby:
         both = _Both(primary, standby)
+        relayed_before: list[float] = []
 
         def stop_primary(g: int, r: int, step: int) -> None:
             if (g, r, step) == (0, 0, 3):  # group 0's leader, before its step 3: the others are at most one ahead
+                assert primary._service is not None and primary._service.state is not None
+                with primary._service.lock:
+                    relayed_before.append(primary._service.state.relayed_at)
                 primary.stop()
 
         out = _run(both, 8, before_step=stop_primary)  # type: ignore[arg-type]
         out.pop("ids")
+        assert standby.in_office and standby.term == 2
+        assert standby._service is not None and standby._service.state is not None
+        with standby._service.lock:
+            relayed_after = standby._service.state.relayed_at
+        history = standby.history()
+        took = next(i for i, h in enumerate(history) if h["event"] == "takeover")
+        gens = [h for h in history[took:] if h["event"] == "generation"]
+        assert gens and len(gens[0]["members"]) == GROUPS * SIZE, history  # (later ones: the groups leaving)
         for key, res in out.items():
             assert not isinstance(res, BaseException), (key, res)
-            steps, w, _, _ = res
+            steps, w, member_gen, _ = res
             assert steps == 8 and w == float(sum(range(1, 9))), (key, res)
-        assert standby.in_office and standby.term == 2
+            assert member_gen == gens[0]["gen"], (key, res, gens)  # every rank in the standby's generation
+        assert (relayed_before[0] > 0) == relays and (relayed_after > 0) == relays, (relayed_before, relayed_after)
         reports = [h for h in standby.history() if h["event"] == "report"]
         assert len(reports) == GROUPS and all(len(h["followers"]) == SIZE - 1 for h in reports), reports
 

@@ -450,6 +450,29 @@ def test_the_depth_check_equals_its_reference_on_random_lines() -> None:
     assert _depth_ok(b'{"s":"\\\\"' + b"[" * 20 + b'"}') == _depth_ok_reference(b'{"s":"\\\\"' + b"[" * 20 + b'"}')
 
 
+def test_the_line_reader_equals_its_reference_on_random_chunkings() -> None:
+    """``LineReader.feed``'s one-whole-line fast path and its buffered loop give what splitting the stream at
+    newlines gives, whatever the chunking: empty lines skipped, a partial line kept, an over-long line refused."""
+    import json
+    import random
+
+    rng = random.Random(11)
+    pool = [b'{"t":"hb"}', b'{"t":"vote","gen":3,"step":7}', b"", b"  ", b'{"t":"x","v":[1,2]}', b'{"t":"ping"}']
+    for _ in range(2000):
+        lines = [rng.choice(pool) for _ in range(rng.randint(0, 6))]
+        stream = b"".join(x + b"\n" for x in lines) + rng.choice([b"", b'{"t":'])
+        want = [json.loads(x) for x in lines if x.strip()]
+        reader, got, i = LineReader(max_line=40), [], 0
+        while i < len(stream):
+            n = rng.choice([1, 3, len(stream)])
+            got += reader.feed(stream[i:i + n])
+            i += n
+        assert got == want, (lines, stream)
+    with pytest.raises(ProtocolError, match="longer"):
+        LineReader(max_line=10).feed(b'{"t":"hb","x":1}\n')
+    assert LineReader(max_line=11).feed(b'{"t":"hb"}\n') == [{"t": "hb"}]
+
+
 def test_a_member_silent_right_after_a_takeover_is_removed() -> None:
     """A member that promised the new coordinator and then hangs (SIGSTOP) is removed after the heartbeat timeout,
     as any member: take_office counts it as heard from at the takeover, and expiry sees it from there."""

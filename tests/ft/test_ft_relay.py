@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from torchnext.ft import Coordinator, CoordinatorConfig
-from torchnext.ft._wire import PROTOCOL_VERSION, LineReader, encode, mac, new_nonce
+from torchnext.ft._wire import PROTOCOL_VERSION, LineReader, ProtocolError, encode, mac, new_nonce
 from torchnext.ft.membership import Membership, MembershipConfig
-from torchnext.ft.relay import RelayChunk, relay_hello
+from torchnext.ft.relay import RelayChunk, SessionHandshake, answer_hello, relay_challenge, relay_hello
 from torchnext.ft.relay_link import RelayHub
 from torchnext.testing.member_sim import KillMode, MemberSim, SimConfig
 
@@ -57,6 +57,32 @@ def test_a_chunk_does_not_wait_for_a_session_without_a_channel() -> None:
     assert c.vote(2, 1, 0) == {"t": "vote", "gen": 1, "step": 0, "heads": [2]}  # late, forwarded alone
     with pytest.raises(ValueError):
         RelayChunk(1, 5, [0, 1])
+
+
+def test_the_relay_handshake_without_sockets_proves_the_token_both_ways() -> None:
+    challenge = new_nonce()
+    shake = SessionHandshake(TOKEN, member=4, gen=2, relay=7)
+    hello = shake.feed(relay_challenge(challenge))
+    assert hello is not None and hello["member"] == 4 and hello["gen"] == 2
+    welcome, member = answer_hello(TOKEN, challenge, 7, hello)
+    assert member == 4 and welcome["t"] == "welcome"
+    assert shake.feed(welcome) is None and shake.done
+    reject, member = answer_hello("wrong-token", challenge, 7, hello)  # the relay side refuses a wrong proof
+    assert member is None and reject == {"t": "reject", "code": "auth", "reason": "wrong job token"}
+    other = SessionHandshake(TOKEN, member=4, gen=2, relay=8)  # the listener is relay 7's, not 8's
+    hello = other.feed(relay_challenge(challenge))
+    assert hello is not None
+    with pytest.raises(ProtocolError, match="not relay 8's"):
+        other.feed(answer_hello(TOKEN, challenge, 7, hello)[0])
+    for bad in ({"t": "reject", "code": "auth", "reason": ""}, {"t": "decision"}, welcome):  # refused, out of order
+        with pytest.raises(ProtocolError):
+            SessionHandshake(TOKEN, member=4, gen=2, relay=7).feed(bad)
+    forged = SessionHandshake(TOKEN, member=4, gen=2, relay=7)
+    hello = forged.feed(relay_challenge(challenge))
+    assert hello is not None
+    with pytest.raises(ProtocolError, match="prove"):
+        forged.feed(answer_hello("wrong-token", challenge, 7, dict(hello, proof=mac("wrong-token", "member",
+                                                                                     challenge, hello["nonce"])))[0])
 
 
 # ------------------------------------------------------------------------------------------------ Membership
@@ -250,6 +276,35 @@ def test_sim_commits_through_relays_and_a_killed_relay_is_replaced(relays: bool)
         assert last.ok and last.committed == 5, last.reason
 
 
+def test_sim_a_dead_relay_channel_costs_two_heartbeat_timeouts_not_the_step() -> None:
+    """A session's channel to its relay goes dead both ways with its sockets open (``KillMode.CUT_RELAY``: a
+    partition between two leaders; both still reach the coordinator): the session hears no ping while its vote
+    waits and votes directly, the relay hears no answer to its pings and stops waiting for it -- the step commits
+    two heartbeat timeouts late, nobody is removed, and the next steps commit at speed."""
+    groups = 16
+    config = MembershipConfig(initial_size=groups, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6,
+                              relay_min_groups=8, relay_fanout=4)
+    with Coordinator(CoordinatorConfig(membership=config)) as coord, \
+            MemberSim(SimConfig(address=coord.address, token=coord.token, ranks=groups * 2, group_size=2,
+                                relays=True)) as sim:
+        formed = sim.join(timeout_s=30)
+        assert formed.ok, formed.reason
+        time.sleep(0.3)  # the sessions connect to their relays
+        warm = sim.commit(3, timeout_s=30)
+        assert warm.ok and warm.committed == 3, warm.reason
+        relays = _relay_groups(coord, sim.ids)
+        victim = next(g for g in range(groups) if g not in relays)
+        sim.kill_group(victim, KillMode.CUT_RELAY)
+        run = sim.commit(5, timeout_s=10)  # without liveness: no decision ever (the sim has no commit timeout)
+        assert run.ok and run.committed == 5, run.reason
+        first = run.rounds_s[0]
+        assert 1.2 <= first < 1.2 + 0.1 + 1.0, run.rounds_s  # 2 x the timeout (+ one check interval, + load)
+        assert max(run.rounds_s[1:]) < 0.5, run.rounds_s
+        assert coord.generation == formed.gen  # nobody was removed
+        with pytest.raises(ValueError):
+            sim.kill_rank(victim, 1, KillMode.CUT_RELAY)
+
+
 # ------------------------------------------------------------------------------------------------ RelayHub
 class _Up:
     def __init__(self) -> None:
@@ -369,6 +424,77 @@ def test_relay_hub_refuses_unauthenticated_and_malformed_connections() -> None:
         assert msgs[0]["t"] == "welcome" and msgs[0]["relay"] == 0
         sock.sendall(encode({"t": "vote", "gen": 1, "step": 0}))
         assert up.wait("sent", 2)[1] == {"t": "vote", "gen": 1, "step": 0, "heads": [1]}
+        sock.close()
+    finally:
+        relay.stop()
+
+
+def _stop_thread(hub: RelayHub) -> None:
+    """The hub's thread stops (a hung relay: its sockets stay open, nothing reads or answers them)."""
+    hub._stop.set()
+    hub._wake()
+    hub._thread.join(timeout=5)
+    assert not hub._thread.is_alive()
+
+
+def test_a_session_votes_directly_when_its_relay_hangs_but_not_while_the_relay_pings() -> None:
+    up_r, up_s = _Up(), _Up()
+    relay = RelayHub("127.0.0.1", TOKEN, send_up=up_r.send, deliver=up_r.deliver, name="r")
+    session = RelayHub("127.0.0.1", TOKEN, send_up=up_s.send, deliver=up_s.deliver, name="s")
+    try:
+        relay.member, session.member = 0, 1
+        for hub in (relay, session):
+            hub.liveness(0.05, 0.3)
+            hub.named({"t": "relay", "gen": 1, "relay": 0, "at": relay.address, "chunk": [0, 1]}, 1)
+        deadline = time.monotonic() + 5
+        while session._link is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert session.vote(1, 0)
+        time.sleep(0.9)  # three timeouts: the relay (a straggler itself) pings the session it holds a vote of
+        assert not up_s.sent and session._link is not None
+        assert relay.vote(1, 0)
+        assert up_r.wait("sent") == [{"t": "vote", "gen": 1, "step": 0, "chunk": True}]
+        relay.decided({"t": "decision", "gen": 1, "step": 0, "committed": 1, "next": None})
+        assert up_s.wait("delivered")[0]["step"] == 0
+        _stop_thread(relay)  # the relay hangs with its channel open
+        t0 = time.monotonic()
+        assert session.vote(1, 1)  # through the channel: nobody reads it
+        assert up_s.wait("sent") == [{"t": "vote", "gen": 1, "step": 1}]  # directly, within its timeout
+        assert 0.3 <= time.monotonic() - t0 < 0.3 + 0.5
+        assert session._link is None and not session.vote(1, 2)  # and directly from now on
+    finally:
+        session.stop()
+        relay.stop()
+
+
+def test_a_relay_stops_waiting_for_a_session_silent_in_an_open_round() -> None:
+    up = _Up()
+    relay = RelayHub("127.0.0.1", TOKEN, send_up=up.send, deliver=up.deliver, name="r")
+    try:
+        relay.member = 0
+        relay.liveness(0.05, 0.3)
+        relay.named({"t": "relay", "gen": 1, "relay": 0, "at": relay.address, "chunk": [0, 1]}, 1)
+        sock, reader, challenge = _raw(relay.address)
+        sock.sendall(encode(relay_hello(TOKEN, challenge["nonce"], new_nonce(), 1, 1)))
+        sock.settimeout(5)
+        msgs: list[dict[str, Any]] = []
+        while not msgs:
+            msgs = reader.feed(sock.recv(4096))
+        assert msgs[0]["t"] == "welcome"
+        assert relay.vote(1, 0)  # the relay's own vote: it waits for session 1 (a straggler that answers pings)
+        pings, end = 0, time.monotonic() + 0.9
+        sock.settimeout(0.1)
+        while time.monotonic() < end:
+            try:
+                got = reader.feed(sock.recv(4096))
+            except TimeoutError:
+                continue
+            pings += sum(m["t"] == "ping" for m in got)
+            sock.sendall(encode({"t": "hb"}) * len(got))
+        assert pings >= 3 and not up.sent  # alive: still waited for
+        t0 = time.monotonic()  # now it stops answering (a hung session, its socket open)
+        assert up.wait("sent") == [{"t": "vote", "gen": 1, "step": 0, "heads": [0]}]
+        assert time.monotonic() - t0 < 0.3 + 0.5
         sock.close()
     finally:
         relay.stop()

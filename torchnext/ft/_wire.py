@@ -47,6 +47,7 @@ __all__ = [
     "GENERATION",
     "GENERATION_REF",
     "GEN_MESSAGE",
+    "HELLO_TIMEOUT_S",
     "LEADER_MESSAGES",
     "MAX_GENERATION_LINE",
     "MAX_CHUNK",
@@ -59,6 +60,7 @@ __all__ = [
     "RELAY_PEER_MESSAGES",
     "REPORT",
     "LineReader",
+    "accept_tuned",
     "ProtocolError",
     "apply_delta",
     "Schema",
@@ -74,6 +76,8 @@ __all__ = [
     "optional",
     "record",
     "record_list",
+    "recv_or_closed",
+    "setup_accepted",
     "text",
     "tune_socket",
     "verify",
@@ -106,6 +110,9 @@ MAX_GENERATION_LINE = 1 << 24
 """Longest line a member accepts (bytes): a generation of :data:`MAX_MEMBERS` members whose quorum differs from its
 groups (~20 bytes per member at most) fits; a longer line is refused unread."""
 
+HELLO_TIMEOUT_S = 10.0
+"""A connection to any listener of the protocol (the coordinator, a leader's local channel, a relay) that proves
+nothing within this long is closed."""
 MAX_DEPTH = 8
 """Deepest accepted nesting of arrays and objects (the deepest real message has 4 levels)."""
 
@@ -288,6 +295,11 @@ class LineReader:
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         """Append ``data``; return the complete messages. :class:`ProtocolError` on the first malformed line (the
         messages before it in this call are lost with the connection, which the caller closes)."""
+        n = len(data)
+        if not self._buf and data.find(b"\n") == n - 1 and 1 < n <= self.max_line and data[0] == 0x7B:
+            # the common case, one whole message line ("{...") in one read: no buffer copies (the loop below is
+            # the reference: find(...) == n - 1 means the only newline is the last byte)
+            return [self.decoder(data[:-1])]
         self._buf += data
         limit = self.max_line
         out: list[dict[str, Any]] = []
@@ -672,3 +684,38 @@ def tune_socket(sock: socket.socket) -> None:
     """TCP_NODELAY (tiny messages must not wait for Nagle) and keepalive."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+
+
+def setup_accepted(sock: socket.socket, timeout: float | None) -> bool:
+    """Prepare a socket just accepted by a listener of the protocol. Reference::
+
+        tune_socket(sock); sock.settimeout(timeout)   # 0.0: non-blocking; a float: it bounds sendall
+        return True                                    # on OSError: sock.close(); return False
+
+    False: the connection is already gone (closed here); the listener is fine."""
+    try:
+        tune_socket(sock)
+        sock.settimeout(timeout)
+    except OSError:
+        sock.close()
+        return False
+    return True
+
+
+def accept_tuned(listener: socket.socket, timeout: float | None) -> socket.socket | None:
+    """One connection from ``listener``, prepared by :func:`setup_accepted`; None when there was none (a
+    non-blocking listener with an empty backlog) or it broke before it was set up (the listener is fine)."""
+    try:
+        sock, _ = listener.accept()
+    except OSError:
+        return None
+    return sock if setup_accepted(sock, timeout) else None
+
+
+def recv_or_closed(sock: socket.socket, size: int = 1 << 16) -> bytes:
+    """``sock.recv(size)`` of a socket that ``select`` said is readable; ``b""`` (the channel closed) when the
+    connection broke (reset, timed out): the reader treats both alike."""
+    try:
+        return sock.recv(size)
+    except OSError:
+        return b""

@@ -37,16 +37,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from torchnext.ft._wire import (
+    HELLO_TIMEOUT_S,
     LEADER_MESSAGES,
     MEMBER_MESSAGES,
     PROTOCOL_VERSION,
     LineReader,
     ProtocolError,
+    accept_tuned,
     check,
     encode,
     mac,
     new_nonce,
-    tune_socket,
+    recv_or_closed,
     verify,
 )
 from torchnext.ft.member import MemberClient, fatal_code, parse_address, parse_addresses
@@ -57,8 +59,6 @@ __all__ = ["GroupFollowerClient", "GroupLeaderClient"]
 
 _LOG = logging.getLogger("torchnext.ft")
 
-HELLO_TIMEOUT_S = 10.0
-"""A connection to a leader's local channel that sends no valid hello within this long is closed."""
 MAX_PENDING = 64
 """Local-channel connections still in their handshake at once; beyond this the oldest is closed."""
 
@@ -221,15 +221,8 @@ class _Relay:
                     self._write(f, line)
 
     def _accept(self, now: float) -> None:
-        try:
-            sock, _ = self._listener.accept()
-        except OSError:
-            return
-        try:
-            tune_socket(sock)
-            sock.settimeout(1.0)  # bounds sendall; reads happen after select says readable
-        except OSError:
-            _close(sock)
+        sock = accept_tuned(self._listener, 1.0)  # the timeout bounds sendall; reads follow select
+        if sock is None:
             return
         f = _Follower(sock, now)
         with self.lock:
@@ -246,10 +239,7 @@ class _Relay:
             f = self._socks.get(sock)
         if f is None:
             return
-        try:
-            data = sock.recv(1 << 16)
-        except OSError:
-            data = b""
+        data = recv_or_closed(sock)
         if not data:
             self._gone(f, hung=False, why="its local channel closed")
             return
@@ -466,6 +456,10 @@ class GroupLeaderClient(MemberClient):
         super()._install(sock, welcome, addr, reader)
         if self._hub is not None:
             self._hub.member = self.member_id
+            try:  # the relay channel's liveness: pinged at the coordinator's interval, silent at twice its timeout
+                self._hub.liveness(float(welcome["heartbeat_interval_s"]), 2 * float(welcome["heartbeat_timeout_s"]))
+            except ValueError as exc:  # (a coordinator validates them; the hub keeps its defaults otherwise)
+                _LOG.warning("torchnext group session %s: %s", self.member_id, exc)
         if first:
             self._relay.welcome_all(list(welcome["members"]), welcome, self.store_host)
         else:  # a new coordinator took the group: its store, then the losses it must hear of again

@@ -21,9 +21,10 @@ A session never waits for a relay it cannot reach: with no channel (refused, clo
 directly, and the relay does not wait for it either (it is not ``connected``). A session whose open vote went
 directly sends it through the channel too once the relay welcomes it (the relay counts it as connected from its
 hello on), and a relay named after its own vote went directly counts that vote in its chunk; the coordinator counts
-each session once however many ways its vote arrives, and ignores a relay's vote for a step already decided. A relay that is connected but stalls
-holds its chunk's step like a missing vote does today: the members' commit timeout refuses the step, and the next
-generation names other relays (the relay of a chunk rotates with the generation number).
+each session once however many ways its vote arrives, and ignores a relay's vote for a step already decided. A relay or
+a session that is connected but stalls (or a channel black-holed between them) is found by the relay channel's
+liveness rule (:mod:`torchnext.ft.relay_link`, "Liveness"): within two heartbeat timeouts the session votes
+directly and the relay stops waiting for it.
 
 Relay channel handshake (the job token never crosses the wire)::
 
@@ -36,9 +37,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchnext.ft._wire import PROTOCOL_VERSION, mac, verify
+from torchnext.ft._wire import PROTOCOL_VERSION, ProtocolError, mac, new_nonce, verify
 
-__all__ = ["RelayChunk", "relay_challenge", "relay_hello", "relay_welcome", "verify_hello", "verify_welcome"]
+__all__ = ["RelayChunk", "SessionHandshake", "answer_hello", "relay_challenge", "relay_hello", "relay_welcome",
+           "verify_hello", "verify_welcome"]
 
 
 class RelayChunk:
@@ -137,3 +139,55 @@ def relay_welcome(token: str, hello_nonce: str, challenge: str, relay: int) -> d
 def verify_welcome(token: str, nonce: str, challenge: str, welcome: dict[str, Any]) -> bool:
     """The relay's ``welcome`` proves the token (``nonce``: the session's, ``challenge``: the relay's)."""
     return welcome["proto"] == PROTOCOL_VERSION and verify(token, "relay", nonce, challenge, welcome["proof"])
+
+
+def answer_hello(token: str, challenge: str, relay: int, hello: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """The relay's answer to the first checked message of a new channel (``challenge``: the nonce it sent). Reference::
+
+        why = verify_hello(token, challenge, hello)
+        if why is not None:
+            code, _, reason = why.partition(": ")
+            return {"t": "reject", "code": code, "reason": reason}, None        # send it, then close the channel
+        return relay_welcome(token, hello["nonce"], challenge, relay), hello["member"]   # the channel is the member's
+    """
+    why = verify_hello(token, challenge, hello)
+    if why is not None:
+        code, _, reason = why.partition(": ")
+        return {"t": "reject", "code": code, "reason": reason}, None
+    return relay_welcome(token, hello["nonce"], challenge, relay), hello["member"]
+
+
+class SessionHandshake:
+    """A session's side of the relay channel's handshake, free of sockets (real leaders and the simulator). Reference::
+
+        shake = SessionHandshake(token, member=h, gen=g, relay=r)
+        shake.feed(challenge) == relay_hello(token, challenge["nonce"], shake.nonce, h, g)   # send it
+        shake.feed(welcome) is None and shake.done                     # the relay proved the token and is relay r
+
+    Raises :class:`~torchnext.ft._wire.ProtocolError` (close the channel, vote directly) for a ``reject``, a message
+    out of order, a welcome that does not prove the token, or one from a listener that is another session's."""
+
+    __slots__ = ("_gen", "_member", "_relay", "_token", "challenge", "done", "nonce")
+
+    def __init__(self, token: str, *, member: int, gen: int, relay: int) -> None:
+        self._token, self._member, self._gen, self._relay = token, member, gen, relay
+        self.nonce = ""
+        self.challenge = ""
+        self.done = False
+
+    def feed(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """One checked message of the relay (``RELAY_MESSAGES``); the reply to send, if any."""
+        kind = msg["t"]
+        if kind == "reject":
+            raise ProtocolError(f"the relay refused: {msg.get('code')}")
+        if kind == "challenge" and not self.nonce:
+            self.nonce, self.challenge = new_nonce(), msg["nonce"]
+            return relay_hello(self._token, self.challenge, self.nonce, self._member, self._gen)
+        if kind != "welcome" or not self.nonce or self.done:
+            raise ProtocolError(f"the relay sent {kind!r} out of its handshake's order")
+        if not verify_welcome(self._token, self.nonce, self.challenge, msg):
+            raise ProtocolError("the relay did not prove it knows the job token")
+        if msg["relay"] != self._relay:
+            raise ProtocolError(f"the listener is session {msg['relay']}'s relay listener, not relay {self._relay}'s")
+        self.done = True
+        return None

@@ -14,6 +14,26 @@ pending handshakes (:data:`MAX_PENDING`) close that connection only. A leader tr
 proved the token back (``welcome``). A relay channel that closes or fails its handshake makes the session vote
 directly (a vote already sent through it is sent again to the coordinator, which answers a vote for the step it just
 committed with that decision again).
+
+Liveness (a relay or a session that hangs with its socket open, or a channel black-holed between two leaders that
+both still reach the coordinator). ``interval`` is the coordinator's heartbeat interval and ``timeout`` twice its
+heartbeat timeout (:meth:`liveness`, from the welcome: a relay whose whole process hangs is its group's failure,
+found by the coordinator within one heartbeat timeout; this rule is for what the coordinator cannot see, and twice
+the timeout keeps a busy relay host from being taken for a dead one). Nothing extra is sent while every round is
+decided within an interval, nor while idle::
+
+    relay, while its chunk holds a vote not yet decided (open since t_open):
+        every connected session p:  silent since max(p.heard, t_open) > timeout  -> close p's channel
+                                                                   (the chunk stops waiting for it: it votes directly)
+                                    nothing written to p for an interval          -> send p {"t": "ping"}
+    session: every {"t": "ping"} from its relay is answered with {"t": "hb"}
+    session, while its vote went through the channel undecided (sent at t_vote):
+        silent since max(heard, t_vote) > timeout  -> close the channel, send the vote directly
+    a hub whose own thread has not gone round its loop for a timeout: vote() returns False (the vote goes directly)
+    a loop round that spent over two intervals off the CPU beyond its wait: every channel counts as heard now
+
+A hung relay channel thus costs its chunk two heartbeat timeouts (plus one loop round, at most ``interval / 2``),
+not the members' commit timeout; a slow session (it answers pings) is waited for as long as it takes.
 """
 
 from __future__ import annotations
@@ -27,35 +47,31 @@ from collections.abc import Callable
 from typing import Any
 
 from torchnext.ft._wire import (
+    HELLO_TIMEOUT_S,
     RELAY_MESSAGES,
     RELAY_PEER_MESSAGES,
     LineReader,
     ProtocolError,
+    accept_tuned,
     check,
     encode,
     new_nonce,
+    recv_or_closed,
     tune_socket,
 )
 from torchnext.ft.member import parse_address
-from torchnext.ft.relay import (
-    RelayChunk,
-    relay_challenge,
-    relay_hello,
-    relay_welcome,
-    verify_hello,
-    verify_welcome,
-)
+from torchnext.ft.relay import RelayChunk, SessionHandshake, answer_hello, relay_challenge
 
 __all__ = ["HELLO_TIMEOUT_S", "MAX_PENDING", "RelayHub", "route_host"]
 
 _LOG = logging.getLogger("torchnext.ft")
 
-HELLO_TIMEOUT_S = 10.0
-"""A connection to a relay listener that proves nothing within this long is closed."""
 MAX_PENDING = 64
 """Relay-listener connections still in their handshake at once; beyond this the oldest is closed."""
 _LINK_TIMEOUT_S = 1.0
 """Bound on connecting to a relay and its handshake (then the session votes directly)."""
+_PING = encode({"t": "ping"})
+_HB = encode({"t": "hb"})
 
 
 def route_host(host: str, port: int) -> str:
@@ -71,10 +87,14 @@ def route_host(host: str, port: int) -> str:
 
 
 class _Peer:
-    __slots__ = ("challenge", "member", "opened", "reader", "sock", "vote")
+    __slots__ = ("challenge", "heard", "member", "opened", "reader", "sock", "vote", "wrote")
 
     def __init__(self, sock: socket.socket, now: float) -> None:
         self.sock, self.opened = sock, now
+        self.heard = now
+        """When something last came from this session."""
+        self.wrote = now
+        """When something was last written to it."""
         self.reader = LineReader()
         self.challenge = new_nonce()
         self.member: int | None = None
@@ -108,6 +128,18 @@ class RelayHub:
         """This session's vote sent through the link and not yet decided."""
         self._own: tuple[int, int] | None = None
         """This session's open vote, however it went (counted in a chunk it is named relay of later)."""
+        self.interval, self.timeout = 0.1, 0.6
+        """The relay channel's ping interval and silence timeout (:meth:`liveness`: the coordinator's heartbeat
+        settings)."""
+        self._sent_at = 0.0
+        self._link_heard = 0.0
+        """When ``_sent`` went through the link, and when the link last carried anything from the relay."""
+        self._decided_step = -1
+        """As a relay: the last step of ``chunk.gen`` decided."""
+        self._open_since: float | None = None
+        """As a relay: since when its chunk holds a vote not yet decided (None: none)."""
+        self._loop_at = time.monotonic()
+        """When the hub's thread last went round its loop."""
         self._wake_r, self._wake_w = socket.socketpair()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"torchnext-relay-hub[{name}]", daemon=True)
@@ -119,6 +151,13 @@ class RelayHub:
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     # ---------------------------------------------------------------------------------------- the client's calls
+    def liveness(self, interval_s: float, timeout_s: float) -> None:
+        """The relay channel's ping interval and silence timeout (a leader passes its coordinator's heartbeat
+        settings from the welcome). See the module docstring, "Liveness"."""
+        if not 0 < interval_s < timeout_s:
+            raise ValueError(f"relay channel liveness needs 0 < interval_s < timeout_s, got {interval_s}, {timeout_s}")
+        self.interval, self.timeout = interval_s, timeout_s
+
     def named(self, msg: dict[str, Any], gen_held: int) -> None:
         """The coordinator's ``relay`` message for this session (ignored unless for the generation it holds)."""
         if msg["gen"] != gen_held:
@@ -126,6 +165,7 @@ class RelayHub:
         with self.lock:
             if msg["relay"] == self.member:
                 chunk = self.chunk = RelayChunk(msg["gen"], self.member, msg["chunk"])
+                self._decided_step, self._open_since = -1, None
                 self._want = None
                 self._close_link()
                 ready = [chunk.vote(self.member, *self._own)] if self._own is not None else []
@@ -156,6 +196,9 @@ class RelayHub:
         with self.lock:
             chunk = self.chunk
             self._own = (gen, step)
+            now = time.monotonic()
+            if now - self._loop_at > self.timeout:  # the hub's own thread is stuck: nothing here would go on
+                return False
             if chunk is not None and chunk.gen == gen:
                 up = chunk.vote(self.member, gen, step)
             elif self._link is not None and self._link_gen == gen:
@@ -164,7 +207,7 @@ class RelayHub:
                 except OSError:
                     self._close_link()
                     return False
-                self._sent = (gen, step)
+                self._sent, self._sent_at = (gen, step), now
                 return True
             else:
                 return False
@@ -180,12 +223,16 @@ class RelayHub:
                 self._sent = None
             if self._own is not None and (msg["gen"], msg["step"]) == self._own:
                 self._own = None
-            if chunk is None or msg["gen"] != chunk.gen or msg.get("next") is not None:
+            if chunk is None or msg["gen"] != chunk.gen:
+                return
+            self._decided_step = max(self._decided_step, msg["step"])
+            if msg.get("next") is not None:
                 return
             line = encode(msg)
+            now = time.monotonic()
             for h, p in list(self._by_member.items()):
                 if h != self.member:
-                    self._write(p, line)
+                    self._write(p, line, now)
 
     def stop(self) -> None:
         self._stop.set()
@@ -209,18 +256,23 @@ class RelayHub:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._loop_at = time.monotonic()
             want = self._want
             if want is not None:
                 self._connect(*want)
+            start, cpu = time.monotonic(), time.thread_time()
             with self.lock:
                 socks = [self._listener, self._wake_r, *self._peers]
                 if self._link is not None:
                     socks.append(self._link)
             try:
-                ready, _, _ = select.select(socks, [], [], 0.1)
+                wait = min(0.1, self.interval / 2)
+                ready, _, _ = select.select(socks, [], [], wait)
             except (OSError, ValueError):
                 continue  # a socket closed under us: the next round rebuilds the list
             now = time.monotonic()
+            if now - start - (time.thread_time() - cpu) - wait > 2 * self.interval:
+                self._forgive(now)  # this thread was off the CPU: the channels' silence may be ours
             for sock in ready:
                 try:
                     if sock is self._listener:
@@ -238,6 +290,7 @@ class RelayHub:
                         if p is not None:
                             self._gone(p)
             self._expire(now)
+            self._liveness(now)  # judged at select's return: whatever arrived before it has been read
 
     def _connect(self, relay: int, at: str, gen: int) -> None:
         """Open and authenticate this session's channel to its relay (bounded); on failure it votes directly."""
@@ -252,16 +305,11 @@ class RelayHub:
             tune_socket(sock)
             deadline = time.monotonic() + _LINK_TIMEOUT_S
             reader = LineReader()
-            challenge = _read(sock, reader, deadline)
-            if challenge["t"] != "challenge":
-                raise ProtocolError(f"the relay sent {challenge['t']!r} before its challenge")
-            nonce = new_nonce()
-            sock.sendall(encode(relay_hello(self._token, challenge["nonce"], nonce, member, gen)))
-            welcome = _read(sock, reader, deadline)
-            if welcome["t"] != "welcome" or not verify_welcome(self._token, nonce, challenge["nonce"], welcome):
-                raise ProtocolError(f"the relay at {at} did not prove it knows the job token ({welcome['t']})")
-            if welcome["relay"] != relay:
-                raise ProtocolError(f"{at} is session {welcome['relay']}'s relay listener, not relay {relay}'s")
+            shake = SessionHandshake(self._token, member=member, gen=gen, relay=relay)
+            while not shake.done:
+                reply = shake.feed(_read(sock, reader, deadline))
+                if reply is not None:
+                    sock.sendall(encode(reply))
             sock.settimeout(1.0)  # bounds sendall; reads happen after select says readable
         except (OSError, ValueError, ProtocolError) as exc:
             _LOG.info("torchnext relay hub %s: no channel to relay %s at %s (votes go directly): %s", member, relay,
@@ -275,6 +323,7 @@ class RelayHub:
                 return
             self._close_link()
             self._link, self._link_reader, self._link_gen, self._link_to = sock, reader, gen, (relay, at)
+            self._link_heard = time.monotonic()
             own = self._own
             if own is not None and own[0] == gen:  # its open vote went directly: the relay, which counts it as
                 try:  # connected now, waits for it (the coordinator counts it once)
@@ -287,27 +336,26 @@ class RelayHub:
             link = self._link
         if link is None:
             return
-        try:
-            data = link.recv(1 << 16)
-        except OSError:
-            data = b""
+        data = recv_or_closed(link)
         msgs: list[dict[str, Any]] = []
         if data:
+            self._link_heard = time.monotonic()
             try:
                 msgs = [check(m, RELAY_MESSAGES) for m in self._link_reader.feed(data)]
             except ProtocolError as exc:
                 _LOG.warning("torchnext relay hub %s: its relay sent garbage: %s", self.member, exc)
                 data = b""
         if not data:
-            with self.lock:
-                resend, self._sent = self._sent, None
-                if self._link is link:
-                    self._close_link()
-            if resend is not None:  # its vote may be lost with the channel: the coordinator hears it directly
-                self._send_up({"t": "vote", "gen": resend[0], "step": resend[1]})
+            self._link_lost(link)
             return
         for msg in msgs:
-            if msg["t"] == "decision":
+            if msg["t"] == "ping":  # the relay holds our vote or waits for it: we are alive
+                try:
+                    link.sendall(_HB)
+                except OSError:
+                    self._link_lost(link)
+                    return
+            elif msg["t"] == "decision":
                 with self.lock:
                     if self._sent is not None and (msg["gen"], msg["step"]) == self._sent:
                         self._sent = None
@@ -315,16 +363,63 @@ class RelayHub:
                         self._own = None
                 self._deliver(msg)
 
+    def _link_lost(self, link: socket.socket) -> None:
+        """The channel to this session's relay closed, broke or went silent: votes go directly from now on."""
+        with self.lock:
+            resend, self._sent = self._sent, None
+            if self._link is link:
+                self._close_link()
+        if resend is not None:  # its vote may be lost with the channel: the coordinator hears it directly
+            self._send_up({"t": "vote", "gen": resend[0], "step": resend[1]})
+
+    def _forgive(self, now: float) -> None:
+        """Count every relay channel as heard at ``now``."""
+        with self.lock:
+            self._link_heard = now
+            for p in self._peers.values():
+                p.heard = now
+            if self._open_since is not None:
+                self._open_since = now
+
+    def _liveness(self, now: float) -> None:
+        """Relay-channel liveness (module docstring, "Liveness"): a session whose vote waits at a silent relay
+        votes directly; a relay pings the sessions of an open round and stops waiting for a silent one."""
+        with self.lock:
+            link = self._link
+            silent = (link is not None and self._sent is not None
+                      and now - max(self._link_heard, self._sent_at) > self.timeout)
+        if silent:
+            assert link is not None
+            _LOG.warning("torchnext relay hub %s: its relay %s was silent for %.2fs with our vote: voting directly",
+                         self.member, self._link_to[0], self.timeout)
+            self._link_lost(link)
+        up: list[dict[str, Any] | None] = []
+        with self.lock:
+            chunk = self.chunk
+            if chunk is None:
+                return
+            if not any(s > self._decided_step for s in chunk.voted.values()):
+                self._open_since = None
+                return
+            if self._open_since is None:
+                self._open_since = now
+            ping = _PING
+            for h, p in list(self._by_member.items()):
+                if h == self.member:
+                    continue
+                if now - max(p.heard, self._open_since) > self.timeout:
+                    _LOG.warning("torchnext relay hub %s: session %s was silent for %.2fs in an open round: its "
+                                 "channel is closed (it votes directly)", self.member, h, self.timeout)
+                    up.append(self._gone(p))
+                elif now - p.wrote >= self.interval:
+                    self._write(p, ping, now)
+        for vote in up:
+            if vote is not None:
+                self._send_up(vote)
+
     def _accept(self, now: float) -> None:
-        try:
-            sock, _ = self._listener.accept()
-        except OSError:
-            return
-        try:
-            tune_socket(sock)
-            sock.settimeout(1.0)
-        except OSError:
-            _close(sock)
+        sock = accept_tuned(self._listener, 1.0)  # the timeout bounds sendall; reads follow select
+        if sock is None:
             return
         p = _Peer(sock, now)
         with self.lock:
@@ -340,11 +435,9 @@ class RelayHub:
             p = self._peers.get(sock)
         if p is None:
             return
-        try:
-            data = sock.recv(1 << 16)
-        except OSError:
-            data = b""
+        data = recv_or_closed(sock)
         up: list[dict[str, Any] | None] = []
+        p.heard = time.monotonic()
         with self.lock:
             if not data:
                 up.append(self._gone(p))
@@ -366,17 +459,16 @@ class RelayHub:
     def _message(self, p: _Peer, msg: dict[str, Any]) -> dict[str, Any] | None:
         """One checked message from a relay channel (lock held); the chunk's vote to send up, if ready."""
         if p.member is None:
-            why = verify_hello(self._token, p.challenge, msg)
-            if why is not None:
-                code, _, reason = why.partition(": ")
-                self._write(p, encode({"t": "reject", "code": code, "reason": reason}))
+            reply, member = answer_hello(self._token, p.challenge, self.member, msg)
+            if member is None:
+                self._write(p, encode(reply))
                 self._drop(p)
                 return None
-            old = self._by_member.get(msg["member"])
+            old = self._by_member.get(member)
             out = self._gone(old) if old is not None else None
-            p.member = msg["member"]
-            self._by_member[p.member] = p
-            self._write(p, encode(relay_welcome(self._token, msg["nonce"], p.challenge, self.member)))
+            p.member = member
+            self._by_member[member] = p
+            self._write(p, encode(reply))
             if self.chunk is not None:
                 self.chunk.connect(p.member)
             return out
@@ -414,7 +506,8 @@ class RelayHub:
             _close(self._link)
             self._link = None
 
-    def _write(self, p: _Peer, line: bytes) -> None:
+    def _write(self, p: _Peer, line: bytes, now: float | None = None) -> None:
+        p.wrote = time.monotonic() if now is None else now
         try:
             p.sock.sendall(line)
         except OSError:
@@ -433,8 +526,6 @@ def _read(sock: socket.socket, reader: LineReader, deadline: float) -> dict[str,
             raise ProtocolError("the relay closed the channel during the handshake")
         msgs = reader.feed(data)
         if msgs:
-            if msgs[0]["t"] == "reject":
-                raise ProtocolError(f"the relay refused: {msgs[0].get('code')}")
             return check(msgs[0], RELAY_MESSAGES)
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchnext.ft._wire import (
+    HELLO_TIMEOUT_S,
     MEMBER_MESSAGES,
     PROTOCOL_VERSION,
     LineReader,
@@ -45,7 +46,7 @@ from torchnext.ft._wire import (
     encode,
     mac,
     new_nonce,
-    tune_socket,
+    setup_accepted,
     verify,
 )
 from torchnext.ft.election import Election, Report
@@ -55,8 +56,6 @@ __all__ = ["HELLO_TIMEOUT_S", "MAX_UNAUTHENTICATED", "MAX_UNSENT", "MembershipSe
 
 _LOG = logging.getLogger("torchnext.ft")
 
-HELLO_TIMEOUT_S = 10.0
-"""An unauthenticated connection that sends no valid hello within this long is closed."""
 MAX_UNAUTHENTICATED = 256
 """Unauthenticated connections kept at once. Beyond this a new connection waits in the listen backlog until one
 completes its handshake, or closes the oldest pending one if that has been pending for :data:`SHED_AFTER_S`."""
@@ -248,11 +247,7 @@ class MembershipService:
                     return
                 continue  # ECONNABORTED, EPROTO, ...: that connection is gone, the listener is fine
             now = time.monotonic()
-            try:
-                tune_socket(sock)
-                sock.setblocking(False)
-            except OSError:
-                sock.close()
+            if not setup_accepted(sock, 0.0):  # non-blocking
                 continue
             conn = _Conn(sock, _peer(addr), now, new_nonce())
             self._conns[sock] = conn

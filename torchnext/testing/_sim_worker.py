@@ -17,6 +17,7 @@ import errno
 import faulthandler
 import gc
 import os
+import select
 import selectors
 import signal
 import socket
@@ -34,6 +35,7 @@ from torchnext.ft._wire import (
     RELAY_PEER_MESSAGES,
     LineReader,
     ProtocolError,
+    accept_tuned,
     check,
     decode,
     encode,
@@ -43,14 +45,7 @@ from torchnext.ft._wire import (
     verify,
 )
 from torchnext.ft.member import parse_address
-from torchnext.ft.relay import (
-    RelayChunk,
-    relay_challenge,
-    relay_hello,
-    relay_welcome,
-    verify_hello,
-    verify_welcome,
-)
+from torchnext.ft.relay import RelayChunk, SessionHandshake, answer_hello, relay_challenge
 
 __all__ = ["worker_main"]
 
@@ -62,26 +57,102 @@ _SHARED_LINE = 512
 """Lines at least this long (generations, decisions) are decoded and checked once per process (``_Worker._line``)."""
 _HANG = "hang"
 """``KillMode.HANG.value`` (the other mode closes the sockets)."""
+_CUT = "cut-relay"
+"""``KillMode.CUT_RELAY.value``: a session's relay channel goes dead, its sockets open."""
+_PING = encode({"t": "ping"})
+
+class _Poller:
+    """``selectors.DefaultSelector``'s calls this worker makes, without its per-event key objects: ``select``
+    returns ``[(data, events)]`` (``selectors.EVENT_READ | EVENT_WRITE``), read also on hang-up or error, as there.
+    Linux's epoll where there is one (thousands of sockets per process), else the stdlib selector."""
+
+    def __init__(self) -> None:
+        self._ep = select.epoll() if hasattr(select, "epoll") else None
+        self._sel = selectors.DefaultSelector() if self._ep is None else None
+        self._data: dict[int, Any] = {}
+
+    @staticmethod
+    def _fd(fileobj: Any) -> int:
+        return fileobj if isinstance(fileobj, int) else int(fileobj.fileno())
+
+    @staticmethod
+    def _mask(events: int) -> int:
+        return ((select.EPOLLIN if events & selectors.EVENT_READ else 0)
+                | (select.EPOLLOUT if events & selectors.EVENT_WRITE else 0))
+
+    def register(self, fileobj: Any, events: int, data: Any) -> None:
+        if self._sel is not None:
+            self._sel.register(fileobj, events, data)
+            return
+        fd = self._fd(fileobj)
+        assert self._ep is not None
+        self._ep.register(fd, self._mask(events))
+        self._data[fd] = data
+
+    def modify(self, fileobj: Any, events: int, data: Any) -> None:
+        if self._sel is not None:
+            self._sel.modify(fileobj, events, data)
+            return
+        fd = self._fd(fileobj)
+        assert self._ep is not None
+        self._ep.modify(fd, self._mask(events))
+        self._data[fd] = data
+
+    def unregister(self, fileobj: Any) -> None:
+        """KeyError when ``fileobj`` was not registered (as ``selectors``)."""
+        if self._sel is not None:
+            self._sel.unregister(fileobj)
+            return
+        fd = self._fd(fileobj)
+        if self._data.pop(fd, _Poller) is _Poller:
+            raise KeyError(fileobj)
+        assert self._ep is not None
+        try:
+            self._ep.unregister(fd)
+        except OSError:
+            pass  # already closed: the kernel dropped it
+
+    def select(self, timeout: float) -> list[tuple[Any, int]]:
+        if self._sel is not None:
+            return [(key.data, events) for key, events in self._sel.select(timeout)]
+        assert self._ep is not None
+        data, out = self._data, []
+        for fd, ev in self._ep.poll(timeout):
+            d = data.get(fd, _Poller)
+            if d is not _Poller:
+                out.append((d, (_READ if ev & ~select.EPOLLOUT else 0) | (_WRITE if ev & select.EPOLLOUT else 0)))
+        return out
+
+
+_READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
+
 
 class _Peer:
     """One relay channel end: at a relay, a session of its chunk (``inbound``); at a session, its relay (``up``)."""
 
-    __slots__ = ("at", "challenge", "member", "nonce", "opened", "out", "owner", "reader", "relay", "sock", "state",
-                 "vote")
+    __slots__ = ("at", "challenge", "heard", "inbound", "member", "opened", "out", "owner", "reader", "relay", "shake",
+                 "since", "sock", "state", "vote", "wrote")
 
     def __init__(self, sock: socket.socket, owner: _Member, inbound: bool, now: float,
                  decoder: Any = None) -> None:
-        self.sock, self.owner = sock, owner
+        self.sock, self.owner, self.inbound = sock, owner, inbound
         self.reader = LineReader(decoder=decoder)
         self.out = b""
         self.state = "shaking"
         self.challenge = new_nonce() if inbound else ""
-        self.nonce = ""
+        self.shake: SessionHandshake | None = None
+        """At a session: its side of the handshake (until the welcome)."""
         self.member = -1
         self.relay = -1
         self.at = ""
         self.vote: tuple[int, int] | None = None
         self.opened = now
+        self.heard = now
+        """When something last came through this channel."""
+        self.wrote = False
+        """Something was written to it since the owner's last liveness check (then no ping is due)."""
+        self.since = 0.0
+        """At a session: when its open vote went through this channel."""
 
 
 class _Listen:
@@ -93,8 +164,8 @@ class _Listen:
 
 class _Member:
     __slots__ = ("challenge", "chunk", "committed", "error", "gen", "group", "id", "ids", "inbound", "listener",
-                 "lost_due", "members", "nonce", "out", "rank", "reader", "relay_gen", "retry_at", "sent_at", "size",
-                 "slot", "sock", "state", "t_gen", "up", "via_relay", "voted")
+                 "lost_due", "members", "nonce", "open_since", "out", "rank", "reader", "relay_gen", "retry_at",
+                 "sent_at", "size", "slot", "sock", "state", "t_gen", "up", "via_relay", "voted")
 
     def __init__(self, group: int, rank: int, slot: int, size: int = 1) -> None:
         self.group, self.rank, self.slot = group, rank, slot
@@ -134,6 +205,8 @@ class _Member:
         """The generation of the ``relay`` message ``up`` was opened for."""
         self.via_relay = False
         """Its open vote went to its relay (resent directly if that channel closes before the decision)."""
+        self.open_since: float | None = None
+        """As a relay: since when its chunk holds a vote not yet decided."""
 
 
 _DONE = frozenset({"joined", "rejected", "failed", "killed", "hung", "removed"})
@@ -166,6 +239,7 @@ class _Worker:
         """Messages on relay channels (sent and received, both ends): not the coordinator's."""
         self.decisions: dict[tuple[int, int], bytes] = {}
         self.relayed: dict[bytes, dict[str, Any]] = {}
+        self.peer_lines: dict[bytes, dict[str, Any]] = {}
         if self.hierarchy:  # one session per group: its leader (rank 0) speaks for every rank
             self.members = [_Member(g, 0, i % _SLOTS, gsize) for i, g in enumerate(range(lo, hi))]
         else:
@@ -173,10 +247,16 @@ class _Worker:
                             enumerate((g, r) for g in range(lo, hi) for r in range(gsize))]
         self.group_timeout = 0.6
         self.slots: list[list[_Member]] = [[m for m in self.members if m.slot == s] for s in range(_SLOTS)]
-        self.sel = selectors.DefaultSelector()
+        self.sel = _Poller()
         self.sel.register(conn.fileno(), selectors.EVENT_READ, None)
         self.stats = _Stats()
         self.interval = 0.1
+        self.relay_timeout = 1.2
+        """The relay channels' silence timeout: twice the coordinator's heartbeat timeout (the welcome's)."""
+        self.live_due: list[_Member] = []
+        """Sessions whose relay-channel liveness is checked after the current batch of events."""
+        self.cut: list[socket.socket] = []
+        """Relay channel sockets cut by ``KillMode.CUT_RELAY``: kept open, never read or written."""
         self.next_slot = 0.0
         self.slot = 0
         self.shaking = 0
@@ -192,6 +272,12 @@ class _Worker:
         """Delta generations expanded, by (base, generation): the coordinator sends one delta to every holder."""
         self.lost: list[_Member] = []
         """Leaders with follower deaths to report."""
+        self.profile = str(cfg.get("profile") or "")
+        self.prof: Any = None
+        if self.profile:
+            import cProfile
+
+            self.prof = cProfile.Profile()
 
     # -------------------------------------------------------------------------------------------------- loop
     def run(self) -> None:
@@ -202,28 +288,36 @@ class _Worker:
                 wait = 0.05
                 if self.next_slot:
                     wait = min(wait, max(0.0, self.next_slot - now))
-                for key, events in self.sel.select(timeout=wait):
+                cpu = time.process_time()
+                ready = self.sel.select(timeout=wait)
+                polled = time.monotonic()
+                if polled - now - (time.process_time() - cpu) - wait > 2 * self.interval:
+                    self._forgive(polled)  # this process was off the CPU: the relay channels' silence may be ours
+                for data, events in ready:
                     if self.next_slot and time.monotonic() >= self.next_slot:  # a long batch must not delay them
                         self._heartbeat_slot(time.monotonic())
-                    if key.data is None:
+                    if data is None:
                         self._command()
-                    elif isinstance(key.data, _Peer):
-                        peer: _Peer = key.data
-                        if events & selectors.EVENT_WRITE:
-                            self._peer_flush(peer)
-                        if events & selectors.EVENT_READ and peer.sock is not None:
-                            self._peer_readable(peer, time.monotonic())
-                    elif isinstance(key.data, _Listen):
-                        self._accept(key.data, time.monotonic())
+                    elif type(data) is _Peer:
+                        if events & _WRITE:
+                            self._peer_flush(data)
+                        if events & _READ and data.sock is not None:
+                            self._peer_readable(data, time.monotonic())
+                    elif type(data) is _Listen:
+                        self._accept(data, time.monotonic())
                     else:
-                        m: _Member = key.data
-                        if events & selectors.EVENT_WRITE:
+                        m: _Member = data
+                        if events & _WRITE:
                             self._flush(m)
-                        if events & selectors.EVENT_READ and m.sock is not None and m.state in ("shaking", "joined"):
+                        if events & _READ and m.sock is not None and m.state in ("shaking", "joined"):
                             self._readable(m)
                 now = time.monotonic()
                 if self.next_slot and now >= self.next_slot:
                     self._heartbeat_slot(now)
+                if self.live_due:  # judged at `polled`: every byte that arrived before it has been read by now
+                    for m in self.live_due:
+                        self._relay_liveness(m, polled)
+                    self.live_due = []
                 if self.lost:
                     self._report_lost(now)
                 self._connect_more(now)
@@ -233,6 +327,9 @@ class _Worker:
         finally:
             for m in self.members:
                 self._drop(m)
+            if self.prof is not None:
+                self.prof.disable()
+                self.prof.dump_stats(f"{self.profile}.{os.getpid()}")
 
     def _heartbeat_slot(self, now: float) -> None:
         self.stats.late = max(self.stats.late, now - self.next_slot)
@@ -240,6 +337,8 @@ class _Worker:
         for m in self.slots[self.slot]:
             if m.state == "joined" and m.sent_at < recent:  # a vote within the interval said it is alive
                 self._send(m, self.hb)
+            if (m.chunk is not None or (m.via_relay and m.voted is not None)) and m.state == "joined":
+                self.live_due.append(m)  # a relay, or a session whose vote waits at its relay
         self.slot = (self.slot + 1) % _SLOTS
         self.next_slot += self.interval / _SLOTS
         if self.next_slot < now - self.interval:  # we fell behind by a whole interval: do not burst
@@ -285,6 +384,8 @@ class _Worker:
                           "t_vote": [float("inf")] * n, "t_done": [0.0] * n, "left": [len(voters)] * n,
                           "messages": self.stats.sent + self.stats.received, "reason": "",
                           "relay_messages": self.relay_msgs}
+            if self.prof is not None:
+                self.prof.enable()
             for m in voters:
                 self._vote(m, now)
         elif cmd != "await_gen":
@@ -330,6 +431,8 @@ class _Worker:
                                     "within the timeout") if behind else
                                    (f"live members hold generations {sorted(gens)}" if len(gens) > 1 else "")}
         if reply is not None:
+            if cmd == "steps" and self.prof is not None:
+                self.prof.disable()
             self.pending = None
             reply["late"] = self.stats.late
             reply["states"] = dict(Counter(m.state for m in self.members))
@@ -355,6 +458,13 @@ class _Worker:
         """Kill group ``group`` (``rank`` None), or one of its ranks. A group session's follower (``rank`` > 0) is
         reported by its leader: at once for a crash, after ``group_heartbeat_timeout_s`` for a hang."""
         t = time.monotonic()
+        if mode == _CUT:
+            for m in self.members:
+                up = m.up
+                if m.group == group and up is not None and up.sock is not None and up.state != "cut":
+                    self.sel.unregister(up.sock)
+                    up.state = "cut"
+            return {"t_kill": t}
         if self.hierarchy and rank:
             for m in self.members:
                 if m.group == group and m.state == "joined":
@@ -532,15 +642,7 @@ class _Worker:
         elif kind == "relay":
             self._relay_named(m, msg, now)
         elif kind == "decision":
-            chunk = m.chunk
-            if chunk is not None and msg["gen"] == chunk.gen and msg.get("next") is None and m.inbound:
-                self._fan_out(m, msg)
-            mine = m.voted is not None and msg["gen"] == m.gen and msg["step"] == m.committed
-            m.committed = max(m.committed, msg["committed"])
-            if msg.get("next") is not None:  # a grow between steps: the next vote is in the next generation
-                self._enter(m, msg["next"], now, planned=True)
-            if mine:
-                self._decided(m, now)
+            self._decision(m, msg, now)
         elif kind in ("removed", "fatal", "wait", "finished"):
             if kind in ("removed", "fatal"):
                 self._drop(m)
@@ -549,6 +651,20 @@ class _Worker:
                 self.steps["reason"] = self.steps["reason"] or f"member {m.id} got {kind!r}: {msg.get('reason')}"
         elif kind in ("challenge", "welcome", "reject"):
             self._fail(m, f"the coordinator sent {kind!r} during the session")
+
+    def _decision(self, m: _Member, msg: dict[str, Any], now: float) -> None:
+        """A decision for joined member ``m`` (from its coordinator, or through its relay)."""
+        chunk = m.chunk
+        nxt = msg.get("next")
+        if chunk is not None and nxt is None and m.inbound and msg["gen"] == chunk.gen:
+            self._fan_out(m, msg)
+        mine = m.voted is not None and msg["gen"] == m.gen and msg["step"] == m.committed
+        if msg["committed"] > m.committed:
+            m.committed = msg["committed"]
+        if nxt is not None:  # a grow between steps: the next vote is in the next generation
+            self._enter(m, nxt, now, planned=True)
+        if mine:
+            self._decided(m, now)
 
     def _handshake(self, m: _Member, msg: dict[str, Any], now: float) -> None:
         kind = msg["t"]
@@ -583,6 +699,7 @@ class _Worker:
                 self.group_timeout = float(msg["group_heartbeat_timeout_s"])
             if not self.next_slot:
                 self.interval = float(msg["heartbeat_interval_s"])
+                self.relay_timeout = 2 * float(msg["heartbeat_timeout_s"])
                 self.next_slot = now + self.interval / _SLOTS
         elif kind == "reject":
             self._drop(m)
@@ -627,9 +744,9 @@ class _Worker:
             return
         data = self._vote_line(m.gen, m.committed)
         up = m.up
-        if up is not None and up.state == "joined" and m.relay_gen == m.gen:
+        if up is not None and up.state in ("joined", "cut") and m.relay_gen == m.gen:
             m.via_relay = True
-            m.sent_at = now  # it said something: its coordinator heartbeat waits (the relay vouches for it)
+            m.sent_at = up.since = now  # it said something: its coordinator heartbeat waits (the relay vouches)
             self._peer_send(up, data)
             return
         m.via_relay = False
@@ -701,17 +818,10 @@ class _Worker:
 
     def _accept(self, listen: _Listen, now: float) -> None:
         for _ in range(64):
-            try:
-                sock, _ = listen.sock.accept()
-            except OSError:
-                return
-            try:
-                tune_socket(sock)
-                sock.setblocking(False)
-            except OSError:
-                sock.close()
-                continue
-            peer = _Peer(sock, listen.owner, True, now)
+            sock = accept_tuned(listen.sock, 0.0)  # non-blocking
+            if sock is None:
+                return  # the rest (if any) on the next select
+            peer = _Peer(sock, listen.owner, True, now, self._peer_line)
             self.sel.register(sock, selectors.EVENT_READ, peer)
             self._peer_send(peer, encode(relay_challenge(peer.challenge)))
 
@@ -725,39 +835,34 @@ class _Worker:
         if not data:
             self._peer_close(peer)
             return
-        inbound = bool(peer.challenge) and peer.relay < 0
+        peer.heard = now
         try:
-            msgs = peer.reader.feed(data)
-            if inbound:
-                msgs = [check(x, RELAY_PEER_MESSAGES) for x in msgs]
+            msgs = peer.reader.feed(data)  # checked against the channel's schemas by its decoder
         except ProtocolError:
             self._peer_close(peer)  # hostile or broken: that channel goes, nothing else
             return
         self.relay_msgs += len(msgs)
+        handle = self._at_relay if peer.inbound else self._at_session
         for msg in msgs:
             if peer.sock is None:
                 return
-            if inbound:
-                self._at_relay(peer, msg)
-            else:
-                self._at_session(peer, msg, now)
+            handle(peer, msg, now)
 
-    def _at_relay(self, peer: _Peer, msg: dict[str, Any]) -> None:
+    def _at_relay(self, peer: _Peer, msg: dict[str, Any], now: float) -> None:
         """A message from a session of ``peer.owner``'s chunk (``peer.owner`` is the relay)."""
         m = peer.owner
         if peer.state == "shaking":
-            why = verify_hello(self.token, peer.challenge, msg)
-            if why is not None:
-                code, _, reason = why.partition(": ")
-                self._peer_send(peer, encode({"t": "reject", "code": code, "reason": reason}))
+            reply, member = answer_hello(self.token, peer.challenge, m.id, msg)
+            if member is None:
+                self._peer_send(peer, encode(reply))
                 self._peer_close(peer)
                 return
-            peer.state, peer.member = "joined", msg["member"]
-            old = m.inbound.get(peer.member)
+            peer.state, peer.member = "joined", member
+            old = m.inbound.get(member)
             if old is not None:
                 self._peer_close(old)
-            m.inbound[peer.member] = peer
-            self._peer_send(peer, encode(relay_welcome(self.token, msg["nonce"], peer.challenge, m.id)))
+            m.inbound[member] = peer
+            self._peer_send(peer, encode(reply))
             if m.chunk is not None:
                 m.chunk.connect(peer.member)
             return
@@ -773,19 +878,38 @@ class _Worker:
         m = peer.owner
         kind = msg["t"]
         if peer.state == "shaking":
-            if kind == "challenge" and not peer.nonce:
-                peer.nonce, peer.challenge = new_nonce(), msg["nonce"]
-                self._peer_send(peer, encode(relay_hello(self.token, msg["nonce"], peer.nonce, m.id, m.gen)))
-            elif (kind == "welcome" and peer.nonce and msg["relay"] == peer.relay
-                  and verify_welcome(self.token, peer.nonce, peer.challenge, msg)):
-                peer.state = "joined"
+            if peer.shake is None:
+                peer.shake = SessionHandshake(self.token, member=m.id, gen=m.gen, relay=peer.relay)
+            try:
+                reply = peer.shake.feed(msg)
+            except ProtocolError:
+                self._peer_close(peer)
+                return
+            if reply is not None:
+                self._peer_send(peer, encode(reply))
+            elif peer.shake.done:
+                peer.state, peer.shake = "joined", None
                 if m.voted is not None and m.relay_gen == m.gen:  # its open vote went directly: the relay, which
                     self._peer_send(peer, self._vote_line(m.gen, m.committed))  # counts it as connected, needs it
-            else:
-                self._peer_close(peer)
             return
         if kind == "decision" and m.state == "joined":
-            self._handle(m, msg, now)
+            self._decision(m, msg, now)
+        elif kind == "ping":  # the relay holds our vote or waits for it
+            self._peer_send(peer, self.hb)
+
+    def _peer_line(self, line: bytes) -> dict[str, Any]:
+        """``check(decode(line), RELAY_PEER_MESSAGES)`` for a line from a session to its relay; a short one (a
+        vote, a heartbeat: the same bytes from every session of every chunk here each step) once per process (the
+        message is read-only). A hello (a fresh nonce each) is never kept."""
+        if len(line) > 96:
+            return check(decode(line), RELAY_PEER_MESSAGES)
+        hit = self.peer_lines.get(line)
+        if hit is None:
+            hit = check(decode(line), RELAY_PEER_MESSAGES)
+            if len(self.peer_lines) >= 64:
+                self.peer_lines.clear()
+            self.peer_lines[line] = hit
+        return hit
 
     def _relayed_line(self, line: bytes) -> dict[str, Any]:
         """``check(decode(line), RELAY_MESSAGES)`` once per process for the same bytes (every session of every chunk
@@ -810,8 +934,9 @@ class _Worker:
                 self._peer_send(peer, line)
 
     def _peer_send(self, peer: _Peer, data: bytes) -> None:
-        if peer.sock is None:
+        if peer.sock is None or peer.state == "cut":
             return
+        peer.wrote = True
         self.relay_msgs += 1
         if peer.out:
             peer.out += data
@@ -846,11 +971,14 @@ class _Worker:
         to its relay sends it directly."""
         if peer.sock is None:
             return
-        try:
-            self.sel.unregister(peer.sock)
-        except (KeyError, ValueError):
-            pass
-        peer.sock.close()
+        if peer.state == "cut":  # dead both ways: the other end never sees it close
+            self.cut.append(peer.sock)
+        else:
+            try:
+                self.sel.unregister(peer.sock)
+            except (KeyError, ValueError):
+                pass
+            peer.sock.close()
         peer.sock = None  # type: ignore[assignment]
         m = peer.owner
         if peer.relay < 0 and peer.challenge:  # at the relay
@@ -897,6 +1025,39 @@ class _Worker:
                 self.sel.unregister(m.listener.sock)
             except (KeyError, ValueError):
                 pass
+
+    def _forgive(self, now: float) -> None:
+        """Count every relay channel as heard at ``now`` (as :class:`RelayHub` after its thread was descheduled)."""
+        for m in self.members:
+            if m.up is not None:
+                m.up.heard = now
+            for peer in m.inbound.values():
+                peer.heard = now
+            if m.open_since is not None:
+                m.open_since = now
+
+    def _relay_liveness(self, m: _Member, now: float) -> None:
+        """Relay-channel liveness, once per heartbeat interval per session (as :class:`RelayHub`'s): a session
+        whose vote waits at a silent relay votes directly; a relay with an undecided vote in its chunk pings the
+        channels it wrote nothing to since the last check and stops waiting for a session silent for the timeout."""
+        up = m.up
+        if (up is not None and up.sock is not None and m.via_relay and m.voted is not None
+                and now - max(up.heard, up.since) > self.relay_timeout):
+            self._peer_close(up)  # sends the vote directly
+        chunk = m.chunk
+        if chunk is None:
+            return
+        if not any(s >= m.committed for s in chunk.voted.values()):
+            m.open_since = None
+            return
+        if m.open_since is None:
+            m.open_since = now
+        for peer in list(m.inbound.values()):
+            if now - max(peer.heard, m.open_since) > self.relay_timeout:
+                self._peer_close(peer)  # the chunk stops waiting for it: it votes directly
+            elif not peer.wrote:
+                self._peer_send(peer, _PING)
+            peer.wrote = False
 
     def _decided(self, m: _Member, now: float) -> None:
         st = self.steps

@@ -80,6 +80,11 @@ class KillMode(str, enum.Enum):
     """Close the sockets (a crashed process: the coordinator reads EOF)."""
     HANG = "hang"
     """Stop heartbeating and reading, keep the sockets open (a hung process: only its silence tells)."""
+    CUT_RELAY = "cut-relay"
+    """The group's session lives on with its coordinator, but its channel to its vote relay goes dead both ways,
+    sockets open (a partition between two leaders, or a stuck relay-channel thread): only the relay channel's
+    liveness tells (:mod:`torchnext.ft.relay_link`, "Liveness"). :meth:`kill_group` only; a no-op for a session
+    without a relay channel."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -114,6 +119,10 @@ class SimConfig:
     coordinator may name relays (at least its ``relay_min_groups`` sessions): a session of a chunk votes to its relay
     over an authenticated channel, the relay votes for the chunk and fans the decision out. False: no listener, every
     session votes directly."""
+
+    profile: str = ""
+    """Non-empty: each worker runs its loop under cProfile during :meth:`MemberSim.commit` calls only, and writes
+    the stats to ``f"{profile}.{pid}"`` (the worker's process id) when it stops."""
 
     def __post_init__(self) -> None:
         parse_address(self.address)
@@ -267,6 +276,11 @@ class MemberSim:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids (e.g. for their CPU time in ``/proc``)."""
+        return [int(proc.pid) for proc in self._procs]
+
     # -------------------------------------------------------------------------------------------------- calls
     def join(self, *, timeout_s: float) -> Formation:
         """Connect and join every member; return once each one holds a generation, was refused or failed, or after
@@ -345,6 +359,8 @@ class MemberSim:
         if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < self.config.groups:
             raise ValueError(f"group must be in [0, {self.config.groups}), got {group!r}")
         mode = KillMode(mode)
+        if mode is KillMode.CUT_RELAY and rank is not None:
+            raise ValueError("KillMode.CUT_RELAY cuts a group session's relay channel: use kill_group")
         i = next(i for i, (lo, hi) in enumerate(self._ranges) if lo <= group < hi)
         (reply,) = self._call("kill", 5.0, only=i, group=group, mode=mode.value, rank=rank)
         return float(reply["t_kill"])
@@ -416,7 +432,7 @@ def _explain(reason: str, replies: list[dict[str, Any]]) -> str:
 def _config_dict(cfg: SimConfig, stacks: str) -> dict[str, Any]:
     return {"address": cfg.address, "token": cfg.token, "group_size": cfg.group_size,
             "max_handshakes": cfg.max_handshakes, "stacks": stacks, "hierarchy": cfg.hierarchy and cfg.group_size > 1,
-            "relays": cfg.relays}
+            "relays": cfg.relays, "profile": cfg.profile}
 
 
 def _stacks_of(proc: Any, path: str) -> str:
