@@ -30,6 +30,7 @@ import faulthandler
 import hashlib
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -459,7 +460,10 @@ def _resources() -> dict[str, Any]:
     py = collections.Counter(t.name.split("[", 1)[0] for t in threading.enumerate())  # "x[g12]" counts as "x"
     out: dict[str, Any] = {"fds": len(fds), "fd_kinds": dict(kinds), "thread_names": dict(names),
                            "py_threads": dict(py),
-                           "live_comms": len(communicator._LIVE), "graves": len(graves),
+                           "live_comms": len(communicator._LIVE),
+                           "live_comm_kinds": dict(collections.Counter(
+                               re.sub(r"\d+", "#", c.name) for c in list(communicator._LIVE))),
+                           "graves": len(graves),
                            "graves_busy": sum(1 for g in graves if g.busy())}
     if graves:  # what keeps each (its age, whether its canceller ran, its Works still running)
         out["grave_list"] = [g.describe() for g in graves]
