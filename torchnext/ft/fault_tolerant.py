@@ -428,6 +428,8 @@ class FaultTolerant:
             children, self._children = self._children, []
         for c in [*children, *([comm] if comm is not None else [])]:
             quiet_abort(c, "FaultTolerant closed")
+        if self._process_group is not None:
+            self._process_group._close()
 
     def __enter__(self) -> FaultTolerant:
         return self

@@ -273,6 +273,13 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         if native is not None and native.hold_python(True):
             self._held = native
 
+    def _close(self) -> None:
+        """Its member left (``ft.close()`` / ``ft.finish()``): out of torch's group tables, where it was entered at
+        construction -- they hold the group, and through it every generation's native backend and Communicator,
+        for the life of the process (a member that leaves and a new ``FaultTolerant`` that joins, a thousand times
+        over a job, kept a thousand). Idempotent."""
+        _unregister(self, self._group_name)
+
     def _drain_native(self) -> None:
         """Take the current generation's native failures into account (an op that failed under a future nobody
         waited on, e.g. DDP's): the Communicator becomes errored, the failure is recorded as a waited one would be.
@@ -391,6 +398,27 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         if comm is not None:  # so that the vote sees it broken, and (errored or not) the peers' ops on it fail now
             quiet_abort(comm, f"{op} refused or issued in a broken generation")
         return _FTWork(self, (), result)
+
+
+def _unregister(pg: dist.ProcessGroup, name: str) -> None:
+    """Take ``pg`` out of torch's tables again (what ``destroy_process_group`` does for a group, less its shutdown:
+    the generations' Communicators are their member's to abort). Tolerates a group already gone from any of them."""
+    c10d: Any = dist.distributed_c10d
+    world = c10d._world
+    for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
+                  world.pg_coalesce_state):
+        table.pop(pg, None)
+    tag = world.pg_to_tag.pop(pg, None)
+    for t in ((tag, "") if tag is not None else ()):
+        tagged = world.tags_to_pg.get(t)
+        if tagged is not None and any(g is pg for g in tagged):
+            tagged.remove(pg)
+    try:
+        registered = c10d._resolve_process_group(name) is pg
+    except (RuntimeError, ValueError, KeyError):  # torch raises when no group has that name
+        registered = False
+    if registered:
+        c10d._unregister_process_group(name)
 
 
 def _register(pg: dist.ProcessGroup, name: str, store: dist.Store, mapping: dict[int, int]) -> None:
