@@ -13,14 +13,10 @@ import torch
 import torch.distributed as dist
 
 from torchnext.comms import communicator
-from torchnext.ft import Coordinator, CoordinatorConfig, FaultTolerant, FaultTolerantConfig, MembershipConfig
+from torchnext.ft import FaultTolerant
+from torchnext.testing.thread_members import thread_coordinator, thread_member
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _member(coord: Coordinator, i: int) -> FaultTolerant:
-    return FaultTolerant(FaultTolerantConfig(coordinator=coord.address, token=coord.token, member_id=i, min_size=1,
-                                             reconfigure_timeout_s=15.0, timeout_s=20.0))
 
 
 def _steps(ft: FaultTolerant, n: int) -> None:
@@ -32,10 +28,8 @@ def _steps(ft: FaultTolerant, n: int) -> None:
 
 def test_a_closed_members_group_and_generations_are_released() -> None:
     world = dist.distributed_c10d._world
-    cfg = MembershipConfig(min_size=1, initial_size=1, heartbeat_interval_s=0.1, heartbeat_timeout_s=3.0,
-                           quorum_timeout_s=10.0)
-    with Coordinator(CoordinatorConfig(membership=cfg)) as coord:
-        a = _member(coord, 0)
+    with thread_coordinator(1) as coord:
+        a = thread_member(coord, 0, min_size=1)
         a.join()
         stop = threading.Event()
         trainer = threading.Thread(target=lambda: [_steps(a, 1) for _ in iter(stop.is_set, True)], daemon=True)
@@ -44,7 +38,7 @@ def test_a_closed_members_group_and_generations_are_released() -> None:
         pgs: list[weakref.ref[object]] = []
         try:
             for k in range(2):
-                b = _member(coord, 100 + k)
+                b = thread_member(coord, 100 + k, min_size=1)
                 b.join()
                 _steps(b, 2)
                 pg = b.process_group

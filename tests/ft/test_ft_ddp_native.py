@@ -21,12 +21,10 @@ import torch
 from torchnext.comms import native as native_ext
 from torchnext.ft import (
     Coordinator,
-    CoordinatorConfig,
     DistributedDataParallel,
-    FaultTolerant,
-    FaultTolerantConfig,
-    MembershipConfig,
 )
+from torchnext.testing import run_each
+from torchnext.testing.thread_members import thread_coordinator, thread_member
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,32 +33,8 @@ STEPS = 3
 BUCKETS = 2  # _model in 256-byte buckets: [b2 w2 b1] (104 bytes, DDP fills in reverse order) and [w1] (256)
 
 
-def _coordinator() -> Coordinator:
-    return Coordinator(CoordinatorConfig(membership=MembershipConfig(
-        min_size=N, initial_size=N, heartbeat_interval_s=0.1, heartbeat_timeout_s=3.0, quorum_timeout_s=10.0)))
-
-
-def _member(coord: Coordinator, i: int) -> FaultTolerant:
-    return FaultTolerant(FaultTolerantConfig(coordinator=coord.address, token=coord.token, member_id=i, min_size=N,
-                                             timeout_s=20.0, reconfigure_timeout_s=15.0))
-
-
-def _threads(fns: list[Callable[[], Any]], timeout: float = 60.0) -> dict[int, Any]:
-    out: dict[int, Any] = {}
-
-    def run(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as exc:  # reported to the test
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
-    for th in threads:
-        th.start()
-    deadline = time.monotonic() + timeout
-    for th in threads:
-        th.join(max(0.0, deadline - time.monotonic()))
-    assert not any(th.is_alive() for th in threads), f"a member thread hung (results so far: {out})"
+def _all_ok(fns: list[Callable[[], Any]]) -> dict[int, Any]:
+    out = run_each(fns)
     for i in range(len(fns)):
         assert not isinstance(out.get(i), BaseException), out[i]
     return out
@@ -83,7 +57,7 @@ def _train(i: int, coord: Coordinator, *, mode: str) -> dict[str, Any]:
     """``STEPS`` committed steps of SGD on a copy of ``_INIT``; inputs depend on the member and the step.
     ``early``: ``vote_early=True`` (the C++ tracker votes). ``mixed``: step 1 with a user hook on the generation's Communicator (the group on its Python path), step 2 with
     the route pointed at nothing (the hook calls the group's own allreduce)."""
-    with _member(coord, i) as ft:
+    with thread_member(coord, i, min_size=N) as ft:
         model = copy.deepcopy(_INIT)
         net = DistributedDataParallel(model, ft, bucket_cap_mb=256 / (1 << 20), vote_early=mode == "early")
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -111,8 +85,8 @@ def _train(i: int, coord: Coordinator, *, mode: str) -> dict[str, Any]:
 
 
 def _run(mode: str) -> dict[int, Any]:
-    with _coordinator() as coord:
-        return _threads([lambda i=i: _train(i, coord, mode=mode) for i in range(N)])
+    with thread_coordinator(N) as coord:
+        return _all_ok([lambda i=i: _train(i, coord, mode=mode) for i in range(N)])
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +141,7 @@ def test_a_failed_bucket_op_on_the_cpp_path_keeps_the_step_from_committing() -> 
     raise, the step commits nowhere, the retry in a new generation commits on both and the replicas agree."""
 
     def train(i: int, coord: Coordinator) -> dict[str, Any]:
-        with _member(coord, i) as ft:
+        with thread_member(coord, i, min_size=N) as ft:
             model = copy.deepcopy(_INIT)
             net = DistributedDataParallel(model, ft, bucket_cap_mb=256 / (1 << 20))
             ft.process_group.set_timeout(timedelta(seconds=1.0))
@@ -193,8 +167,8 @@ def test_a_failed_bucket_op_on_the_cpp_path_keeps_the_step_from_committing() -> 
             ft.finish()
             return out
 
-    with _coordinator() as coord:
-        out = _threads([lambda i=i: train(i, coord) for i in range(N)])
+    with thread_coordinator(N) as coord:
+        out = _all_ok([lambda i=i: train(i, coord) for i in range(N)])
     assert out[0]["nan"], "a failed bucket's gradients are marked invalid"
     assert out[0]["counts"]["bucket_native"] >= 1 and out[0]["counts"]["bucket_group"] == 0, out[0]["counts"]
     for i in range(N):

@@ -25,32 +25,16 @@ from torchnext.comms import native as native_ext
 from torchnext.comms.communicator import Communicator
 from torchnext.comms.process_group.native import native_class
 from torchnext.ft import (
-    Coordinator,
-    CoordinatorConfig,
     FailureKind,
-    FaultTolerant,
-    FaultTolerantConfig,
-    MembershipConfig,
     classify_failure,
 )
 from torchnext.ft.process_group import FaultTolerantProcessGroup
 from torchnext.testing import run_each
+from torchnext.testing.thread_members import thread_coordinator, thread_member
 
 pytestmark = pytest.mark.timeout(180)
 
 N = 2
-
-
-def _coordinator() -> Coordinator:
-    # generous heartbeats: member threads share one process (and the GIL) on a loaded machine
-    return Coordinator(CoordinatorConfig(membership=MembershipConfig(
-        min_size=N, initial_size=N, heartbeat_interval_s=0.1, heartbeat_timeout_s=3.0, quorum_timeout_s=10.0)))
-
-
-def _member(coord: Coordinator, i: int) -> FaultTolerant:
-    return FaultTolerant(FaultTolerantConfig(coordinator=coord.address, token=coord.token, member_id=i, min_size=N,
-                                             reconfigure_timeout_s=15.0, timeout_s=20.0))
-
 
 
 @pytest.fixture(autouse=True)
@@ -74,10 +58,10 @@ def _native_ops(pg: Any) -> int:
 
 # ------------------------------------------------------------------------------------------------- the path
 def test_the_group_is_on_the_native_path_after_join_and_back_to_python_while_a_hook_asks() -> None:
-    with _coordinator() as coord:
+    with thread_coordinator(N) as coord:
 
         def member(i: int) -> dict[str, Any]:
-            ft = _member(coord, i)
+            ft = thread_member(coord, i, min_size=N)
             pg = ft.process_group
             try:
                 ft.join()
@@ -115,10 +99,10 @@ def test_the_group_is_on_the_native_path_after_join_and_back_to_python_while_a_h
 
 def test_the_python_path_without_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHNEXT_NATIVE_PG", "0")
-    with _coordinator() as coord:
+    with thread_coordinator(N) as coord:
 
         def member(i: int) -> tuple[bool, type, list[float]]:
-            ft = _member(coord, i)
+            ft = thread_member(coord, i, min_size=N)
             pg = ft.process_group
             try:
                 ft.join()
@@ -144,10 +128,10 @@ def test_a_failed_op_is_recorded_not_raised_and_the_step_does_not_commit(monkeyp
     does not commit, the generation's error is the same class on both paths; the retry (a new generation) commits.
     ``future``: nobody calls wait() (DDP's way): the failure is found at the vote."""
     monkeypatch.setenv("TORCHNEXT_NATIVE_PG", "1" if native else "0")
-    with _coordinator() as coord:
+    with thread_coordinator(N) as coord:
 
         def member(i: int) -> dict[str, Any]:
-            ft = _member(coord, i)
+            ft = thread_member(coord, i, min_size=N)
             pg = ft.process_group
             out: dict[str, Any] = {"commits": []}
             try:

@@ -15,9 +15,7 @@ import torch
 from torchnext.comms import CollectiveMismatch, CommAborted, CommTimeout, HookError, PeerFailure, ReduceOp
 from torchnext.ft import (
     Coordinator,
-    CoordinatorConfig,
     FailureKind,
-    FaultTolerant,
     FaultTolerantConfig,
     MembershipConfig,
     QuorumLost,
@@ -29,24 +27,12 @@ from torchnext.ft import (
 from torchnext.ft.errors import raised_on_every_member
 from torchnext.ft.membership import Membership
 from torchnext.testing import run_each
+from torchnext.testing.thread_members import thread_coordinator, thread_member
 
 pytestmark = pytest.mark.timeout(120)
 
 N = 2
 BOUND_S = 60.0  # every member thread must be done by then
-
-
-def _coordinator(n: int = N) -> Coordinator:
-    # generous heartbeats: member threads share one process (and the GIL) on a loaded machine
-    return Coordinator(CoordinatorConfig(membership=MembershipConfig(
-        min_size=n, initial_size=n, heartbeat_interval_s=0.1, heartbeat_timeout_s=3.0, quorum_timeout_s=10.0)))
-
-
-def _member(coord: Coordinator, i: int, **cfg: Any) -> FaultTolerant:
-    cfg.setdefault("timeout_s", 20.0)
-    return FaultTolerant(FaultTolerantConfig(coordinator=coord.address, token=coord.token, member_id=i, min_size=N,
-                                             reconfigure_timeout_s=15.0, **cfg))
-
 
 
 def _events(coord: Coordinator, kind: str) -> list[dict[str, Any]]:
@@ -108,10 +94,10 @@ def test_membership_end_fails_the_job_with_the_code() -> None:
 def test_collective_mismatch_is_raised_on_every_member_without_a_new_generation() -> None:
     """Consistency mode on; member 1 all-reduces 8 elements where member 0 all-reduces 4: both raise
     CollectiveMismatch out of ft.step(), nobody reports, the generation stays; the next step commits in it."""
-    with _coordinator() as coord:
+    with thread_coordinator(N) as coord:
 
         def member(i: int) -> tuple[BaseException | None, int, int]:
-            ft = _member(coord, i, check_collectives=True)
+            ft = thread_member(coord, i, min_size=N, check_collectives=True)
             try:
                 err: BaseException | None = None
                 try:
@@ -144,10 +130,10 @@ def test_collective_mismatch_is_raised_on_every_member_without_a_new_generation(
 def test_collective_mismatch_through_process_group_ends_the_step() -> None:
     """ft.process_group records failures instead of raising them; a mismatch it records must still end the step
     with CollectiveMismatch on every member (not a reconfiguration and a retry)."""
-    with _coordinator() as coord:
+    with thread_coordinator(N) as coord:
 
         def member(i: int) -> tuple[BaseException | None, bool, int]:
-            ft = _member(coord, i, check_collectives=True)
+            ft = thread_member(coord, i, min_size=N, check_collectives=True)
             pg = ft.process_group
             try:
                 err: BaseException | None = None
@@ -175,12 +161,12 @@ def test_collective_mismatch_through_process_group_ends_the_step() -> None:
 def test_user_error_on_one_member_ends_the_step_on_every_member() -> None:
     """Member 1's step body raises ValueError before its all_reduce; member 0, blocked in the all_reduce, must not
     wait for a timeout or a reconfiguration: it raises StepFailed naming member 1 and the error, at once."""
-    with _coordinator() as coord:
+    with thread_coordinator(N) as coord:
 
         joined = threading.Barrier(N)
 
         def member(i: int) -> tuple[BaseException | None, float]:
-            ft = _member(coord, i, timeout_s=30.0)
+            ft = thread_member(coord, i, min_size=N, timeout_s=30.0)
             joined.wait(BOUND_S)  # both joined first: else member 0 may still be joining when the job ends (its
             start = time.monotonic()  # constructor then raises StepFailed, as it should, before this test's step)
             try:
@@ -212,10 +198,10 @@ def test_user_error_on_one_member_ends_the_step_on_every_member() -> None:
 def test_transient_failure_is_retried_until_the_step_commits() -> None:
     """PeerFailure raised in the body on the first 2 attempts at steps 1 and 2 (max_retries=2): every failure is
     swallowed, the group reconfigures, the steps commit; 4 failures in all but never 3 in a row (a commit resets)."""
-    with _coordinator() as coord:
+    with thread_coordinator(N) as coord:
 
         def member(i: int) -> tuple[int, int, int]:
-            ft = _member(coord, i, max_retries=2)
+            ft = thread_member(coord, i, min_size=N, max_retries=2)
             tries: dict[int, int] = {}
             failed = 0
             try:
@@ -245,10 +231,10 @@ def test_transient_failure_is_retried_until_the_step_commits() -> None:
 def test_retry_cap_raises_retries_exhausted_on_every_member() -> None:
     """Every attempt at step 1 fails (PeerFailure on member 0): after max_retries=2 retries -- the 3rd failed
     attempt -- every member raises RetriesExhausted naming the step and the last failures; nothing loops."""
-    with _coordinator() as coord:
+    with thread_coordinator(N) as coord:
 
         def member(i: int) -> tuple[BaseException | None, int]:
-            ft = _member(coord, i, max_retries=2)
+            ft = thread_member(coord, i, min_size=N, max_retries=2)
             attempts = 0
             try:
                 while ft.step_count < 3:

@@ -18,26 +18,12 @@ import torch
 from torchnext.comms import CommAborted
 from torchnext.ft import (
     Coordinator,
-    CoordinatorConfig,
     DistributedDataParallel,
-    FaultTolerant,
-    FaultTolerantConfig,
-    MembershipConfig,
 )
 from torchnext.testing import run_each
+from torchnext.testing.thread_members import thread_coordinator, thread_member
 
 pytestmark = pytest.mark.timeout(120)
-
-
-
-def _coordinator(n: int, min_size: int) -> Coordinator:
-    return Coordinator(CoordinatorConfig(membership=MembershipConfig(
-        min_size=min_size, initial_size=n, heartbeat_interval_s=0.1, heartbeat_timeout_s=3.0, quorum_timeout_s=10.0)))
-
-
-def _member(coord: Coordinator, i: int, min_size: int) -> FaultTolerant:
-    return FaultTolerant(FaultTolerantConfig(coordinator=coord.address, token=coord.token, member_id=i,
-                                             min_size=min_size, timeout_s=20.0, reconfigure_timeout_s=15.0))
 
 
 
@@ -69,7 +55,7 @@ def test_the_vote_is_sent_before_commit_and_training_matches_the_vote_at_commit(
     steps = 3
 
     def train(i: int, vote_early: bool, coord: Coordinator) -> dict[str, Any]:
-        with _member(coord, i, 2) as ft:
+        with thread_member(coord, i, min_size=2) as ft:
             model = _model()
             net = DistributedDataParallel(model, ft, vote_early=vote_early, bucket_cap_mb=64 * 4 / (1 << 20))
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -94,7 +80,7 @@ def test_the_vote_is_sent_before_commit_and_training_matches_the_vote_at_commit(
 
     results = {}
     for vote_early in (True, False):
-        with _coordinator(2, 2) as coord:
+        with thread_coordinator(2, min_size=2) as coord:
             results[vote_early] = run_each([lambda i=i, v=vote_early, c=coord: train(i, v, c) for i in range(2)])
     early, late = results[True], results[False]
     for i in range(2):
@@ -110,7 +96,7 @@ def test_the_vote_is_sent_before_commit_and_training_matches_the_vote_at_commit(
 
 def test_a_fault_tolerant_collective_after_the_early_vote_raises() -> None:
     def train(i: int, coord: Coordinator) -> Any:
-        with _member(coord, i, 2) as ft:
+        with thread_member(coord, i, min_size=2) as ft:
             model = _model()
             net = DistributedDataParallel(model, ft, vote_early=True)
             with ft.step() as step:
@@ -125,7 +111,7 @@ def test_a_fault_tolerant_collective_after_the_early_vote_raises() -> None:
             ft.finish()
             return committed
 
-    with _coordinator(2, 2) as coord:
+    with thread_coordinator(2, min_size=2) as coord:
         out = run_each([lambda i=i: train(i, coord) for i in range(2)])
     assert out == {0: True, 1: True}, out
 
@@ -135,7 +121,7 @@ def test_a_transient_error_after_a_committed_early_vote_leaves_the_group() -> No
     voted for, so it holds no committed state -- it leaves (a restart would rejoin and heal), member 0 goes on."""
 
     def train(i: int, coord: Coordinator) -> Any:
-        ft = _member(coord, i, 1)
+        ft = thread_member(coord, i, min_size=1)
         try:
             model = _model()
             net = DistributedDataParallel(model, ft, vote_early=True)
@@ -158,7 +144,7 @@ def test_a_transient_error_after_a_committed_early_vote_leaves_the_group() -> No
         finally:
             ft.close()
 
-    with _coordinator(2, 1) as coord:
+    with thread_coordinator(2, min_size=1) as coord:
         out = run_each([lambda i=i: train(i, coord) for i in range(2)])
     assert out[0] == ("done", 3, 1), out
     kind, count, note = out[1]

@@ -19,7 +19,7 @@ def test_a_job_past_its_timeout_is_killed_with_every_worker(tmp_path: Path) -> N
     (tmp_path / "hang_forever.py").write_text("import time\nprint('worker up', flush=True)\ntime.sleep(3600)\n")
     job = TitanJob(name="hang", launcher="torchrun", runs=[[]], common=[], module="hang_forever",
                    env={"PYTHONPATH": f"{tmp_path}:{':'.join(sys.path)}"})
-    (res,) = run_jobs([job], tmp_path, timeout_s=45)
+    (res,) = run_jobs([job], tmp_path, timeout_s=30)
     assert res.log.count("worker up") == 2, res.log[-3000:]
     assert res.returncode is None and res.leftover == []
     with pytest.raises(AssertionError, match="exit None"):
