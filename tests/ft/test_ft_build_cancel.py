@@ -13,8 +13,8 @@ from torchnext.ft.config import FaultTolerantConfig
 from torchnext.ft.fault_tolerant import FaultTolerant
 
 
-def _builds() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("torchnext-ft-build[g7]")]
+def _builds(gen: str = "g7") -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(f"torchnext-ft-build[{gen}]")]
 
 
 def _fake(server_port: int, *, timeout_s: float = 30.0, interruptions: int = 0) -> types.SimpleNamespace:
@@ -66,6 +66,13 @@ def test_an_interruption_before_the_announcement_does_not_call_the_build_off() -
     ft._client.interruptions = 2  # an interruption after generation 8's announcement (counted at 1) calls it off
     assert FaultTolerant._build(ft, 8, (10, 11), 0, 1, time.monotonic() + 30.0) is None  # type: ignore[arg-type]
     assert ft.reports == [] and "interruptions 2 vs 1 at its announcement" in ft.trail[-1], ft.trail
+    # called off before its thread connected: the thread sees that once connected, and ends at once (the store
+    # must outlive it -- a connection to a closed port is retried for the whole timeout)
+    deadline = time.monotonic() + 5.0
+    while _builds("g8") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _builds("g8"), "the build called off before it connected still runs"
+    del server
 
 
 def test_a_failed_build_reports_the_generation_it_was_building() -> None:

@@ -66,6 +66,9 @@ def test_resource_check_counts_no_waiter_but_bounds_them_and_compares_at_full_me
     waited = dict(base, faults=100, threads=11, py_threads={"MainThread": 1, "torchnext-comms-waiter": 1})
     assert resources_flat(base, waited, 0.05)["ok"] is True
     assert resources_flat(base, dict(waited, py_threads={"MainThread": 1}), 0.05)["ok"] is False  # another thread
+    assert resources_flat(base, dict(base, faults=100, live_comms=4), 0.05)["ok"] is True  # mid-replacement: 2 more
+    kept = resources_flat(base, dict(base, faults=100, live_comms=5), 0.05)  # superseded generations kept alive
+    assert kept["ok"] is False and kept["live_comms"] == {"base": 2, "end": 5, "ok": False}
     three = dict(waited, threads=13, py_threads={"torchnext-comms-waiter": 3})
     assert resources_flat(base, three, 0.05)["ok"] is False  # 3 waiters for 2 communicators
     faults = [Injected(index=i, job="ddp", kind=SoakFault.KILL, victim="m", at=float(i)) for i in range(4)]

@@ -277,8 +277,11 @@ class FaultTolerantProcessGroup(TorchnextProcessGroup):
         """Its member left (``ft.close()`` / ``ft.finish()``): out of torch's group tables, where it was entered at
         construction -- they hold the group, and through it every generation's native backend and Communicator,
         for the life of the process (a member that leaves and a new ``FaultTolerant`` that joins, a thousand times
-        over a job, kept a thousand). Idempotent."""
+        over a job, kept a thousand). Its last generation's native backend is dropped too: the group and its
+        member refer to each other, and that cycle must not keep a Communicator until a full collection.
+        Idempotent."""
         _unregister(self, self._group_name)
+        self._follow(None)
 
     def _drain_native(self) -> None:
         """Take the current generation's native failures into account (an op that failed under a future nobody

@@ -436,7 +436,9 @@ def _resources() -> dict[str, Any]:
     (``fd_kinds``: socket, pipe, anon_inode:[eventpoll], file ...), the threads' names (``thread_names``; the Python
     ones: ``py_threads``, without a ``[...]`` suffix) and the live Communicators (``live_comms``) and the abandoned
     backends the reaper still holds (``graves``; ``graves_busy``: those with an op still running; ``grave_list``: each
-    one's :meth:`~torchnext.comms.reaper.Grave.describe`, when there are any), so that a growth names its cause."""
+    one's :meth:`~torchnext.comms.reaper.Grave.describe`, when there are any), so that a growth names its cause.
+    Diagnostics, by environment: ``TORCHNEXT_SOAK_CYCLES=1`` what only a full collection frees
+    (:func:`_cycle_census`), ``TORCHNEXT_SOAK_REFS=1`` what holds the live Communicators (:func:`_comm_holders`)."""
     fds = os.listdir("/proc/self/fd")
     kinds: collections.Counter[str] = collections.Counter()
     for fd in fds:
@@ -469,6 +471,9 @@ def _resources() -> dict[str, Any]:
         out["grave_list"] = [g.describe() for g in graves]
     if os.environ.get("TORCHNEXT_SOAK_CYCLES"):
         out["cycles"] = _cycle_census()
+    if os.environ.get("TORCHNEXT_SOAK_REFS") and time.monotonic() >= _REFS_NEXT[0]:  # slow: once a minute
+        out["holders"] = _comm_holders()
+        _REFS_NEXT[0] = time.monotonic() + 60.0
     with open("/proc/self/status") as fh:
         for line in fh:
             if line.startswith("Threads:"):
@@ -510,6 +515,92 @@ def _cycle_census() -> dict[str, Any]:
     gc.collect()
     return {"objects": n, "comms": comms, "frames": dict(frames.most_common(12)),
             "exceptions": dict(excs.most_common(6))}
+
+
+_REFS_NEXT = [0.0]
+
+
+def _comm_holders(limit: int = 2, depth: int = 14, budget: int = 600) -> dict[str, Any]:
+    """What holds the live Communicators (``TORCHNEXT_SOAK_REFS=1``, a diagnostic; slow, so at most once a minute):
+    those left after a full collection (``after_gc``: fewer than ``live_comms`` means cycles held the rest), and for
+    up to ``limit`` of them -- closed ones first -- one chain of referrers (``type: short repr``, holder last),
+    found breadth-first through ``gc.get_referrers`` up to a module, a running frame, or an object that nothing
+    tracked refers to (held from C++)."""
+    import gc
+
+    from torchnext.comms import communicator
+
+    gc.collect()
+    live = list(communicator._LIVE)
+    after_gc = [repr(c) for c in live]
+    closed = sorted(live, key=lambda c: not getattr(c, "_closed", False))[:limit]
+    del live
+    return {"after_gc": after_gc, "chains": _referrer_chains(closed, depth, budget)}
+
+
+def _referrer_chains(closed: list[Any], depth: int, budget: int) -> list[list[str]]:
+    import gc
+    import types
+
+    out: list[list[str]] = []
+    here = sys._getframe()
+
+    def label(o: Any) -> str:
+        r = type(o).__qualname__
+        if isinstance(o, dict):
+            keys = list(o)[:6]
+            return f"{r} keys={keys!r}"[:160]
+        if isinstance(o, types.FrameType):
+            return f"frame {o.f_code.co_qualname} {os.path.basename(o.f_code.co_filename)}:{o.f_lineno}"
+        try:
+            return f"{r}: {o!r}"[:160]
+        except Exception:  # a repr that fails still names its type
+            return r
+
+    for target in closed:
+        ignore = {id(closed), id(here), id(out)}
+        seen = {id(target)}
+        parent: dict[int, tuple[int, Any]] = {}
+        frontier = [target]
+        found: Any = None
+        for _ in range(depth):
+            nxt: list[Any] = []
+            for o in frontier:
+                budget -= 1
+                if budget < 0:
+                    break
+                refs = gc.get_referrers(o)
+                ignore.add(id(refs))
+                ignore.add(id(nxt))
+                ignore.add(id(frontier))
+                if not refs:
+                    found = o
+                    break
+                for r in refs:
+                    if id(r) in seen or id(r) in ignore or r is here:
+                        continue
+                    seen.add(id(r))
+                    parent[id(r)] = (id(o), o)
+                    if isinstance(r, types.ModuleType) or (isinstance(r, types.FrameType) and r is not here):
+                        found = r
+                        break
+                    nxt.append(r)
+                if found is not None:
+                    break
+            if found is not None or not nxt:
+                break
+            frontier = nxt
+        chain = [label(target)] if found is None else []
+        o = found
+        while o is not None:
+            chain.append(label(o))
+            if id(o) == id(target):
+                break
+            nid = parent.get(id(o))
+            o = None if nid is None else nid[1]
+        out.append(list(reversed(chain)) if found is not None else [*chain, "(no holder found within depth)"])
+        del parent, frontier, seen
+    return out
 
 
 def _backward_fault(spec: ParallelSpec, ft: Any, injector: FaultInjector,

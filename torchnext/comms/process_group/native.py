@@ -90,6 +90,21 @@ _KIND_TIMEOUT, _KIND_BACKEND, _KIND_ABORT = 1, 2, 3  # csrc/native.cpp's Kind
 _NATIVE_CLASSES: dict[type, type] = {}
 
 
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (a bound method) as a callable that does not keep its object alive: once the object is gone it
+    does nothing. For the hooks a ``_Native`` registers on the Communicator it holds. Reference::
+
+        lambda *args: method(*args) if method.__self__ is alive else None
+    """
+    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+
+    def call(*args: Any) -> Any:
+        fn = ref()
+        return None if fn is None else fn(*args)
+
+    return call
+
+
 def native_class(base: type[TorchnextProcessGroup]) -> type[TorchnextProcessGroup]:
     """The native-path twin of ``base``: same name, op methods from torch's C++ ``ProcessGroup``."""
     cls = _NATIVE_CLASSES.get(base)
@@ -256,9 +271,12 @@ class _Native:
             else:
                 self.switch = switch
                 mod.switch_to(switch, self.backend)
-        self._undo.append(comm.register_abort_hook(self._on_abort).remove)
-        self._undo.append(comm.register_shutdown_hook(self._on_shutdown).remove)
-        self._watches = [hooks.watch(self.update) for hooks in (comm._pre_hooks, comm._post_hooks, comm._check_hooks)]
+        # Through weak references: this object holds the Communicator, and its hooks held this object -- a cycle
+        # that kept each fault-tolerant generation's Communicator (and this) until a full garbage collection.
+        self._undo.append(comm.register_abort_hook(_weakly(self._on_abort)).remove)
+        self._undo.append(comm.register_shutdown_hook(_weakly(self._on_shutdown)).remove)
+        update = _weakly(self.update)
+        self._watches = [hooks.watch(update) for hooks in (comm._pre_hooks, comm._post_hooks, comm._check_hooks)]
         self.on_native = type(pg) is self._native_cls  # a staged group: as its previous generation left it
         if self.on_native:
             self.to_native_counters()  # ops its Communicator ran before (healing) keep their ids
