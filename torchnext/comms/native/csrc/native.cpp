@@ -34,6 +34,7 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <array>
 #include <charconv>
 #include <map>
 #include <atomic>
@@ -782,9 +783,11 @@ class NativeWork : public Work {
     cv_.wait(lk, [&] { return done_.load(std::memory_order_acquire); });
   }
 
-  // An op the inner backend ran inline, already completed when its issue returned (Gloo's reduce-scatters: no
-  // future either): finished by the issuing thread, after the issue lock is released, instead of by a waiter thread
-  // -- on 2 cores that hand-off cost each of FSDP2's synchronous reduce-scatters two thread wake-ups. Reference::
+  // An op the inner backend ran inline, already completed when its issue returned, with no future: finished by the
+  // issuing thread, after the issue lock is released, instead of by a waiter thread. (Not Gloo's reduce-scatters,
+  // as was assumed here: in torch 2.13 their Work never reports completion -- the allreduce is waited for and the
+  // chunk copied out inside its wait() -- so they went to a waiter thread; see NativeBackend::rs_as_allreduce_.)
+  // Reference::
   //
   //   inner.exception() ? finish(FAILED, its message) : finish(COMPLETED)
   void finish_inline() {
@@ -922,7 +925,8 @@ void watchdog(std::shared_ptr<Core> core) {
   }
 }
 
-// Waits on inner Works that have no future (Gloo's send/recv, reduce_scatter): a pool that grows when every thread
+// Waits on inner Works that have no future (Gloo's send/recv, its list-form reduce_scatter, and its
+// _reduce_scatter_base when run as the reference): a pool that grows when every thread
 // is busy (a recv may wait for long), threads detached.
 class WaiterPool {
  public:
@@ -1112,6 +1116,8 @@ class NativeBackend : public c10d::Backend {
         core_(std::make_shared<Core>(fr_capacity)),
         python_path_(std::move(python_path)) {
     core_->make_error = std::move(make_error);
+    inner_gloo_ = inner_->getBackendName() == "gloo";
+    rs_as_allreduce_.store(inner_gloo_, std::memory_order_release);
     std::thread(watchdog, core_).detach();
   }
 
@@ -1142,6 +1148,17 @@ class NativeBackend : public c10d::Backend {
 
   // ------------------------------------------------------------------------------------ controls (from Python)
   void set_python_mode(bool on) { python_mode_.store(on, std::memory_order_release); }
+  // Run _reduce_scatter_base through the inner backend's own reduce-scatter (`on`: the reference) or, for Gloo, as
+  // its allreduce plus a copy out (see rs_as_allreduce_).
+  void set_rs_reference(bool on) {
+    rs_as_allreduce_.store(!on && inner_gloo_, std::memory_order_release);
+  }
+  bool rs_reference() const { return !rs_as_allreduce_.load(std::memory_order_acquire); }
+  // How the fast path's ops were finished so far: by the inner Work's future callback, by the issuing thread (an op
+  // the inner backend ran inline), by a waiter thread (an inner Work with no future).
+  std::array<int64_t, 3> handoffs() const {
+    return {handoffs_[0].load(), handoffs_[1].load(), handoffs_[2].load()};
+  }
 
   // Never-raise staged mode (a fault-tolerant group; call before the first op): all_reduce, broadcast and reduce
   // run on private staging buffers copied back only on success, a failed op never raises (its outputs are marked
@@ -1297,6 +1314,31 @@ class NativeBackend : public c10d::Backend {
     if (rop == nullptr) return python_op("_reduce_scatter_base", [&] { return py::make_tuple(py::cast(out), py::cast(in), py::cast(opts, py::return_value_policy::copy)); });
     // flat views, as the Python path passes them (Gloo checks chunk shapes against the input's shape)
     at::Tensor fo = out.view({-1}), fi = (scaled.defined() ? scaled : in).view({-1});
+    if (rs_as_allreduce_.load(std::memory_order_acquire)) {
+      // Gloo's own reduce-scatter, as this backend runs it (see rs_as_allreduce_): the same allreduce of a private
+      // copy of the input, the rank's chunk copied out when the allreduce's future completes. A pre-multiplied
+      // input is already a private copy.
+      at::Tensor buf = scaled.defined() ? fi : at::empty_like(fi);  // filled under NoGil, in the launch below
+      bool copy_in = !scaled.defined();
+      c10d::AllreduceOptions ar;
+      ar.reduceOp = sum.reduceOp;
+      ar.timeout = opts.timeout;
+      ar.asyncOp = opts.asyncOp;
+      int64_t n = fo.numel(), off = getRank() * n;
+      auto copy_out = [fo, buf, off, n]() {
+        at::NoGradGuard g;
+        fo.copy_(buf.narrow(0, off, n));
+      };
+      return issue("reduce_scatter_single", OpType::_REDUCE_SCATTER_BASE, {in}, {out}, -1, -1, 0, rop, opts.timeout,
+                   opts.asyncOp, [&](c10d::Backend& b) {
+                     if (copy_in) {
+                       at::NoGradGuard g;
+                       buf.copy_(fi);
+                     }
+                     std::vector<at::Tensor> ts{buf};
+                     return b.allreduce(ts, ar);
+                   }, copy_out);
+    }
     return issue("reduce_scatter_single", OpType::_REDUCE_SCATTER_BASE, {in}, {out}, -1, -1, 0, rop, opts.timeout,
                  opts.asyncOp, [&](c10d::Backend& b) { return b._reduce_scatter_base(fo, fi, sum); });
   }
@@ -1564,10 +1606,22 @@ class NativeBackend : public c10d::Backend {
     } else {
       waiters_.push(WaiterPool::Job{iw, work, td});
     }
+    handoffs_[fut ? 0 : work->ran_inline_ ? 1 : 2].fetch_add(1, std::memory_order_relaxed);
     return work;
   }
 
   std::atomic<bool> python_mode_{false};
+  // Whether _reduce_scatter_base runs as the inner backend's allreduce of a copy of its input plus a copy out of this
+  // rank's chunk (true for Gloo, whose reduce-scatter is exactly that: ProcessGroupGloo::reduce_scatter_tensor_coalesced
+  // in torch 2.13) rather than the inner backend's own reduce-scatter, the reference (set_rs_reference). Gloo's
+  // reduce-scatter returns a Work with no future that never reports completion (the allreduce's wait and the copy out
+  // run inside its wait()), so a waiter thread had to wait on it, and the caller was woken by that thread: two more
+  // wake-ups per op (~20 context switches per FSDP2 step of 4 reduce-scatters), ~0.2-0.25 ms per 4 MiB op on 2 cores
+  // (paired ratio to torch's group 0.955; 1.009 this way). The allreduce's future finishes the op on Gloo's own
+  // thread, as for every other op. Same results bit for bit (the same allreduce on the same values).
+  std::atomic<bool> rs_as_allreduce_{false};
+  bool inner_gloo_ = false;  // the inner backend is Gloo (set once, at construction)
+  std::atomic<int64_t> handoffs_[3] = {};  // see handoffs()
   // Several threads issuing on one group are serialized from the op's id to its hand-off to the inner backend (and
   // an op sent to the Python path likewise), as torch's own groups take them and as the Python path does: without
   // it two threads' ops got their ids, Flight Recorder records and inner-backend order interleaved differently, and
@@ -1829,6 +1883,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("switch_to", [](const BackendPtr& s, const BackendPtr& next) { switch_backend(s).switch_to(native_ptr(next)); });
   m.def("switch_current", [](const BackendPtr& s) -> BackendPtr { return switch_backend(s).current(); });
   m.def("python_mode", [](const BackendPtr& b) { return native(b).python_mode(); });
+  m.def("set_rs_reference", [](const BackendPtr& b, bool on) { native(b).set_rs_reference(on); });
+  m.def("rs_reference", [](const BackendPtr& b) { return native(b).rs_reference(); });
+  m.def("handoffs", [](const BackendPtr& b) {
+    auto h = native(b).handoffs();
+    py::dict d;
+    d["future"] = h[0];
+    d["inline"] = h[1];
+    d["waiter"] = h[2];
+    return d;
+  });
   m.def("op_counter", [](const BackendPtr& b) { return native(b).op_counter(); });
   m.def("set_op_counter", [](const BackendPtr& b, int64_t n) { native(b).set_op_counter(n); });
   // abort() -> (RunningWorks, seconds to the latest deadline) or None: the inner Works Gloo may still run, as one
