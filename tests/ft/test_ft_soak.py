@@ -69,6 +69,10 @@ def test_resource_check_counts_no_waiter_but_bounds_them_and_compares_at_full_me
     assert resources_flat(base, dict(base, faults=100, live_comms=4), 0.05)["ok"] is True  # mid-replacement: 2 more
     kept = resources_flat(base, dict(base, faults=100, live_comms=5), 0.05)  # superseded generations kept alive
     assert kept["ok"] is False and kept["live_comms"] == {"base": 2, "end": 5, "ok": False}
+    pool = dict(base, faults=100, threads=12, thread_names={"tn-waiter": 2})  # a native pool grew by 2: not growth
+    assert resources_flat(base, pool, 0.05)["ok"] is True
+    assert resources_flat(base, dict(pool, threads=13), 0.05)["ok"] is False  # and one thread more besides
+    assert resources_flat(base, dict(pool, threads=19, thread_names={"tn-waiter": 9}), 0.05)["ok"] is False  # > 4/comm
     three = dict(waited, threads=13, py_threads={"torchnext-comms-waiter": 3})
     assert resources_flat(base, three, 0.05)["ok"] is False  # 3 waiters for 2 communicators
     faults = [Injected(index=i, job="ddp", kind=SoakFault.KILL, victim="m", at=float(i)) for i in range(4)]

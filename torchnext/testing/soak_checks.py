@@ -12,7 +12,7 @@ import torch
 
 from torchnext.testing.ft_parallel import ddp_expected_weights
 
-__all__ = ["WAITER", "check_job", "percentile", "resources_flat"]
+__all__ = ["NATIVE_WAITER", "WAITER", "check_job", "percentile", "resources_flat"]
 
 WAITER = "torchnext-comms-waiter"
 """The Python name of a communicator's completion waiter thread (without its ``[name]`` suffix)."""
@@ -159,6 +159,13 @@ def _sessions(ran: dict[int, dict[str, Any]]) -> dict[str, int]:
     return out
 
 
+NATIVE_WAITER = "tn-waiter"
+"""The OS name of a native backend's waiter threads (``csrc/native.cpp``: ``WaiterPool``)."""
+
+NATIVE_WAITERS_PER_COMM = 4
+"""How many native waiter threads a live communicator's backend may hold: its pool grows to the most ops without a
+future it ran at once (a heal's sends and receives)."""
+
 LIVE_COMMS_SLACK = 2
 """Live Communicators a survivor may hold beyond its warm-up count at the end: a sample taken while a generation is
 replaced sees the old one and the new one (and a DDP member's local one)."""
@@ -171,7 +178,9 @@ def resources_flat(base: dict[str, Any] | None, end: dict[str, Any] | None, rss_
 
     A communicator's completion waiter (``torchnext-comms-waiter``: one per communicator, started at its first op
     without a future -- a heal's send/recv -- and gone with it) is not counted as growth, but there may be no more
-    of them than live communicators (``waiters``).
+    of them than live communicators (``waiters``). Nor are the native path's waiter threads (``tn-waiter``: a pool
+    per native backend that grows to the most ops without a future it ran at once, gone with the backend), at most
+    :data:`NATIVE_WAITERS_PER_COMM` per live communicator.
 
     Live Communicators (``live_comms``, counted without a garbage collection) may differ by at most
     :data:`LIVE_COMMS_SLACK`: every superseded generation's Communicator must be freed by reference counting the moment
@@ -182,15 +191,18 @@ def resources_flat(base: dict[str, Any] | None, end: dict[str, Any] | None, rss_
                                     "(too few faults?): the check was not made", "base": base, "end": end}
     faults = max(1, end["faults"] - base["faults"])
     waiters = {k: (r.get("py_threads") or {}).get(WAITER, 0) for k, r in (("base", base), ("end", end))}
-    growth = {"threads": (end["threads"] - waiters["end"]) - (base["threads"] - waiters["base"]),
+    native = {k: (r.get("thread_names") or {}).get(NATIVE_WAITER, 0) for k, r in (("base", base), ("end", end))}
+    growth = {"threads": (end["threads"] - waiters["end"] - native["end"])
+              - (base["threads"] - waiters["base"] - native["base"]),
               "fds": end["fds"] - base["fds"], "rss_kib": end["rss_kib"] - base["rss_kib"]}
     allowed = growth_per_fault * (end["faults"] - base["faults"])
-    waiters_ok = waiters["end"] <= end.get("live_comms", waiters["end"])
+    live = end.get("live_comms")
+    waiters_ok = live is None or (waiters["end"] <= live and native["end"] <= NATIVE_WAITERS_PER_COMM * live)
     comms = {k: r.get("live_comms") for k, r in (("base", base), ("end", end))}
     comms_ok = comms["base"] is None or comms["end"] is None or comms["end"] - comms["base"] <= LIVE_COMMS_SLACK
     return {"ok": growth["threads"] <= allowed and growth["fds"] <= allowed and waiters_ok and comms_ok
             and end["rss_kib"] <= base["rss_kib"] * (1 + rss_tolerance), "allowed_growth": allowed,
-            "waiters": dict(waiters, ok=waiters_ok), "live_comms": dict(comms, ok=comms_ok),
+            "waiters": dict(waiters, native=native, ok=waiters_ok), "live_comms": dict(comms, ok=comms_ok),
             "base": base, "end": end, "growth": growth, "faults_between": end["faults"] - base["faults"],
             "per_fault": {k: v / faults for k, v in growth.items()},
             "rss_growth": end["rss_kib"] / base["rss_kib"] - 1}

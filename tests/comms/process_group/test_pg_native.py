@@ -656,3 +656,34 @@ def test_two_threads_issuing_on_one_native_group_are_serialized() -> None:
     for r in run_ranks(two_threads_native_body, 2, timeout=180):
         assert r["errors"] == [] and not r["alive"], r
         assert r["plain"] == [3.0] and r["mixed"] == (120, [0.0]) and r["native"], r
+
+
+def _thread_names() -> list[str]:
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as fh:
+                names.append(fh.read().strip())
+        except OSError:
+            continue  # ended since listed
+    return names
+
+
+def named_threads_body(ctx: RankContext) -> dict[str, int]:
+    _init(ctx)
+    x = torch.ones(4)
+    if ctx.rank == 0:
+        dist.send(x, 1)  # Gloo's send/recv Works have no future: a native waiter thread waits on them
+    else:
+        dist.recv(x, 0)
+    dist.all_reduce(x)
+    names = _thread_names()
+    return {n: names.count(n) for n in ("tn-watchdog", "tn-waiter")}
+
+
+def test_the_native_backends_threads_are_named() -> None:
+    """Its watchdog and waiter threads carry names (``tn-watchdog``, ``tn-waiter``): ``top -H`` and ``/proc`` tell
+    them from Python's, and the soak's resource check counts the waiter pool apart (a pool grows to the most ops
+    without a future it ran at once: not a leak)."""
+    for counts in run_ranks(named_threads_body, 2, timeout=120):
+        assert counts["tn-watchdog"] >= 1 and counts["tn-waiter"] >= 1, counts

@@ -107,7 +107,7 @@ def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
 
         lambda *args: method(*args) if method.__self__ is alive else None
     """
-    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+    ref = weakref.WeakMethod(method)
 
     def call(*args: Any) -> Any:
         fn = ref()

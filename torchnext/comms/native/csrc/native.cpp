@@ -904,6 +904,7 @@ class NativeWork : public Work {
 constexpr auto kWatchdogPeriod = std::chrono::milliseconds(50);
 
 void watchdog(std::shared_ptr<Core> core) {
+  pthread_setname_np(pthread_self(), "tn-watchdog");  // (15 characters at most) what `top -H` and /proc show
   std::unique_lock<std::mutex> lk(core->mu);
   while (!core->stop) {
     auto now = Clock::now();
@@ -962,6 +963,7 @@ class WaiterPool {
   };
 
   static void run(std::shared_ptr<State> st) {
+    pthread_setname_np(pthread_self(), "tn-waiter");
     std::unique_lock<std::mutex> lk(st->mu);
     while (true) {
       while (st->jobs.empty() && !st->stop) {
