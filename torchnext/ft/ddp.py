@@ -13,7 +13,12 @@
   ``find_unused_parameters`` tells which parameters some rank used -- runs on ``ft.process_group``: a parameter
   unused here but used by another replica group (mixture-of-experts routing) must still receive the average, not
   be skipped as "globally unused". ``find_unused_parameters=True`` by default, which also keeps DDP from rebuilding
-  its buckets after the first step -- a recovering replica must bucket exactly like the others.
+  its buckets after the first step -- a recovering replica must bucket exactly like the others. What it costs:
+  torch's traversal of the autograd graph and the used map's all-reduce each step, ~2.5-3 ms of a 4-rank,
+  20 ms-compute step on 2 cores (+14 % FT-DDP overhead against +8 % with ``find_unused_parameters=False``;
+  ``benchmarks/ft/bench_parallel.py --all-used``). ``False`` is measured there but is not safe with replicas that
+  join: torch's DDP then rebuilds its buckets after its first step, so a joiner's first step would be bucketed
+  unlike the survivors'.
 
 Semantics of one backward, per bucket ``b``::
 
