@@ -8,6 +8,7 @@ import gc
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -28,13 +29,19 @@ def _steps(ft: FaultTolerant, n: int) -> None:
             step.commit()
 
 
+def _training(step: Callable[[], object]) -> tuple[threading.Event, threading.Thread]:
+    """A thread (not started yet) that calls ``step()`` until the event is set: the survivor training beside the
+    members that join and close."""
+    stop = threading.Event()
+    return stop, threading.Thread(target=lambda: [step() for _ in iter(stop.is_set, True)], daemon=True)
+
+
 def test_a_closed_members_group_and_generations_are_released() -> None:
     world = dist.distributed_c10d._world
     with thread_coordinator(1) as coord:
         a = thread_member(coord, 0, min_size=1)
         a.join()
-        stop = threading.Event()
-        trainer = threading.Thread(target=lambda: [_steps(a, 1) for _ in iter(stop.is_set, True)], daemon=True)
+        stop, trainer = _training(lambda: _steps(a, 1))
         trainer.start()
         gone: list[weakref.ref[object]] = []
         pgs: list[weakref.ref[object]] = []
@@ -83,8 +90,7 @@ def test_superseded_generations_are_freed_without_a_garbage_collection() -> None
     with thread_coordinator(1) as coord:
         a = thread_member(coord, 0, min_size=1)
         a.join()
-        stop = threading.Event()
-        trainer = threading.Thread(target=lambda: [steps(a, 1) for _ in iter(stop.is_set, True)], daemon=True)
+        stop, trainer = _training(lambda: steps(a, 1))
         gc.collect()
         gc.disable()
         try:

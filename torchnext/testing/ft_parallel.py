@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from torchnext.testing import procfs
 from torchnext.testing.faults import Fault, FaultInjector, FaultKind, FaultPoint
 
 __all__ = ["STACKS_SIGNAL", "ParallelSpec", "check_sessions", "ddp_expected_weights", "ddp_gradient", "hsdp_model",
@@ -448,13 +449,7 @@ def _resources() -> dict[str, Any]:
             continue  # closed since listed (the listing's own fd)
         kinds[target.split(":", 1)[0] if target.startswith(("socket:", "pipe:")) else
               target if target.startswith("anon_inode:") else "file"] += 1
-    names: collections.Counter[str] = collections.Counter()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as fh:
-                names[fh.read().strip()] += 1
-        except OSError:
-            continue
+    names = procfs.thread_names()
     from torchnext.comms import communicator
     from torchnext.comms.reaper import reaper
 
@@ -558,30 +553,29 @@ def _referrer_chains(closed: list[Any], depth: int, budget: int) -> list[list[st
             return r
 
     for target in closed:
-        ignore = {id(closed), id(here), id(out)}
+        ignore = {id(closed), id(here), id(out)}  # this walk's own containers refer to what it looks at
         seen = {id(target)}
-        parent: dict[int, tuple[int, Any]] = {}
+        referent: dict[int, Any] = {}  # id(referrer) -> the object it was found referring to (one step to target)
         frontier = [target]
         found: Any = None
         for _ in range(depth):
             nxt: list[Any] = []
+            ignore.update((id(nxt), id(frontier)))
             for o in frontier:
                 budget -= 1
                 if budget < 0:
                     break
                 refs = gc.get_referrers(o)
                 ignore.add(id(refs))
-                ignore.add(id(nxt))
-                ignore.add(id(frontier))
-                if not refs:
+                if not refs:  # nothing tracked holds it: held from C++
                     found = o
                     break
                 for r in refs:
-                    if id(r) in seen or id(r) in ignore or r is here:
+                    if id(r) in seen or id(r) in ignore:
                         continue
                     seen.add(id(r))
-                    parent[id(r)] = (id(o), o)
-                    if isinstance(r, types.ModuleType) or (isinstance(r, types.FrameType) and r is not here):
+                    referent[id(r)] = o
+                    if isinstance(r, (types.ModuleType, types.FrameType)):
                         found = r
                         break
                     nxt.append(r)
@@ -590,16 +584,16 @@ def _referrer_chains(closed: list[Any], depth: int, budget: int) -> list[list[st
             if found is not None or not nxt:
                 break
             frontier = nxt
-        chain = [label(target)] if found is None else []
+        if found is None:
+            out.append([label(target), "(no holder found within depth)"])
+            continue
+        chain = [label(found)]  # holder first, walked down to the target, then reversed
         o = found
-        while o is not None:
+        while o is not target:
+            o = referent[id(o)]
             chain.append(label(o))
-            if id(o) == id(target):
-                break
-            nid = parent.get(id(o))
-            o = None if nid is None else nid[1]
-        out.append(list(reversed(chain)) if found is not None else [*chain, "(no holder found within depth)"])
-        del parent, frontier, seen
+        out.append(chain[::-1])
+        del referent, frontier, seen
     return out
 
 

@@ -5,12 +5,13 @@ Standard library only: the forked workers of :mod:`torchnext.testing.member_sim`
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import os
 from collections.abc import Iterator
 
-__all__ = ["cpu_seconds", "fork_without_garbage", "is_stopped", "stat_fields"]
+__all__ = ["cpu_seconds", "fork_without_garbage", "is_stopped", "stat_fields", "thread_names"]
 
 
 def stat_fields(pid: int) -> list[str] | None:
@@ -30,6 +31,23 @@ def cpu_seconds(pid: int) -> float | None:
         return None if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (ValueError, IndexError):
         return None
+
+
+def thread_names(pid: int | str = "self") -> collections.Counter[str]:
+    """How many of process ``pid``'s threads carry each OS-level name (``/proc/<pid>/task/*/comm``: what ``top -H``
+    shows; a thread without a name of its own has its creator's); empty when the process is gone."""
+    names: collections.Counter[str] = collections.Counter()
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return names
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as fh:
+                names[fh.read().strip()] += 1
+        except OSError:
+            continue  # ended since listed
+    return names
 
 
 def is_stopped(pid: int) -> bool:

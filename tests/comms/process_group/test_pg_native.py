@@ -29,6 +29,7 @@ from torchnext.comms.flight_recorder import analyze_dir
 from torchnext.comms.flight_recorder.entries import format_entries
 from torchnext.comms.native import _build
 from torchnext.testing import RankContext, run_ranks
+from torchnext.testing.procfs import thread_names
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -658,17 +659,6 @@ def test_two_threads_issuing_on_one_native_group_are_serialized() -> None:
         assert r["plain"] == [3.0] and r["mixed"] == (120, [0.0]) and r["native"], r
 
 
-def _thread_names() -> list[str]:
-    names = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as fh:
-                names.append(fh.read().strip())
-        except OSError:
-            continue  # ended since listed
-    return names
-
-
 def named_threads_body(ctx: RankContext) -> dict[str, int]:
     _init(ctx)
     x = torch.ones(4)
@@ -677,8 +667,8 @@ def named_threads_body(ctx: RankContext) -> dict[str, int]:
     else:
         dist.recv(x, 0)
     dist.all_reduce(x)
-    names = _thread_names()
-    return {n: names.count(n) for n in ("tn-watchdog", "tn-waiter")}
+    names = thread_names()
+    return {n: names[n] for n in ("tn-watchdog", "tn-waiter")}
 
 
 def test_the_native_backends_threads_are_named() -> None:
