@@ -6,6 +6,7 @@ time at the default settings, and torchft 0.2.0's DDP measured the same way in t
     python benchmarks/ft/bench_parallel.py --only overhead --steps 40 --compute-ms 0 20
     python benchmarks/ft/bench_parallel.py --only overhead --parallel ddp --python-hook --vote-early  # C++ vs Python
     python benchmarks/ft/bench_parallel.py --only overhead --parallel ddp --all-used  # what the used map costs
+    python benchmarks/ft/bench_parallel.py --only overhead --parallel ddp --all-used --defer-commit  # decision later
     python benchmarks/ft/bench_parallel.py --only recovery --trials 30 --hsdp-trials 10
     python benchmarks/ft/bench_parallel.py --only torchft --torchft-python /work/venvs/torchft/bin/python
 
@@ -97,14 +98,21 @@ def _ddp_overhead_rank(ctx: Any, addr: str, token: str, p: dict[str, Any]) -> di
     dist.init_process_group("gloo", store=dist.PrefixStore("bench.gloo", ctx.store), rank=r, world_size=n)
     gloo = dist.group.WORLD  # torch's own Gloo process group
     plain = Communicator(dist.PrefixStore("bench.plain", ctx.store), r, n, name="bench-plain").as_process_group()
-    ft = FaultTolerant(FaultTolerantConfig(coordinator=addr, token=token, member_id=r))
     kw = {"bucket_cap_mb": p["bucket_mb"]}
     early = bool(p.get("vote_early"))
+    deferred = bool(p.get("defer_commit"))
     py_hook = bool(p.get("python_hook"))
     all_used = bool(p.get("all_used"))
     models = {name: W.model(p["hidden"]) for name in ("gloo", "plain", "ft", *(["ft_early"] if early else []),
                                                        *(["ft_py"] if py_hook else []),
-                                                       *(["ft_allused"] if all_used else []))}
+                                                       *(["ft_allused"] if all_used else []),
+                                                       *(["ft_deferred"] if deferred else []))}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
+    current = ["ft"]  # the variant stepping now: its model and optimizer are the state a deferred commit snapshots
+    ft = FaultTolerant(FaultTolerantConfig(coordinator=addr, token=token, member_id=r),
+                       state_dict=lambda: {"m": models[current[0]].state_dict(), "o": opts[current[0]].state_dict()},
+                       load_state_dict=lambda st: (models[current[0]].load_state_dict(st["m"]),
+                                                   opts[current[0]].load_state_dict(st["o"])))
     wrapped = {
         "gloo": TorchDDP(models["gloo"], process_group=gloo, **kw),
         "plain": TorchDDP(models["plain"], process_group=plain, **kw),
@@ -114,12 +122,13 @@ def _ddp_overhead_rank(ctx: Any, addr: str, token: str, p: dict[str, Any]) -> di
         wrapped["ft_early"] = DistributedDataParallel(models["ft_early"], ft, vote_early=True, **kw)
     if all_used:  # the same ft, its own DDP told every parameter is used: no used-parameter map per step
         wrapped["ft_allused"] = DistributedDataParallel(models["ft_allused"], ft, find_unused_parameters=False, **kw)
+    if deferred:  # the same ft, its own DDP, stepped with FaultTolerantConfig(defer_commit=True)
+        wrapped["ft_deferred"] = DistributedDataParallel(models["ft_deferred"], ft, find_unused_parameters=False, **kw)
     if py_hook:  # the same ft, its own DDP built as without the native extension: the Python comm hook and used map
         from unittest import mock
 
         with mock.patch.object(type(ft.process_group), "native_route", lambda self: None):
             wrapped["ft_py"] = DistributedDataParallel(models["ft_py"], ft, **kw)
-    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     phases = _Phases()
     compute = lambda ms: W.compute(ms, p["compute_kind"])  # noqa: E731
     batch = lambda step: W.batch(step, r)  # noqa: E731
@@ -127,6 +136,7 @@ def _ddp_overhead_rank(ctx: Any, addr: str, token: str, p: dict[str, Any]) -> di
     for name in FT_VARIANTS:
         if name in wrapped:
             steps[name] = _ft_step(phases, ft, wrapped[name], opts[name], batch, compute, name=name)
+            steps[name].before_block = lambda name=name: _switch(ft, current, name)  # type: ignore[attr-defined]
     try:
         out = _timed_blocks(steps, p)
     finally:
@@ -134,6 +144,17 @@ def _ddp_overhead_rank(ctx: Any, addr: str, token: str, p: dict[str, Any]) -> di
     diff = max((a - b).abs().max().item() for a, b in zip(models["plain"].parameters(), models["ft"].parameters(),
                                                            strict=True))
     return {"times": out, "phases": phases.s, "max_abs_diff": diff}
+
+
+def _switch(ft: Any, current: list[str], name: str) -> None:
+    """Between blocks (untimed): make ``name`` the variant stepping, with ``defer_commit`` iff it is ``ft_deferred``
+    (a step still provisional is confirmed first: its decision belongs to the variant that stepped it)."""
+    import dataclasses
+
+    if not ft.confirm():
+        raise RuntimeError(f"a provisional step of {current[0]} was refused in a benchmark without faults")
+    current[0] = name
+    ft.config = dataclasses.replace(ft.config, defer_commit=name == "ft_deferred")
 
 
 class _Phases:
@@ -162,17 +183,19 @@ def _plain_step(phases: _Phases, name: str, net: Any, opt: Any, batch: Any, comp
     return step
 
 
-FT_VARIANTS = ("ft", "ft_early", "ft_py", "ft_allused")
+FT_VARIANTS = ("ft", "ft_early", "ft_py", "ft_allused", "ft_deferred")
 """The fault-tolerant variants: voting at ``commit()``, (DDP, ``--vote-early``) voting when backward's last
 bucket is reduced (``DistributedDataParallel(vote_early=True)``), (DDP, ``--python-hook``) the Python comm hook
 and used map (what a DDP gets without the native extension), for an A/B against the C++ path in the same run, and
 (DDP, ``--all-used``) ``find_unused_parameters=False``: no autograd-graph traversal and no used-parameter map
 all_reduce per step, as the baseline DDP -- what FT-DDP's default costs. A measurement only: with it torch's DDP
 rebuilds its buckets after its first step, so a replica that joins later would bucket its first step unlike the
-survivors (see :mod:`torchnext.ft.ddp`)."""
+survivors (see :mod:`torchnext.ft.ddp`). (``--defer-commit``) ``FaultTolerantConfig(defer_commit=True)``: each
+step's decision awaited at the next step's commit, its optimizer update applied provisionally (a snapshot of the
+model and optimizer per step); the same ``ft``, switched between blocks."""
 
 _VARIANT_LABELS = {"ft": "", "ft_early": " (vote early)", "ft_py": " (Python hook)",
-                   "ft_allused": " (find_unused_parameters=False)"}
+                   "ft_allused": " (find_unused_parameters=False)", "ft_deferred": " (defer_commit)"}
 
 
 def _ft_step(phases: _Phases, ft: Any, net: Any, opt: Any, batch: Any, compute: Any, name: str = "ft") -> Any:
@@ -207,6 +230,9 @@ def _timed_blocks(steps: dict[str, Any], p: dict[str, Any]) -> dict[str, dict[st
     for ms in p["compute_ms"]:
         times: dict[str, list[float]] = {k: [] for k in names}
         for i, name in enumerate(W.palindrome(names, rounds)):
+            before = getattr(steps[name], "before_block", None)
+            if before is not None:
+                before()
             for _ in range(p["block"]):
                 t0 = time.perf_counter()
                 steps[name](ms)
@@ -717,6 +743,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="FT-DDP: also time it on the Python comm hook and used map (A/B against the C++ path)")
     ap.add_argument("--all-used", action="store_true",
                     help="FT-DDP: also time it with find_unused_parameters=False (no used-parameter map per step)")
+    ap.add_argument("--defer-commit", action="store_true",
+                    help="FT-DDP: also time it with FaultTolerantConfig(defer_commit=True) (decision awaited a step later)")
     ap.add_argument("--trials", type=int, default=100, help="FT-DDP recovery trials")
     ap.add_argument("--hsdp-trials", type=int, default=30, help="FT-HSDP recovery trials")
     ap.add_argument("--recovery-compute-ms", type=float, default=5.0, help="sleep per step in the recovery jobs")
@@ -742,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({sum(x.numel() for x in W.model(args.hidden).parameters()):,} fp32 params), batch {W.BATCH}; "
           f"defaults: FaultTolerantConfig(), {MembershipConfig()}", flush=True)
     p: dict[str, Any] = {k: getattr(args, k) for k in ("parallel", "ranks", "shard", "steps", "block", "compute_ms", "compute_kind",
-                                                       "hidden", "bucket_mb", "vote_early", "python_hook", "all_used",
+                                                       "hidden", "bucket_mb", "vote_early", "python_hook", "all_used", "defer_commit",
                                                        "timeout",
                                                        "torchft_python",
                                                        "torchft_trials", "torchft_timeout")}

@@ -40,6 +40,7 @@ from torchnext.ft.membership import QuorumLost as QuorumLost
 from torchnext.ft.membership import RemovedFromGroup as RemovedFromGroup
 from torchnext.ft.mesh import device_mesh as device_mesh
 from torchnext.ft.process_group import FaultTolerantProcessGroup as FaultTolerantProcessGroup
+from torchnext.ft.provisional import StepRevoked as StepRevoked
 from torchnext.ft.step import Step as Step
 from torchnext.ft.streaming import FragmentPattern as FragmentPattern
 from torchnext.ft.streaming import FragmentSync as FragmentSync
@@ -72,6 +73,7 @@ __all__ = [
     "OuterSync",
     "QuorumLost",
     "Reconfiguration",
+    "StepRevoked",
     "RemovedFromGroup",
     "RetriesExhausted",
     "Step",

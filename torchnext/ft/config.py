@@ -80,6 +80,12 @@ class FaultTolerantConfig:
     replica group (``init_process_group(rank=group_rank, world_size=group_size)`` before ``FaultTolerant``, as
     FSDP2/HSDP, DiLoCo and torchtitan do); without such a store the member connects flat (logged, and
     :attr:`FaultTolerant.session` says why). Ignored for a group of one rank or with ``group_session=False``."""
+    defer_commit: bool = False
+    """Await each step's commit decision one step later, its optimizer update applied provisionally and revoked if
+    the decision is a refusal (:mod:`torchnext.ft.provisional`: the exact semantics): the coordinator round trip
+    leaves the step's critical path, for one more copy of the state (``state_dict``/``load_state_dict`` are then
+    required) and one more attempt per refused step. End the loop with ``while ft.step_count < total or not
+    ft.confirm()``."""
 
     def __post_init__(self) -> None:
         if self.group_session is not None and not isinstance(self.group_session, bool):
@@ -97,6 +103,8 @@ class FaultTolerantConfig:
             raise ValueError(f"FaultTolerantConfig.min_size must be an int >= 1, got {self.min_size!r}")
         if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or self.max_retries < 0:
             raise ValueError(f"FaultTolerantConfig.max_retries must be an int >= 0, got {self.max_retries!r}")
+        if not isinstance(self.defer_commit, bool):
+            raise ValueError(f"FaultTolerantConfig.defer_commit must be a bool, got {self.defer_commit!r}")
         if self.check_collectives is not None and not isinstance(self.check_collectives, bool):
             raise ValueError(f"FaultTolerantConfig.check_collectives must be None or a bool, got "
                              f"{self.check_collectives!r}")

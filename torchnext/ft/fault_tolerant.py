@@ -68,6 +68,7 @@ from torchnext.ft.errors import quiet_abort
 from torchnext.ft.healing import HealStats, recv_state, send_state
 from torchnext.ft.member import ARRIVED_AFTER, MemberClient
 from torchnext.ft.membership import JobFinished, QuorumLost, RemovedFromGroup
+from torchnext.ft.provisional import Provisional, StateSnapshots, StepRevoked
 from torchnext.ft.quarantine import quarantine_cancelled
 from torchnext.ft.session import connect as connect_session
 from torchnext.ft.session import plan as plan_session
@@ -110,6 +111,9 @@ class FaultTolerant:
             raise TypeError(f"config must be a FaultTolerantConfig, got {type(cfg).__name__}")
         if (state_dict is None) != (load_state_dict is None):
             raise ValueError("pass both state_dict and load_state_dict (healing needs both), or neither")
+        if cfg.defer_commit and state_dict is None:
+            raise ValueError("FaultTolerantConfig(defer_commit=True) needs state_dict and load_state_dict: a step "
+                             "applied before its decision is reverted from a copy of the state when it is refused")
         env = env_config()
         address = cfg.coordinator or env.ft_coordinator
         token = cfg.token or env.ft_token
@@ -163,6 +167,10 @@ class FaultTolerant:
         self.early_votes = 0
         """How many of this member's votes were sent before ``step.commit()`` (``DistributedDataParallel(
         vote_early=True)``; diagnostics)."""
+        self._provisional: Provisional | None = None  # defer_commit: the step applied before its decision
+        self._snapshots = StateSnapshots()
+        self.revoked_steps = 0
+        """How many steps applied provisionally (``defer_commit``) were refused and reverted (diagnostics)."""
         self.lockstep_rounds = 0
         """How many replica-group agreement all_reduces this member ran (:meth:`_lockstep`; diagnostics): one per
         attempt with ``group_session=False``, after the first and after failed attempts only in a group session."""
@@ -319,8 +327,12 @@ class FaultTolerant:
             send vote(generation, step_count) unless vote() already sent it; wait for the decision or a new generation
             on commit: step_count += 1; return True        else: return False
 
-        Raises ``RemovedFromGroup``/``CoordinatorLost``/``QuorumLost`` when membership ended.
+        Raises ``RemovedFromGroup``/``CoordinatorLost``/``QuorumLost`` when membership ended. With
+        ``FaultTolerantConfig(defer_commit=True)`` the decision is awaited one step later and True is provisional
+        (:mod:`torchnext.ft.provisional`).
         """
+        if self.config.defer_commit:
+            return self._commit_provisionally()
         with self._vote_lock:  # an early vote in progress on another thread finishes first; none starts after this
             self._early_voted = True
             gen = self._early_vote if self._early_vote is not None else self.vote()
@@ -328,35 +340,128 @@ class FaultTolerant:
         if gen is None:
             return False
         try:
-            deadline = time.monotonic() + self.config.timeout_s
-            while True:
-                ev = self._client.next_event(deadline - time.monotonic())
-                if ev is None:
-                    self._refusal = f"no commit decision within {self.config.timeout_s}s"
-                    self._report(self._refusal)
-                    return False
-                kind = ev["t"]
-                if kind == "decision" and ev["gen"] == gen and ev["step"] == self._step:
-                    with self._lock:
-                        self._step += 1
-                        self._vote = None
-                        self._in_place = ev.get("next") is None
-                    self.commit_times.append((gen, self._step, time.monotonic()))
-                    if ev.get("next") is not None:
-                        self._note_gen({**ev["next"], ARRIVED_AFTER: ev[ARRIVED_AFTER]})
-                    return True
-                if kind == "gen":
-                    self._note_gen(ev)
-                    self._refusal = f"generation {ev['gen']} announced before the decision ({ev.get('reason')})"
-                    return False
-                if kind == "wait":
-                    self._refusal = f"the coordinator is waiting for a quorum ({ev.get('reason')})"
-                    return False
-                if kind == "fatal":
-                    self._raise_fatal()
+            ev = self._await_decision(gen, self._step)
+            if ev is None:
+                return False
+            with self._lock:
+                self._step += 1
+                self._in_place = ev.get("next") is None
+            self._counted(gen, ev)
+            return True
         finally:
             with self._lock:
                 self._vote = None
+
+    def confirm(self) -> bool:
+        """Await the decision of the step applied provisionally (``FaultTolerantConfig(defer_commit=True)``, see
+        :mod:`torchnext.ft.provisional`). True: it was committed, or no step is provisional (always, without
+        ``defer_commit``). False: it was refused -- its optimizer update was reverted (``load_state_dict`` of the
+        state before it) and ``step_count`` is one lower, so the loop trains that step again. Raises
+        ``RemovedFromGroup``/``CoordinatorLost``/``QuorumLost`` when membership ended."""
+        p = self._provisional
+        if p is None:
+            return True
+        if p.decision is not None:
+            ev: dict[str, Any] | None = p.decision
+        elif p.refusal is not None:
+            self._refusal, ev = p.refusal, None
+        else:
+            ev = self._await_decision(p.gen, p.step)
+        if ev is None:
+            self._revoke(self._refusal)
+            return False
+        self._confirmed(ev)
+        return True
+
+    def _await_decision(self, gen: int, step: int) -> dict[str, Any] | None:
+        """Read events until the decision of the vote ``(gen, step)``: the decision, or None (``_refusal`` says why)
+        when a new generation or a quorum wait came first, or nothing within ``timeout_s`` (reported)."""
+        deadline = time.monotonic() + self.config.timeout_s
+        while True:
+            ev = self._client.next_event(deadline - time.monotonic())
+            if ev is None:
+                self._refusal = f"no commit decision within {self.config.timeout_s}s"
+                self._report(self._refusal)
+                return None
+            kind = ev["t"]
+            if kind == "decision" and ev["gen"] == gen and ev["step"] == step:
+                return ev
+            if kind == "gen":
+                self._note_gen(ev)
+                self._refusal = f"generation {ev['gen']} announced before the decision ({ev.get('reason')})"
+                return None
+            if kind == "wait":
+                self._refusal = f"the coordinator is waiting for a quorum ({ev.get('reason')})"
+                return None
+            if kind == "fatal":
+                self._raise_fatal()
+
+    def _counted(self, gen: int, ev: dict[str, Any] | None) -> None:
+        """Record the commit that made ``step_count`` what it is (``ev``: its decision; None when a generation's
+        committed count told it) and note the generation the decision named, if any."""
+        self.commit_times.append((gen, self._step, time.monotonic()))
+        if ev is not None and ev.get("next") is not None:
+            self._note_gen({**ev["next"], ARRIVED_AFTER: ev[ARRIVED_AFTER]})
+
+    def _commit_provisionally(self) -> bool:
+        """``should_commit`` with ``defer_commit``: see :mod:`torchnext.ft.provisional`."""
+        if not self.confirm():
+            self._snapshots.discard()  # taken on top of the revoked step
+            return False
+        gen = self.vote()
+        if gen is None:
+            self._snapshots.discard()
+            return False
+        snapshot = self._snapshots.done()  # begun when the attempt began (ft.step()): normally finished long ago
+        if snapshot is None:  # should_commit() called outside ft.step(): copy the state now
+            self._begin_snapshot()
+            snapshot = self._snapshots.done()
+        with self._lock:
+            self._provisional = Provisional(gen=gen, step=self._step, snapshot=snapshot)
+            self._step += 1
+        return True
+
+    def _begin_snapshot(self) -> None:
+        """``defer_commit``: start copying the state on the snapshot thread (at ``ft.step()``, after the attempt's
+        generation was settled: the state before this attempt's optimizer update; the copy overlaps forward and
+        backward, which read the state but do not write it)."""
+        assert self._state_fn is not None  # checked at construction
+        self._snapshots.begin(self._state_fn())
+
+    def _confirmed(self, ev: dict[str, Any] | None) -> None:
+        """The provisional step was committed (``ev``: its decision; None: a generation counted it)."""
+        p = self._provisional
+        assert p is not None
+        with self._lock:
+            self._provisional = None
+            self._vote = None
+        self._snapshots.release(p.snapshot)
+        self._failed_attempts.reset()
+        self._counted(p.gen, ev)
+
+    def _revoke(self, why: str) -> None:
+        """The provisional step was refused: load the state from before its optimizer update; count it again."""
+        p = self._provisional
+        assert p is not None and self._load_fn is not None
+        self._trace(f"revoke step {p.step} ({why[:120]})")
+        self._snapshots.discard()  # a copy still being taken reads the state loaded here (and is stale)
+        self._load_fn(p.snapshot)  # never released: the loader may keep its tensors
+        with self._lock:
+            self._step = p.step
+            self._provisional = None
+            self._vote = None
+        self.revoked_steps += 1
+
+    def _settle_provisional(self, gen: int, committed: int) -> None:
+        """Entering generation ``gen``, announced with ``committed`` steps: it tells the provisional step's fate
+        (before this member heals anyone from its state)."""
+        p = self._provisional
+        if p is None:
+            return
+        if committed == p.step + 1:
+            self._confirmed(None)
+        elif committed == p.step:
+            self._revoke(f"generation {gen} was announced with {committed} committed steps")
 
     def vote(self) -> int | None:
         """Send this member's vote for the current step now and return its generation; :meth:`should_commit`
@@ -385,7 +490,10 @@ class FaultTolerant:
 
     def _vote_early(self) -> None:
         """Vote from the thread that saw the step's last collective complete (``DistributedDataParallel``'s
-        ``vote_early``); once per attempt, inside a step only. A vote not sent here is sent by ``should_commit``."""
+        ``vote_early``); once per attempt, inside a step only. A vote not sent here is sent by ``should_commit``.
+        Never with ``defer_commit``: the vote must follow the previous step's decision, awaited at the commit."""
+        if self.config.defer_commit:
+            return
         with self._vote_lock:
             with self._lock:
                 if not self._in_step or self._early_voted or self._step_error is not None:
@@ -416,6 +524,10 @@ class FaultTolerant:
         :meth:`close`. Releases resources like :meth:`close`; idempotent."""
         if self._in_step:
             raise RuntimeError("FaultTolerant.finish() inside ft.step(): finish after the last step's `with` block")
+        if not self.confirm():
+            raise StepRevoked(f"member {self.member_id}: step {self._step}, applied before its decision "
+                              f"(defer_commit), was refused ({self._refusal}) and reverted: train it again before "
+                              "finish() (while ft.step_count < total or not ft.confirm(): ...)")
         self._leave(finished=True)
 
     def _leave(self, *, finished: bool) -> None:
@@ -430,6 +542,7 @@ class FaultTolerant:
             quiet_abort(c, "FaultTolerant closed")
         if self._process_group is not None:
             self._process_group._close()
+        self._snapshots.close()
 
     def __enter__(self) -> FaultTolerant:
         return self
@@ -535,6 +648,14 @@ class FaultTolerant:
                 self._note_gen(ev)
             elif kind == "fatal":
                 self._raise_fatal()
+            p = self._provisional
+            if p is not None and p.decision is None and p.refusal is None:  # keep its fate for confirm()
+                if kind == "decision" and ev["gen"] == p.gen and ev["step"] == p.step:
+                    p.decision = ev
+                elif kind == "gen":
+                    p.refusal = f"generation {ev['gen']} announced before the decision ({ev.get('reason')})"
+                elif kind == "wait":
+                    p.refusal = f"the coordinator is waiting for a quorum ({ev.get('reason')})"
 
     def _report(self, reason: str, *, gen: int | None = None) -> None:
         """Tell the coordinator generation ``gen`` is broken -- by default the one this member is in; a generation
@@ -710,6 +831,7 @@ class FaultTolerant:
             marks["interrupt"] = self._interrupt_at[gen]
         if me not in members:
             raise RemovedFromGroup(f"you were removed: member {me} is not in generation {gen} {members}")
+        self._settle_provisional(gen, int(msg["step"]))
         if len(groups) < self.config.min_size:
             raise QuorumLost(f"generation {gen} has {len(groups)} replica group(s), fewer than min_size="
                              f"{self.config.min_size}")

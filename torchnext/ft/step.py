@@ -39,8 +39,10 @@ class Step:
         self.error: BaseException | None = None
 
     def commit(self) -> bool:
-        """Two-phase commit: True iff every member completed this step (see :meth:`FaultTolerant.should_commit`).
-        Raises the deterministic error ``ft.process_group`` recorded in this attempt, if any."""
+        """Two-phase commit: True iff every member completed this step (see :meth:`FaultTolerant.should_commit`);
+        with ``FaultTolerantConfig(defer_commit=True)`` True is provisional: the step is revoked (the state reverted)
+        if the decision, awaited at the next commit, refuses it (:mod:`torchnext.ft.provisional`). Raises the
+        deterministic error ``ft.process_group`` recorded in this attempt, if any."""
         if not self.decided:
             self.committed = self._ft.should_commit()
             self.decided = True
@@ -56,6 +58,8 @@ class Step:
             ft._early_voted = False
             ft._early_vote = None
         ft._check_not_finished()  # a notice that arrived meanwhile
+        if ft.config.defer_commit:
+            ft._begin_snapshot()  # the state this attempt's update would be revoked to, copied while it runs
         return self
 
     def __exit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
@@ -72,11 +76,15 @@ class Step:
         if (exc is not None and ft._early_vote is not None and not self.decided
                 and classify_failure(exc) is FailureKind.TRANSIENT and _voted_then_raised(self, exc)):
             return False
+        if (exc is not None and self.committed and ft._provisional is not None
+                and classify_failure(exc) is FailureKind.TRANSIENT and _applied_then_raised(self, exc)):
+            return False
         if exc is None:
             if not self.decided:
                 self.commit()
             if self.committed:
-                ft._failed_attempts.reset()
+                if ft._provisional is None:  # a provisional step resets the count once it is confirmed
+                    ft._failed_attempts.reset()
                 ft._after_commit()
             else:
                 self._failed_attempt(f"commit refused: {ft._refusal}", None)
@@ -112,6 +120,22 @@ def _voted_then_raised(step: Step, exc: BaseException) -> bool:
     ft.close()
     exc.add_note(f"torchnext.ft: member {ft.member_id} raised after its early vote for step {ft.step_count - 1}, "
                  "which the group committed: it left the group (restart it to rejoin and heal)")
+    return True
+
+
+def _applied_then_raised(step: Step, exc: BaseException) -> bool:
+    """The block raised a transient error after ``step.commit()`` returned True provisionally (``defer_commit``):
+    the optimizer update may be half-applied. Await the decision; if the step was committed, this member cannot
+    rebuild that state: it leaves the group -- a restarted process rejoins and heals -- and ``exc`` propagates (True).
+    If it was refused, the state was reverted: ``exc`` is handled as usual (False)."""
+    ft = step._ft
+    if not ft.confirm():
+        step.committed = False
+        return False
+    ft.close()
+    exc.add_note(f"torchnext.ft: member {ft.member_id} raised after step.commit() of step {ft.step_count - 1}, "
+                 "which the group committed (defer_commit): its update may be incomplete, so it left the group "
+                 "(restart it to rejoin and heal)")
     return True
 
 

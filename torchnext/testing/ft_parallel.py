@@ -85,6 +85,9 @@ class ParallelSpec:
     signal_kills: bool = False
     vote_early: bool = False
     """FT-DDP: ``DistributedDataParallel(vote_early=True)`` (the vote sent when backward's last bucket is reduced)."""
+    defer_commit: bool = False
+    """``FaultTolerantConfig(defer_commit=True)``: each step's decision awaited one step later, its optimizer update
+    applied provisionally (the commit record then follows confirmations, not ``step.commit()``)."""
     fault_log: str | None = None
     """Append ``"<time.time()> <member>"`` right before a self-inflicted fault (benchmarks time recovery from it)."""
     signal_raises: bool = False
@@ -245,7 +248,8 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
                                 group_rank=spec.group_rank if hsdp else None,
                                 group_size=spec.group_size if hsdp else None,
                                 leader_address=spec.leader_address if hsdp else None,
-                                group_session=spec.group_session if hsdp else None),
+                                group_session=spec.group_session if hsdp else None,
+                                defer_commit=spec.defer_commit),
             state_dict=lambda: sharded_state(model, *([opt] if opt is not None else [])),
             load_state_dict=lambda s: load_sharded_state(s, model, *([opt] if opt is not None else [])),
             join=False,
@@ -285,7 +289,7 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
             report.update(
                 generation=ft.generation, members=list(ft.members), groups=[list(g) for g in ft.replica_groups],
                 step=ft.step_count, commits=record.commits(), history=record.history(),
-                lockstep_rounds=ft.lockstep_rounds, early_votes=ft.early_votes,
+                lockstep_rounds=ft.lockstep_rounds, early_votes=ft.early_votes, revoked_steps=ft.revoked_steps,
                 generations={r.generation: [list(g) for g in r.groups] for r in record.reconfigurations},
                 reconfigurations=[{"gen": r.generation, "step": r.step, "groups": [list(g) for g in r.groups],
                                    "joiners": list(r.joiners), "reason": r.reason,
@@ -633,8 +637,9 @@ class _Commits:
         self.groups: dict[int, list[list[int]]] = {}  # the replica groups seen at the start of a step, by generation
         self.reconfigurations: list[Any] = []  # every one (ft.reconfigurations keeps the last 1,000)
 
-    def add(self, step: int, groups: list[list[int]], ft: Any) -> None:
-        gen, count, t = ft.commit_times[-1]
+    def add(self, step: int, groups: list[list[int]], ft: Any, commit: tuple[int, int, float] | None = None) -> None:
+        """Record the commit of ``step`` (``commit``: its ``ft.commit_times`` entry; None: the newest)."""
+        gen, count, t = ft.commit_times[-1] if commit is None else commit
         if count != step + 1:
             raise RuntimeError(f"commit record says {count} steps committed, the loop applied step {step}")
         self.steps.append(step)
@@ -669,7 +674,22 @@ def _train(spec: ParallelSpec, ft: Any, net: Any, opt: Any, injector: FaultInjec
                 target[0] = int(text)
         return bool(ft.step_count < target[0])
 
-    while more():
+    provisional: collections.deque[tuple[int, list[list[int]]]] = collections.deque()  # defer_commit: not confirmed
+
+    def confirmed() -> None:
+        """Record the provisional steps confirmed since (their commit_times entries); forget the revoked ones."""
+        while provisional and provisional[-1][0] >= ft.step_count:
+            provisional.pop()  # revoked: step_count went back below it
+        while provisional:
+            s, groups = provisional[0]
+            hit = next((c for c in reversed(ft.commit_times) if c[1] == s + 1), None)
+            if hit is None:
+                return  # still provisional
+            record.add(s, groups, ft, hit)
+            provisional.popleft()
+
+    while more() or not ft.confirm():
+        confirmed()
         f = injector.due(FaultPoint.IDLE, ft.step_count)
         if f is not None or doomed[0] == "idle":
             _log_fault(spec)
@@ -685,7 +705,12 @@ def _train(spec: ParallelSpec, ft: Any, net: Any, opt: Any, injector: FaultInjec
                 net(x).square().mean().backward()
             if st.commit():
                 opt.step()
-                record.add(s, groups, ft)
+                if spec.defer_commit:
+                    while provisional and provisional[-1][0] >= s:  # revoked when this attempt began (ft.step())
+                        provisional.pop()
+                    provisional.append((s, groups))
+                else:
+                    record.add(s, groups, ft)
                 now = time.monotonic()
                 if last_commit[0] and now - last_commit[0] > report["max_commit_gap"][0]:
                     report["max_commit_gap"] = [now - last_commit[0], s, now]
@@ -703,6 +728,7 @@ def _train(spec: ParallelSpec, ft: Any, net: Any, opt: Any, injector: FaultInjec
                                         **_resources()})
         if spec.step_sleep_s:
             time.sleep(spec.step_sleep_s)
+    confirmed()
 
 
 def _append(path: str, record: dict[str, Any]) -> None:
