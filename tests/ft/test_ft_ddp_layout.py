@@ -207,6 +207,9 @@ def test_buffers_stay_local_and_any_other_broadcast_on_ddps_group_raises(ft: Fau
                 [torch.zeros(2, dtype=torch.int32)]):
         with pytest.raises(RuntimeError, match=r"a broadcast of .* on DDP's own group after construction"):
             net.process_group.broadcast(bad)
+    # issued from C++ (as the Reducer's and DDP's buffer broadcasts are): torch's trampoline calls the Python method
+    with pytest.raises(RuntimeError, match=r"a broadcast of .* on DDP's own group after construction"):
+        dist._broadcast_coalesced(net.process_group, [torch.zeros(3)], 1 << 20, 0)
 
 
 def test_without_torchs_bucket_config_it_falls_back_to_find_unused_parameters(

@@ -18,10 +18,11 @@
 **The bucket layout is pinned.** A joiner's first step must pair bucket for bucket with the survivors' step (the
 same number of bucket all-reduces, the same sizes, the same order), so every member buckets alike whenever it
 joined: the layout is a function of the model alone, the one torch's DDP builds at construction with
-``find_unused_parameters=True`` (buckets capped by ``bucket_cap_mb`` -- the first by torch's first-bucket cap --
-or by ``bucket_cap_mb_list``, parameters in reverse order)::
+``find_unused_parameters=True``: buckets filled over the parameters in order, capped by ``bucket_cap_mb`` (the
+first, when ``bucket_cap_mb`` is not given, by torch's 1 MiB first-bucket cap) or by ``bucket_cap_mb_list``, then
+reversed::
 
-    layout = buckets_by_size(reversed(parameters), caps)   # bucket 0 is reduced first; fixed for the DDP's life
+    layout = reversed(buckets_by_size(parameters, caps))   # bucket 0, reduced first, holds the last parameters
 
 torch's DDP would instead start from one bucket with ``find_unused_parameters=False`` and rebuild its buckets once,
 in the order gradients became ready in the first backward, taking rank 0's order on its group. Here the initial
@@ -93,7 +94,7 @@ __all__ = ["DistributedDataParallel"]
 _LOCAL = itertools.count()
 _NAME = "torchnext.ft.DistributedDataParallel"
 
-Layout = tuple[tuple[int, ...], ...]
+_Layout = tuple[tuple[int, ...], ...]
 """Buckets in the order they are reduced, each the indices of its parameters (into the Reducer's parameters)."""
 
 
@@ -193,7 +194,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def _pin_layout(self) -> None:
         """Run torch's one rebuild now (``find_unused_parameters=False``), answered with the pinned layout, and
         check that the Reducer holds it."""
-        layout: Layout | None = getattr(self, "_ft_layout", None)
+        layout: _Layout | None = getattr(self, "_ft_layout", None)
         if layout is None:  # torch built no Reducer (every parameter's all-reduce delayed): nothing to bucket
             return
         self._ft_ddp_group.pin(layout)
@@ -267,7 +268,7 @@ class _DDPGroup(TorchnextProcessGroup):
         self._ft_group = ft_group
         self._tracker = tracker
         self.constructed = False
-        self._layout: Layout | None = None
+        self._layout: _Layout | None = None
         self._answers: list[torch.Tensor] = []  # the rebuild's two broadcasts, in order
         self._next = 0
         self._in_buffers = 0
@@ -280,7 +281,7 @@ class _DDPGroup(TorchnextProcessGroup):
             return work
         return super().allreduce(tensors, opts)
 
-    def pin(self, layout: Layout) -> None:
+    def pin(self, layout: _Layout) -> None:
         """The layout a bucket rebuild's broadcasts are answered with."""
         self._layout = layout
         self._answers = [torch.tensor([*(i for b in layout for i in b), len(layout)], dtype=torch.int32),
