@@ -5,8 +5,8 @@ time at the default settings, and torchft 0.2.0's DDP measured the same way in t
     python benchmarks/ft/bench_parallel.py --quick                           # smoke run of every section (< 2 min)
     python benchmarks/ft/bench_parallel.py --only overhead --steps 40 --compute-ms 0 20
     python benchmarks/ft/bench_parallel.py --only overhead --parallel ddp --python-hook --vote-early  # C++ vs Python
-    python benchmarks/ft/bench_parallel.py --only overhead --parallel ddp --all-used  # what the used map costs
-    python benchmarks/ft/bench_parallel.py --only overhead --parallel ddp --all-used --defer-commit  # decision later
+    python benchmarks/ft/bench_parallel.py --only overhead --parallel ddp --find-unused  # what the used map costs
+    python benchmarks/ft/bench_parallel.py --only overhead --parallel ddp --defer-commit  # the decision a step later
     python benchmarks/ft/bench_parallel.py --only recovery --trials 30 --hsdp-trials 10
     python benchmarks/ft/bench_parallel.py --only torchft --torchft-python /work/venvs/torchft/bin/python
 
@@ -102,10 +102,10 @@ def _ddp_overhead_rank(ctx: Any, addr: str, token: str, p: dict[str, Any]) -> di
     early = bool(p.get("vote_early"))
     deferred = bool(p.get("defer_commit"))
     py_hook = bool(p.get("python_hook"))
-    all_used = bool(p.get("all_used"))
+    find_unused = bool(p.get("find_unused"))
     models = {name: W.model(p["hidden"]) for name in ("gloo", "plain", "ft", *(["ft_early"] if early else []),
                                                        *(["ft_py"] if py_hook else []),
-                                                       *(["ft_allused"] if all_used else []),
+                                                       *(["ft_find_unused"] if find_unused else []),
                                                        *(["ft_deferred"] if deferred else []))}
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     current = ["ft"]  # the variant stepping now: its model and optimizer are the state a deferred commit snapshots
@@ -120,10 +120,11 @@ def _ddp_overhead_rank(ctx: Any, addr: str, token: str, p: dict[str, Any]) -> di
     }
     if early:  # the same ft, its own DDP: the vote leaves when backward's last bucket is reduced
         wrapped["ft_early"] = DistributedDataParallel(models["ft_early"], ft, vote_early=True, **kw)
-    if all_used:  # the same ft, its own DDP told every parameter is used: no used-parameter map per step
-        wrapped["ft_allused"] = DistributedDataParallel(models["ft_allused"], ft, find_unused_parameters=False, **kw)
+    if find_unused:  # the same ft, its own DDP told some parameter may go unused: the used map every step
+        wrapped["ft_find_unused"] = DistributedDataParallel(models["ft_find_unused"], ft, find_unused_parameters=True,
+                                                            **kw)
     if deferred:  # the same ft, its own DDP, stepped with FaultTolerantConfig(defer_commit=True)
-        wrapped["ft_deferred"] = DistributedDataParallel(models["ft_deferred"], ft, find_unused_parameters=False, **kw)
+        wrapped["ft_deferred"] = DistributedDataParallel(models["ft_deferred"], ft, **kw)
     if py_hook:  # the same ft, its own DDP built as without the native extension: the Python comm hook and used map
         from unittest import mock
 
@@ -183,19 +184,19 @@ def _plain_step(phases: _Phases, name: str, net: Any, opt: Any, batch: Any, comp
     return step
 
 
-FT_VARIANTS = ("ft", "ft_early", "ft_py", "ft_allused", "ft_deferred")
+FT_VARIANTS = ("ft", "ft_early", "ft_py", "ft_find_unused", "ft_deferred")
 """The fault-tolerant variants: voting at ``commit()``, (DDP, ``--vote-early``) voting when backward's last
 bucket is reduced (``DistributedDataParallel(vote_early=True)``), (DDP, ``--python-hook``) the Python comm hook
-and used map (what a DDP gets without the native extension), for an A/B against the C++ path in the same run, and
-(DDP, ``--all-used``) ``find_unused_parameters=False``: no autograd-graph traversal and no used-parameter map
-all_reduce per step, as the baseline DDP -- what FT-DDP's default costs. A measurement only: with it torch's DDP
-rebuilds its buckets after its first step, so a replica that joins later would bucket its first step unlike the
-survivors (see :mod:`torchnext.ft.ddp`). (``--defer-commit``) ``FaultTolerantConfig(defer_commit=True)``: each
-step's decision awaited at the next step's commit, its optimizer update applied provisionally (a snapshot of the
-model and optimizer per step); the same ``ft``, switched between blocks."""
+(what a DDP gets without the native extension), for an A/B against the C++ path in the same run, (DDP,
+``--find-unused``) ``find_unused_parameters=True``: torch's autograd-graph traversal and the used-parameter map's
+all_reduce every step, which FT-DDP's default (``False``, as the baseline DDP) skips -- what a mixture-of-experts
+model pays -- and (DDP, ``--defer-commit``) ``FaultTolerantConfig(defer_commit=True)``: each step's decision
+awaited at the next step's commit, its optimizer update applied provisionally (the model and optimizer copied on
+the snapshot thread every attempt); the same ``ft``, switched between blocks. Every FT-DDP variant keeps its bucket
+layout pinned (see :mod:`torchnext.ft.ddp`)."""
 
 _VARIANT_LABELS = {"ft": "", "ft_early": " (vote early)", "ft_py": " (Python hook)",
-                   "ft_allused": " (find_unused_parameters=False)", "ft_deferred": " (defer_commit)"}
+                   "ft_find_unused": " (find_unused_parameters=True)", "ft_deferred": " (defer_commit)"}
 
 
 def _ft_step(phases: _Phases, ft: Any, net: Any, opt: Any, batch: Any, compute: Any, name: str = "ft") -> Any:
@@ -740,9 +741,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vote-early", action="store_true",
                     help="FT-DDP: also time DistributedDataParallel(vote_early=True) in the same run")
     ap.add_argument("--python-hook", action="store_true",
-                    help="FT-DDP: also time it on the Python comm hook and used map (A/B against the C++ path)")
-    ap.add_argument("--all-used", action="store_true",
-                    help="FT-DDP: also time it with find_unused_parameters=False (no used-parameter map per step)")
+                    help="FT-DDP: also time it on the Python comm hook (A/B against the C++ path)")
+    ap.add_argument("--find-unused", action="store_true",
+                    help="FT-DDP: also time it with find_unused_parameters=True (the autograd-graph traversal and the "
+                    "used-parameter map's all_reduce every step; the default is False)")
     ap.add_argument("--defer-commit", action="store_true",
                     help="FT-DDP: also time it with FaultTolerantConfig(defer_commit=True) (decision awaited a step later)")
     ap.add_argument("--trials", type=int, default=100, help="FT-DDP recovery trials")
@@ -770,7 +772,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({sum(x.numel() for x in W.model(args.hidden).parameters()):,} fp32 params), batch {W.BATCH}; "
           f"defaults: FaultTolerantConfig(), {MembershipConfig()}", flush=True)
     p: dict[str, Any] = {k: getattr(args, k) for k in ("parallel", "ranks", "shard", "steps", "block", "compute_ms", "compute_kind",
-                                                       "hidden", "bucket_mb", "vote_early", "python_hook", "all_used", "defer_commit",
+                                                       "hidden", "bucket_mb", "vote_early", "python_hook", "find_unused",
+                                                       "defer_commit",
                                                        "timeout",
                                                        "torchft_python",
                                                        "torchft_trials", "torchft_timeout")}

@@ -29,11 +29,15 @@ def _run(tmp_path: Path, *extra: str, timeout: float = 240) -> tuple[str, dict]:
 
 @pytest.mark.slow
 def test_quick_run_without_torchft(tmp_path: Path) -> None:
-    stdout, report = _run(tmp_path, "--torchft-python", str(tmp_path / "no-venv" / "bin" / "python"), "--all-used")
+    stdout, report = _run(tmp_path, "--torchft-python", str(tmp_path / "no-venv" / "bin" / "python"), "--find-unused",
+          "--defer-commit")
     assert "## per-step overhead" in stdout and "## recovery, FT-DDP" in stdout and "## recovery, FT-HSDP" in stdout
     rows = report["overhead"]
     assert {(r["parallelism"], r["compute_ms"]) for r in rows} == {(k, ms) for k in ("ddp", "hsdp") for ms in (0, 20)}
-    assert {r["compute_ms"] for r in rows if r.get("variant") == "ft_allused"} == {0, 20}  # FT-DDP, the same run
+    assert {r["compute_ms"] for r in rows if r.get("variant") == "ft_find_unused"} == {0, 20}  # FT-DDP, the same run
+    assert "FT-DDP (find_unused_parameters=True)" in stdout
+    assert {r["compute_ms"] for r in rows if r.get("variant") == "ft_deferred"} == {0, 20}
+    assert "FT-DDP (defer_commit)" in stdout
     for r in rows:
         assert r["baseline_ms"] > 0 and r["ft_ms"] > 0 and math.isfinite(r["overhead_pct"])
         assert r["phase_ft.commit_ms"] > 0

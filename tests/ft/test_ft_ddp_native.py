@@ -53,13 +53,15 @@ def _extension(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHNEXT_NATIVE_PG", "1")
 
 
-def _train(i: int, coord: Coordinator, *, mode: str) -> dict[str, Any]:
+def _train(i: int, coord: Coordinator, *, mode: str, find_unused: bool) -> dict[str, Any]:
     """``STEPS`` committed steps of SGD on a copy of ``_INIT``; inputs depend on the member and the step.
+    ``find_unused``: ``find_unused_parameters`` (True: the used map is all-reduced after the buckets).
     ``early``: ``vote_early=True`` (the C++ tracker votes). ``mixed``: step 1 with a user hook on the generation's Communicator (the group on its Python path), step 2 with
     the route pointed at nothing (the hook calls the group's own allreduce)."""
     with thread_member(coord, i, min_size=N) as ft:
         model = copy.deepcopy(_INIT)
-        net = DistributedDataParallel(model, ft, bucket_cap_mb=256 / (1 << 20), vote_early=mode == "early")
+        net = DistributedDataParallel(model, ft, bucket_cap_mb=256 / (1 << 20), vote_early=mode == "early",
+                                      find_unused_parameters=find_unused)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         seen: list[str] = []
         while ft.step_count < STEPS:
@@ -84,18 +86,24 @@ def _train(i: int, coord: Coordinator, *, mode: str) -> dict[str, Any]:
         return out
 
 
-def _run(mode: str) -> dict[int, Any]:
+def _run(mode: str, find_unused: bool) -> dict[int, Any]:
     with thread_coordinator(N) as coord:
-        return _all_ok([lambda i=i: _train(i, coord, mode=mode) for i in range(N)])
+        return _all_ok([lambda i=i: _train(i, coord, mode=mode, find_unused=find_unused) for i in range(N)])
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["all-used", "find-unused"])
+def find_unused(request: pytest.FixtureRequest) -> bool:
+    """``find_unused_parameters``: False (the default: no used map) or True (the used map after the buckets)."""
+    return bool(request.param)
 
 
 @pytest.fixture(scope="module")
-def python_hook() -> dict[int, Any]:
+def python_hook(find_unused: bool) -> dict[int, Any]:
     """The reference: the Python comm hook and used map on the group's Python path (``TORCHNEXT_NATIVE_PG=0``:
     Gloo's own AVG, not the native backend's SUM and fused division)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TORCHNEXT_NATIVE_PG", "0")
-        return _run("python")
+        return _run("python", find_unused)
 
 
 def _assert_same_params(got: dict[int, Any], want: dict[int, Any]) -> None:
@@ -107,33 +115,37 @@ def _assert_same_params(got: dict[int, Any], want: dict[int, Any]) -> None:
             assert torch.equal(a, b)
 
 
-def test_the_cpp_hook_gives_bitwise_the_python_hooks_parameters(python_hook: dict[int, Any]) -> None:
-    native = _run("native")
+def test_the_cpp_hook_gives_bitwise_the_python_hooks_parameters(python_hook: dict[int, Any],
+                                                                find_unused: bool) -> None:
+    native = _run("native", find_unused)
     _assert_same_params(native, python_hook)
     for i in range(N):
         assert python_hook[i]["counts"] is None, "the reference used the C++ hook"
         assert native[i]["counts"] == {"bucket_native": STEPS * BUCKETS, "bucket_group": 0,
-                                       "used_map_native": STEPS, "used_map_group": 0}, native[i]["counts"]
+                                       "used_map_native": STEPS * find_unused, "used_map_group": 0}, native[i]["counts"]
         assert "C++" in native[i]["hook"] and "_average_over_live_groups" in python_hook[i]["hook"]
 
 
-def test_the_early_vote_counted_in_cpp_votes_every_step_bitwise_the_same(python_hook: dict[int, Any]) -> None:
-    early = _run("early")
+def test_the_early_vote_counted_in_cpp_votes_every_step_bitwise_the_same(python_hook: dict[int, Any],
+                                                                         find_unused: bool) -> None:
+    early = _run("early", find_unused)
     _assert_same_params(early, python_hook)
     for i in range(N):
         assert early[i]["early"] == STEPS, early[i]["early"]
         assert early[i]["counts"]["bucket_native"] == STEPS * BUCKETS, early[i]["counts"]
 
 
-def test_the_group_on_its_python_path_and_an_empty_route_fall_back_bitwise(python_hook: dict[int, Any]) -> None:
-    mixed = _run("mixed")
+def test_the_group_on_its_python_path_and_an_empty_route_fall_back_bitwise(python_hook: dict[int, Any],
+                                                                          find_unused: bool) -> None:
+    mixed = _run("mixed", find_unused)
     _assert_same_params(mixed, python_hook)
     for i in range(N):
-        # step 1: every bucket and the used map ran on the group's Python path (the user hook saw them)
-        assert mixed[i]["seen"] == ["all_reduce"] * (BUCKETS + 1), mixed[i]["seen"]
+        # step 1: every bucket and the used map (if any) ran on the group's Python path (the user hook saw them)
+        assert mixed[i]["seen"] == ["all_reduce"] * (BUCKETS + find_unused), mixed[i]["seen"]
         # step 2: the route was empty -- the C++ hook called the group's own allreduce
         assert mixed[i]["counts"] == {"bucket_native": 2 * BUCKETS, "bucket_group": BUCKETS,
-                                      "used_map_native": 2, "used_map_group": 1}, mixed[i]["counts"]
+                                      "used_map_native": 2 * find_unused, "used_map_group": int(find_unused)}, \
+            mixed[i]["counts"]
 
 
 def test_a_failed_bucket_op_on_the_cpp_path_keeps_the_step_from_committing() -> None:

@@ -88,6 +88,8 @@ class ParallelSpec:
     defer_commit: bool = False
     """``FaultTolerantConfig(defer_commit=True)``: each step's decision awaited one step later, its optimizer update
     applied provisionally (the commit record then follows confirmations, not ``step.commit()``)."""
+    find_unused_parameters: bool | None = None
+    """FT-DDP: ``DistributedDataParallel(find_unused_parameters=...)``; None: its default."""
     fault_log: str | None = None
     """Append ``"<time.time()> <member>"`` right before a self-inflicted fault (benchmarks time recovery from it)."""
     signal_raises: bool = False
@@ -272,8 +274,10 @@ def run_parallel(spec: ParallelSpec) -> dict[str, Any]:
             from torchnext.ft import DistributedDataParallel
 
             opt = torch.optim.SGD(model.parameters(), lr=1.0)
+            unused = {} if spec.find_unused_parameters is None else {
+                "find_unused_parameters": spec.find_unused_parameters}
             net = DistributedDataParallel(model, ft, bucket_cap_mb=DIM * 8 / (1 << 20),  # one bucket per parameter
-                                          vote_early=spec.vote_early)
+                                          vote_early=spec.vote_early, **unused)
             model.ws[0].register_hook(_backward_fault(spec, ft, injector, doomed))  # type: ignore[index]
             ddp = net
         ft.join()

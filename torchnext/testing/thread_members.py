@@ -10,6 +10,7 @@ need a few real members and no processes (members share the GIL, so the heartbea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torchnext.ft import Coordinator, CoordinatorConfig, FaultTolerant, FaultTolerantConfig, MembershipConfig
@@ -31,12 +32,14 @@ def thread_coordinator(initial_size: int, *, min_size: int | None = None, **memb
     return Coordinator(CoordinatorConfig(membership=MembershipConfig(**cfg)))
 
 
-def thread_member(coord: Coordinator, member_id: int, *, min_size: int, state_dict: Any = None,
-                  load_state_dict: Any = None, **config: Any) -> FaultTolerant:
+def thread_member(coord: Coordinator, member_id: int, *, min_size: int,
+                  state_dict: Callable[[], Any] | None = None, load_state_dict: Callable[[Any], object] | None = None,
+                  join: bool = True, **config: Any) -> FaultTolerant:
     """A member of ``coord``'s job (its address and token), with bounded waits (an op 20 s, a reconfiguration 15 s);
-    ``state_dict``/``load_state_dict`` go to :class:`~torchnext.ft.FaultTolerant`; ``config`` overrides any other
-    :class:`~torchnext.ft.FaultTolerantConfig` field."""
+    ``config`` overrides any other :class:`~torchnext.ft.FaultTolerantConfig` field. ``state_dict``,
+    ``load_state_dict`` and ``join``: as :class:`~torchnext.ft.FaultTolerant`'s (a member that joins a running job
+    heals through them)."""
     cfg = {"timeout_s": 20.0, "reconfigure_timeout_s": 15.0, **config}
     return FaultTolerant(FaultTolerantConfig(coordinator=coord.address, token=coord.token, member_id=member_id,
                                              min_size=min_size, **cfg),
-                         state_dict=state_dict, load_state_dict=load_state_dict)
+                         state_dict=state_dict, load_state_dict=load_state_dict, join=join)
