@@ -606,6 +606,13 @@ def test_bad_arguments_name_what_is_wrong() -> None:
                 DiLoCo(bare, _Model(), cfg)
         finally:
             bare.close()
+        deferred = FaultTolerant(FaultTolerantConfig(coordinator=coord.address, token=coord.token, defer_commit=True),
+                                 state_dict=dict, load_state_dict=lambda s: None, join=False)
+        try:
+            with pytest.raises(ValueError, match=r"defer_commit=True\) is not supported"):
+                DiLoCo(deferred, _Model(), cfg)
+        finally:
+            deferred.close()
 
 
 def _forgetful_member(ctx: RankContext, addr: str, token: str, kind: str) -> str:

@@ -149,3 +149,39 @@ def test_a_transient_error_after_a_committed_early_vote_leaves_the_group() -> No
     assert out[0] == ("done", 3, 1), out
     kind, count, note = out[1]
     assert (kind, count) == ("left", 2) and "left the group" in note, out
+
+
+def test_under_defer_commit_the_vote_is_not_sent_early() -> None:
+    """``FaultTolerantConfig(defer_commit=True)``: the vote for a step must follow the previous step's decision, which
+    the training thread awaits at ``step.commit()`` -- the early vote stands aside, and training is unchanged."""
+    steps = 3
+
+    def train(i: int, coord: Coordinator, defer: bool) -> Any:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with thread_member(coord, i, min_size=2, defer_commit=defer,
+                           state_dict=lambda: {"m": model.state_dict(), "o": opt.state_dict()},
+                           load_state_dict=lambda s: (model.load_state_dict(s["m"]),
+                                                      opt.load_state_dict(s["o"]))) as ft:
+            net = DistributedDataParallel(model, ft, vote_early=True)
+            while ft.step_count < steps or not ft.confirm():
+                with ft.step() as step:
+                    with _FORWARD:
+                        loss = net(torch.full((4, 8), float(i + 1 + ft.step_count))).square().sum()
+                    loss.backward()
+                    if step.commit():
+                        opt.step()
+                    opt.zero_grad()
+            out = (ft.early_votes, [p.detach().clone() for p in model.parameters()])
+            ft.finish()
+            return out
+
+    results = {}
+    for defer in (True, False):
+        with thread_coordinator(2, min_size=2) as coord:
+            results[defer] = run_each([lambda i=i, c=coord, d=defer: train(i, c, d) for i in range(2)])
+    for i in range(2):
+        (early_d, params_d), (early, params) = results[True][i], results[False][i]
+        assert early_d == 0 and early == steps, (early_d, early)
+        for a, b in zip(params_d, params, strict=True):
+            assert torch.equal(a, b)

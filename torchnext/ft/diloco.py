@@ -537,6 +537,10 @@ def _check_unjoined(name: str, ft: object) -> None:
     if ft.members:
         raise ValueError(f"{name}: ft has already joined; construct FaultTolerant(..., join=False), build the "
                          f"{name}, then call {name.lower()}.join() -- healing must be able to fill its state")
+    if ft.config.defer_commit:
+        raise ValueError(f"{name}: FaultTolerantConfig(defer_commit=True) is not supported: the outer step applies "
+                         "the averaged pseudo-gradients only after its commit decision, which deferral would make "
+                         "provisional (use it with DistributedDataParallel or device_mesh)")
     if ft._state_fn is None:
         raise ValueError(f"{name}: ft has no state_dict/load_state_dict: pass FaultTolerant(state_dict=..., "
                          f"load_state_dict=...) that include {name.lower()}.state_dict() / load_state_dict(), "

@@ -26,6 +26,10 @@ Semantics
   member). It returns False when the generation changed meanwhile; nothing is counted and the step is retried.
   A committed step is never lost (survivors all received the decision before any later generation) nor applied
   twice (the count is per generation and checked against the coordinator's at every reconfiguration).
+* ``FaultTolerantConfig(defer_commit=True)``: ``step.commit()`` votes and returns True provisionally; the decision
+  is awaited at the next commit and a refused step is revoked (``load_state_dict`` of a copy taken when its attempt
+  began; ``step_count`` goes back). End the loop with ``while ft.step_count < total or not ft.confirm()``. Exact
+  semantics: :mod:`torchnext.ft.provisional`.
 * Reconfiguration: when the coordinator announces generation ``g + 1`` with ``abort``, the heartbeat thread aborts
   this member's Communicator at once (an in-flight collective raises ``CommAborted`` within milliseconds, it never
   waits for a collective timeout), then the main thread builds the Communicator of ``g + 1`` under the store
@@ -357,7 +361,13 @@ class FaultTolerant:
         :mod:`torchnext.ft.provisional`). True: it was committed, or no step is provisional (always, without
         ``defer_commit``). False: it was refused -- its optimizer update was reverted (``load_state_dict`` of the
         state before it) and ``step_count`` is one lower, so the loop trains that step again. Raises
-        ``RemovedFromGroup``/``CoordinatorLost``/``QuorumLost`` when membership ended."""
+        ``RemovedFromGroup``/``CoordinatorLost``/``QuorumLost`` when membership ended. A revocation counts as a
+        failed attempt of its step (``FaultTolerantConfig.max_retries``)."""
+        return self._confirm(count=True)
+
+    def _confirm(self, *, count: bool) -> bool:
+        """:meth:`confirm`; ``count``: a revocation counts as a failed attempt (False where the attempt that
+        noticed it fails and is counted instead)."""
         p = self._provisional
         if p is None:
             return True
@@ -368,7 +378,7 @@ class FaultTolerant:
         else:
             ev = self._await_decision(p.gen, p.step)
         if ev is None:
-            self._revoke(self._refusal)
+            self._revoke(self._refusal, count=count)
             return False
         self._confirmed(ev)
         return True
@@ -405,7 +415,7 @@ class FaultTolerant:
 
     def _commit_provisionally(self) -> bool:
         """``should_commit`` with ``defer_commit``: see :mod:`torchnext.ft.provisional`."""
-        if not self.confirm():
+        if not self._confirm(count=False):  # this attempt fails: Step counts it
             self._snapshots.discard()  # taken on top of the revoked step
             return False
         gen = self.vote()
@@ -439,8 +449,9 @@ class FaultTolerant:
         self._failed_attempts.reset()
         self._counted(p.gen, ev)
 
-    def _revoke(self, why: str) -> None:
-        """The provisional step was refused: load the state from before its optimizer update; count it again."""
+    def _revoke(self, why: str, *, count: bool = True) -> None:
+        """The provisional step was refused: load the state from before its optimizer update; ``step_count`` goes
+        back; with ``count``, a failed attempt of that step."""
         p = self._provisional
         assert p is not None and self._load_fn is not None
         self._trace(f"revoke step {p.step} ({why[:120]})")
@@ -451,6 +462,8 @@ class FaultTolerant:
             self._provisional = None
             self._vote = None
         self.revoked_steps += 1
+        if count:
+            self._failed_attempts.add(p.step, p.gen, f"revoked after it was applied: {why}")
 
     def _settle_provisional(self, gen: int, committed: int) -> None:
         """Entering generation ``gen``, announced with ``committed`` steps: it tells the provisional step's fate

@@ -52,14 +52,14 @@ class Step:
         ft = self._ft
         ft._check_not_finished()
         ft._begin_attempt()  # the ranks of a replica group begin the attempt in the same generation
+        if ft.config.defer_commit:
+            ft._begin_snapshot()  # the state this attempt's update would be revoked to, copied while it runs
         with ft._lock:
             ft._in_step = True
             ft._step_error = None
             ft._early_voted = False
             ft._early_vote = None
         ft._check_not_finished()  # a notice that arrived meanwhile
-        if ft.config.defer_commit:
-            ft._begin_snapshot()  # the state this attempt's update would be revoked to, copied while it runs
         return self
 
     def __exit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
