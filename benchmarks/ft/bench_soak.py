@@ -173,6 +173,8 @@ def main() -> int:
     ap.add_argument("--step-sleep", type=float, default=0.01, help="sleep per step (s): simulated compute")
     ap.add_argument("--wait", type=float, default=90.0, help="bound on every wait (s)")
     ap.add_argument("--no-netns", action="store_true", help="do not use network namespaces (no partitions)")
+    ap.add_argument("--defer-commit", action="store_true",
+                    help="members with FaultTolerantConfig(defer_commit=True) (decisions awaited a step later)")
     ap.add_argument("--workdir", default=None, help="keep the logs here (default: a temporary directory, removed)")
     ap.add_argument("--quiet", action="store_true", help="no line per fault")
     ap.add_argument("--no-snapshot", action="store_true",
@@ -192,7 +194,7 @@ def main() -> int:
                      jobs=[j for j in args.jobs.split(",") if j], ddp_members=args.ddp_members,
                      hsdp_groups=args.hsdp_groups, group_size=args.group_size, warmup_faults=args.warmup_faults,
                      heartbeat_timeout_s=args.heartbeat_timeout, step_sleep_s=args.step_sleep, wait_s=args.wait,
-                     netns=False if args.no_netns else None, workdir=args.workdir,
+                     netns=False if args.no_netns else None, workdir=args.workdir, defer_commit=args.defer_commit,
                      log=None if args.quiet else (lambda s: print(s, flush=True)))
     # SIGTERM, and SIGINT also where the shell started this in the background (it is ignored there), stop the
     # run like Ctrl-C: every process and network namespace is reaped and the figures so far are reported

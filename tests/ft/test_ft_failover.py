@@ -72,12 +72,15 @@ def _run(pair: tuple[CoordinatorProcess, Coordinator], n: int, steps: int, fault
         return job.wait(list(range(n)), timeout=120)
 
 
-def test_coordinator_killed_inside_a_step(pair: tuple[CoordinatorProcess, Coordinator]) -> None:
+@pytest.mark.parametrize("defer", [False, True], ids=["decision-at-commit", "deferred"])
+def test_coordinator_killed_inside_a_step(pair: tuple[CoordinatorProcess, Coordinator], defer: bool) -> None:
     """Member 0 SIGKILLs the primary inside step 5's all_reduce (the others are blocked in it): the standby takes
-    office with all four, step 5 is retried under term 2, training reaches 15 steps."""
+    office with all four, step 5 is retried under term 2, training reaches 15 steps. ``deferred``
+    (``defer_commit``): step 4 was applied before its decision -- each member reports it committed if it holds the
+    decision, else as its vote only; either way the standby takes office at 5 (the old coordinator decided 4)."""
     primary, standby = pair
     faults = [Fault(kind=KILL_PID, member=0, step=5, where=COLL, pid=primary.pid)]
-    reports = _run(pair, 4, 15, faults)
+    reports = _run(pair, 4, 15, faults, defer_commit=defer)
     assert not primary.alive()
     assert check_commit_logs(reports) == [0, 1, 2, 3]
     assert all(r["step"] == 15 for r in reports.values())

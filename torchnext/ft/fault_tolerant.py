@@ -628,7 +628,12 @@ class FaultTolerant:
         # Only a generation this member fully entered counts: a joiner whose heal the coordinator's death interrupted
         # does not hold the state yet (its step may even equal the committed one, e.g. resumed from a checkpoint).
         with self._lock:
-            gen, step, vote = self._held, self._step, self._vote
+            gen, step, vote, p = self._held, self._step, self._vote, self._provisional
+        if p is not None:  # defer_commit: a step applied before its decision
+            if p.decision is None:
+                step = p.step  # not known committed: it counts as its vote only, as a vote awaiting its decision does
+            else:
+                vote = None  # decided (kept for confirm()): committed, as after a decision received at commit
         entered = None if gen is None else {k: gen[k] for k in ("gen", "term", "groups", "quorum", "step", "joiners")}
         if entered is not None and entered["quorum"] == entered["groups"]:
             del entered["quorum"]  # the receiver derives it (GENERATION_REF): the hello must fit the coordinator's line

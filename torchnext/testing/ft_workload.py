@@ -74,6 +74,9 @@ class WorkerSpec:
     run_until_s: float = 60.0
     stop_file: str | None = None
     """If set: train until the step count written in this file (checked between steps) instead of ``steps``."""
+    defer_commit: bool = False
+    """``FaultTolerantConfig(defer_commit=True)`` (the loop then ends with ``ft.confirm()``; ``commits`` holds the
+    confirmed ones, ``applied`` is state: a revoked update leaves it)."""
     sigusr1_raises: bool = False
     """SIGUSR1 makes this member's next collective raise ``PeerFailure`` (faults injected from outside)."""
     signal_kills: bool = False
@@ -179,7 +182,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
             FaultTolerantConfig(coordinator=spec.coordinator, token=spec.token, member_id=spec.member_id,
                                 min_size=spec.min_size, timeout_s=spec.timeout_s,
                                 coordinator_timeout_s=spec.coordinator_timeout_s,
-                                failover_timeout_s=spec.failover_timeout_s),
+                                failover_timeout_s=spec.failover_timeout_s, defer_commit=spec.defer_commit),
             state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
             load_state_dict=lambda s: _load(model, opt, s),
         )
@@ -237,7 +240,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
                                                                 and spec.run_until_member not in committed_in)
             return short and time.monotonic() < give_up
 
-        while more():
+        while more() or not ft.confirm():
             injector.at(FaultPoint.IDLE, ft.step_count)
             die_if("idle")
             attempts += 1

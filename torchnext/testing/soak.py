@@ -93,6 +93,9 @@ class SoakConfig:
     """Bound on every wait (a recovery, a start, the end); past it the run stops and fails."""
     netns: bool | None = None
     """Run on NetLab hosts (needed for partitions). None: when ``partition`` is among ``kinds`` and it is available."""
+    defer_commit: bool = False
+    """Every member with ``FaultTolerantConfig(defer_commit=True)``: each step's decision awaited at the next commit,
+    a refused update revoked (the exact replay then also checks that no revoked update stayed applied)."""
     workdir: str | None = None
     log: Callable[[str], None] | None = None
 
@@ -325,7 +328,7 @@ class _Job:
                 group_store_file=os.path.join(self.dir, f"store-{g}") if self.hsdp else None,
                 resource_log=self.resources.path if m == self.survivor else None,
                 netns=self.lab.netns(host) if self.lab is not None else None,
-                stacks_file=os.path.join(self.dir, f"stacks-{m}.txt"),
+                stacks_file=os.path.join(self.dir, f"stacks-{m}.txt"), defer_commit=self.cfg.defer_commit,
             )
             self.job.launch(spec, run_parallel)  # type: ignore[arg-type]
         self.ids_of[g] = ids
