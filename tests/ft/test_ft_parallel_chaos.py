@@ -109,17 +109,15 @@ def test_ddp_chaos_10_schedules(tmp_path: Any, mode: str) -> None:
         assert torch.equal(torch.tensor(got, dtype=torch.float64), want), "differs from the exact replay"
 
 
-@pytest.mark.parametrize("sessions,defer", [(False, False), (True, False), (True, True)],
-                         ids=["flat", "group-sessions", "group-sessions-deferred"])
-def test_hsdp_chaos_10_schedules(tmp_path: Any, sessions: bool, defer: bool) -> None:
+@pytest.mark.parametrize("sessions", [False, True], ids=["flat", "group-sessions"])
+def test_hsdp_chaos_10_schedules(tmp_path: Any, sessions: bool) -> None:
     """10 seeded faults on 2 replica groups of 2 FSDP2 ranks; with ``sessions`` (the default) each group holds one
     coordinator connection, its leader's (protocol 4: the address derived through the group's store), so a
-    follower's death is seen and reported by its leader; without, every rank is flat (``group_session=False``).
-    ``defer``: ``FaultTolerantConfig(defer_commit=True)`` (Adam's state reverted with the weights)."""
+    follower's death is seen and reported by its leader; without, every rank is flat (``group_session=False``)."""
     rng = random.Random(14)
     stop = tmp_path / "stop"
     kw: dict[str, Any] = {"stop_file": str(stop), "signal_kills": True, "step_sleep_s": 0.005, "parallel": "hsdp",
-                          "group_size": 2, "defer_commit": defer}
+                          "group_size": 2}
     incarnation = {0: 0, 1: 0}
     kinds = []
     with _coordinator(2) as coord, FTJob() as job:

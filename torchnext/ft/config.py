@@ -85,7 +85,7 @@ class FaultTolerantConfig:
     the decision is a refusal (:mod:`torchnext.ft.provisional`: the exact semantics): the coordinator round trip
     leaves the step's critical path, for one more copy of the state (``state_dict``/``load_state_dict`` are then
     required) and one more attempt per refused step. End the loop with ``while ft.step_count < total or not
-    ft.confirm()``."""
+    ft.confirm()``. One rank per replica group only (``group_size > 1`` is refused: see the module)."""
 
     def __post_init__(self) -> None:
         if self.group_session is not None and not isinstance(self.group_session, bool):
