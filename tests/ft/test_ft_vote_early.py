@@ -51,37 +51,44 @@ def _wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
     return cond()
 
 
+def _train(i: int, coord: Coordinator, steps: int, *, vote_early: bool, defer: bool = False) -> dict[str, Any]:
+    """Member ``i`` trains ``steps`` steps of FT-DDP; with ``vote_early`` (and no ``defer``) it waits, before each
+    ``commit()``, for the early vote to have left (``before_commit``: whether it did within 10 s); ``defer``:
+    ``FaultTolerantConfig(defer_commit=True)``, with the model and optimizer as its state."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {} if not defer else {
+        "state_dict": lambda: {"m": model.state_dict(), "o": opt.state_dict()},
+        "load_state_dict": lambda s: (model.load_state_dict(s["m"]), opt.load_state_dict(s["o"]))}
+    with thread_member(coord, i, min_size=2, defer_commit=defer, **state) as ft:
+        net = DistributedDataParallel(model, ft, vote_early=vote_early, bucket_cap_mb=64 * 4 / (1 << 20))
+        before_commit = []
+        while ft.step_count < steps or not ft.confirm():
+            with ft.step() as step:
+                x = torch.full((4, 8), float(i + 1 + ft.step_count))
+                with _FORWARD:
+                    loss = net(x).square().sum()
+                loss.backward()
+                # the completion of the last op voted already: wait for it *before* calling commit()
+                want = ft.step_count + 1
+                if vote_early and not defer:
+                    before_commit.append(_wait_for(lambda w=want: ft.early_votes >= w, 10.0))
+                if step.commit():
+                    opt.step()
+                opt.zero_grad()
+        params = [p.detach().clone() for p in model.parameters()]
+        out = {"early": ft.early_votes, "before_commit": before_commit, "params": params}
+        ft.finish()
+        return out
+
+
 def test_the_vote_is_sent_before_commit_and_training_matches_the_vote_at_commit() -> None:
     steps = 3
-
-    def train(i: int, vote_early: bool, coord: Coordinator) -> dict[str, Any]:
-        with thread_member(coord, i, min_size=2) as ft:
-            model = _model()
-            net = DistributedDataParallel(model, ft, vote_early=vote_early, bucket_cap_mb=64 * 4 / (1 << 20))
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            before_commit = []
-            while ft.step_count < steps:
-                with ft.step() as step:
-                    x = torch.full((4, 8), float(i + 1 + ft.step_count))
-                    with _FORWARD:
-                        loss = net(x).square().sum()
-                    loss.backward()
-                    # the completion of the last op voted already: wait for it *before* calling commit()
-                    want = ft.step_count + 1
-                    if vote_early:
-                        before_commit.append(_wait_for(lambda w=want: ft.early_votes >= w, 10.0))
-                    if step.commit():
-                        opt.step()
-                    opt.zero_grad()
-            params = [p.detach().clone() for p in model.parameters()]
-            out = {"early": ft.early_votes, "before_commit": before_commit, "params": params}
-            ft.finish()
-            return out
-
     results = {}
     for vote_early in (True, False):
         with thread_coordinator(2, min_size=2) as coord:
-            results[vote_early] = run_each([lambda i=i, v=vote_early, c=coord: train(i, v, c) for i in range(2)])
+            results[vote_early] = run_each([lambda i=i, v=vote_early, c=coord: _train(i, c, steps, vote_early=v)
+                                            for i in range(2)])
     early, late = results[True], results[False]
     for i in range(2):
         assert not isinstance(early[i], BaseException), early[i]
@@ -155,33 +162,15 @@ def test_under_defer_commit_the_vote_is_not_sent_early() -> None:
     """``FaultTolerantConfig(defer_commit=True)``: the vote for a step must follow the previous step's decision, which
     the training thread awaits at ``step.commit()`` -- the early vote stands aside, and training is unchanged."""
     steps = 3
-
-    def train(i: int, coord: Coordinator, defer: bool) -> Any:
-        model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with thread_member(coord, i, min_size=2, defer_commit=defer,
-                           state_dict=lambda: {"m": model.state_dict(), "o": opt.state_dict()},
-                           load_state_dict=lambda s: (model.load_state_dict(s["m"]),
-                                                      opt.load_state_dict(s["o"]))) as ft:
-            net = DistributedDataParallel(model, ft, vote_early=True)
-            while ft.step_count < steps or not ft.confirm():
-                with ft.step() as step:
-                    with _FORWARD:
-                        loss = net(torch.full((4, 8), float(i + 1 + ft.step_count))).square().sum()
-                    loss.backward()
-                    if step.commit():
-                        opt.step()
-                    opt.zero_grad()
-            out = (ft.early_votes, [p.detach().clone() for p in model.parameters()])
-            ft.finish()
-            return out
-
     results = {}
     for defer in (True, False):
         with thread_coordinator(2, min_size=2) as coord:
-            results[defer] = run_each([lambda i=i, c=coord, d=defer: train(i, c, d) for i in range(2)])
+            results[defer] = run_each([lambda i=i, c=coord, d=defer: _train(i, c, steps, vote_early=True, defer=d)
+                                       for i in range(2)])
     for i in range(2):
-        (early_d, params_d), (early, params) = results[True][i], results[False][i]
-        assert early_d == 0 and early == steps, (early_d, early)
-        for a, b in zip(params_d, params, strict=True):
+        deferred, at_commit = results[True][i], results[False][i]
+        assert not isinstance(deferred, BaseException) and not isinstance(at_commit, BaseException), (deferred,
+                                                                                                      at_commit)
+        assert deferred["early"] == 0 and at_commit["early"] == steps, (deferred["early"], at_commit["early"])
+        for a, b in zip(deferred["params"], at_commit["params"], strict=True):
             assert torch.equal(a, b)

@@ -103,8 +103,8 @@ class StateSnapshots:
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         with torch.no_grad():
-            copy = _plan(state, self._free.pop() if self._free else None, dsts, srcs)
-        self._pending = self._pool.submit(_copy_all, copy, dsts, srcs)
+            taken = _plan(state, self._free.pop() if self._free else None, dsts, srcs)
+        self._pending = self._pool.submit(_copy_all, taken, dsts, srcs)
 
     def done(self) -> Any:
         """The copy begun last (waits for it); None if none was begun."""
@@ -117,9 +117,9 @@ class StateSnapshots:
         if taken is not None:
             self.release(taken)
 
-    def release(self, copy: Any) -> None:
+    def release(self, taken: Any) -> None:
         if len(self._free) < 2:
-            self._free.append(copy)
+            self._free.append(taken)
 
     def close(self) -> None:
         """End the worker thread; drop every buffer."""
@@ -130,11 +130,11 @@ class StateSnapshots:
             pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _copy_all(copy: Any, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Any:
+def _copy_all(taken: Any, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Any:
     if dsts:
         with torch.no_grad():
             torch._foreach_copy_(dsts, srcs)
-    return copy
+    return taken
 
 
 def _plan(value: Any, into: Any, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Any:

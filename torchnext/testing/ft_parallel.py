@@ -681,9 +681,8 @@ def _train(spec: ParallelSpec, ft: Any, net: Any, opt: Any, injector: FaultInjec
     provisional: collections.deque[tuple[int, list[list[int]]]] = collections.deque()  # defer_commit: not confirmed
 
     def confirmed() -> None:
-        """Record the provisional steps confirmed since (their commit_times entries); forget the revoked ones."""
-        while provisional and provisional[-1][0] >= ft.step_count:
-            provisional.pop()  # revoked: step_count went back below it
+        """Record the provisional steps confirmed since (their commit_times entries; a revoked one was dropped when
+        its step was committed again, below)."""
         while provisional:
             s, groups = provisional[0]
             hit = next((c for c in reversed(ft.commit_times) if c[1] == s + 1), None)
@@ -710,7 +709,7 @@ def _train(spec: ParallelSpec, ft: Any, net: Any, opt: Any, injector: FaultInjec
             if st.commit():
                 opt.step()
                 if spec.defer_commit:
-                    while provisional and provisional[-1][0] >= s:  # revoked when this attempt began (ft.step())
+                    while provisional and provisional[-1][0] >= s:  # revoked: step_count went back to s
                         provisional.pop()
                     provisional.append((s, groups))
                 else:
